@@ -1,0 +1,73 @@
+"""hf-tpu: a native `tpu` device for PyTorch, backed by JAX/XLA.
+
+`import hf_tpu` is all a user does: PyTorch's PrivateUse1 backend becomes `tpu`, `torch.tpu` appears,
+and every ATen op on a `tpu` tensor is routed to `hf_tpu.dispatch`.
+"""
+
+from __future__ import annotations
+
+from . import platform  # first: configures JAX before its backends start
+
+import torch  # noqa: E402
+
+__version__ = "0.1.0"
+
+
+def _check_privateuse1_is_free() -> None:
+    name = torch._C._get_privateuse1_backend_name()
+    owner = getattr(torch, name, None) if name != "privateuseone" else None
+    if name == "privateuseone" or (name == "tpu" and getattr(owner, "__name__", "") == "hf_tpu.device"):
+        return
+    hint = {
+        "tpu": "Google's TorchTPU (torch_tpu) registers it when torch is imported",
+        "jax": "torchax registers it",
+    }.get(name, "another package registered it")
+    raise ImportError(
+        f"hf_tpu cannot register the 'tpu' device: PyTorch's PrivateUse1 backend is already taken as "
+        f"'{name}' ({hint}). Only one package can own it per process: uninstall the other package or "
+        "run hf_tpu in a process where it is not imported (for torch_tpu, set "
+        "TORCH_DEVICE_BACKEND_AUTOLOAD=0)."
+    )
+
+
+_check_privateuse1_is_free()
+
+from . import device as _device_module  # noqa: E402
+from . import dispatch, ops  # noqa: E402,F401
+from .counters import metrics, reset_metrics  # noqa: E402,F401
+from .modes import EagerMode  # noqa: E402,F401
+
+
+class _Hooks(torch._C._acc.PrivateUse1Hooks):
+    def is_available(self) -> bool:
+        return _device_module.is_available()
+
+    def has_primary_context(self, dev_id) -> bool:
+        return True
+
+    def is_built(self) -> bool:
+        return True
+
+
+class _Guard(torch._C._acc.DeviceGuard):
+    def type_(self):
+        return torch._C._autograd.DeviceType.PrivateUse1
+
+
+def _register_backend() -> None:
+    if torch._C._get_privateuse1_backend_name() == "tpu":
+        return  # this process already registered us (e.g. importlib.reload)
+    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+    _setup_privateuseone_for_python_backend(
+        "tpu", backend_module=_device_module, hook=_Hooks(), device_guard=_Guard()
+    )
+    dispatch.register_kernels()
+
+
+_register_backend()
+
+
+def platform_name() -> str:
+    """The JAX platform behind `tpu` in this process: 'tpu', 'gpu' or 'cpu'."""
+    return platform.name()

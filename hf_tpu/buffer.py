@@ -1,0 +1,356 @@
+"""How a `tpu` tensor's data lives in JAX: one buffer per PyTorch storage.
+
+PyTorch's own memory model is kept exactly: a tensor is (storage, sizes, strides, storage_offset) and
+views share their base's storage. Each `tpu` storage is a range of fake device addresses created
+through DLPack (so PyTorch sees a real storage with a size, a data pointer and a deleter) and maps to
+one `Buffer` holding a single `jax.Array` in the shape the storage was allocated with.
+
+Reading a tensor derives its value from the buffer through its strides; writing through a tensor
+(an in-place op on a view) computes the buffer's new value with a scatter. Both are pure functions of
+static view metadata, so they fuse into the jitted computation of the op that needs them, and into
+a deferred graph just the same. See docs/design/memory-model.md.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+import warnings
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax import lax
+
+from . import dtypes, platform
+
+# --- DLPack structs: the one public door through which Python can create a storage with a deleter.
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int), ("device_id", ctypes.c_int)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    pass
+
+
+_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
+_DLManagedTensor._fields_ = [
+    ("dl_tensor", _DLTensor),
+    ("manager_ctx", ctypes.c_void_p),
+    ("deleter", _DELETER),
+]
+_DL_EXT_DEV = 12  # kDLExtDev: PyTorch maps it to PrivateUse1, i.e. `tpu`
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype = ctypes.py_object
+_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+_from_dlpack = torch._C._from_dlpack
+
+_ALIGN = 256
+_FIRST_ADDRESS = 1 << 40
+
+
+class Buffer:
+    """The data of one storage: `array` (a jax.Array, or None while uninitialised) and its layout."""
+
+    __slots__ = ("array", "shape", "dtype", "device_index", "nbytes", "address", "__weakref__")
+
+    def __init__(self, shape, dtype, device_index, nbytes, address):
+        self.array = None
+        self.shape = shape
+        self.dtype = dtype
+        self.device_index = device_index
+        self.nbytes = nbytes
+        self.address = address
+
+    def value(self):
+        """The buffer's array; an uninitialised buffer reads as zeros (PyTorch leaves it undefined)."""
+        if self.array is None:
+            self.array = jax.device_put(
+                jnp.zeros(self.shape, dtypes.to_jax(self.dtype)), platform.jax_device(self.device_index)
+            )
+        return self.array
+
+
+class _Allocator:
+    """Hands out address ranges, keeps the buffer of each live storage, and counts memory per device."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.next_address = _FIRST_ADDRESS
+        self.live: dict[int, tuple] = {}  # address -> (Buffer, DLManagedTensor, shape array)
+        self.allocated: dict[int, int] = {}
+        self.peak: dict[int, int] = {}
+        self.num_allocs: dict[int, int] = {}
+        self.deleter = _DELETER(self._release)
+
+    def new_tensor(self, shape, dtype: torch.dtype, device_index: int) -> torch.Tensor:
+        shape = tuple(int(s) for s in shape)
+        itemsize = dtype.itemsize
+        nbytes = math.prod(shape) * itemsize
+        managed = _DLManagedTensor()
+        dims = (ctypes.c_int64 * max(len(shape), 1))(*shape)
+        with self.lock:
+            address = self.next_address
+            self.next_address += (nbytes + 2 * _ALIGN - 1) // _ALIGN * _ALIGN
+            buf = Buffer(shape, dtype, device_index, nbytes, address)
+            self.live[address] = (buf, managed, dims)
+            used = self.allocated.get(device_index, 0) + nbytes
+            self.allocated[device_index] = used
+            if used > self.peak.get(device_index, 0):
+                self.peak[device_index] = used
+            self.num_allocs[device_index] = self.num_allocs.get(device_index, 0) + 1
+        dl = managed.dl_tensor
+        dl.data = address
+        dl.device.device_type = _DL_EXT_DEV
+        dl.device.device_id = device_index
+        dl.ndim = len(shape)
+        code, bits = dtypes.dlpack_code(dtype)
+        dl.dtype.code = code
+        dl.dtype.bits = bits
+        dl.dtype.lanes = 1
+        dl.shape = dims
+        managed.deleter = self.deleter
+        return _from_dlpack(_capsule_new(ctypes.addressof(managed), b"dltensor", None))
+
+    def _release(self, managed_ptr):
+        address = managed_ptr.contents.dl_tensor.data
+        with self.lock:
+            entry = self.live.pop(address, None)
+            if entry is not None:
+                buf = entry[0]
+                self.allocated[buf.device_index] -= buf.nbytes
+                buf.array = None
+
+    def buffer(self, address: int) -> Buffer:
+        return self.live[address][0]
+
+
+allocator = _Allocator()
+
+
+def new_tensor(shape, dtype: torch.dtype, device_index: int, array=None) -> torch.Tensor:
+    """A contiguous `tpu` tensor with a fresh storage whose buffer holds `array` (None: uninitialised)."""
+    t = allocator.new_tensor(shape, dtype, device_index)
+    if array is not None:
+        allocator.live[t.untyped_storage().data_ptr()][0].array = array
+    return t
+
+
+def buffer_of(t: torch.Tensor) -> Buffer:
+    """The buffer behind a `tpu` tensor's storage (shared by all of its views)."""
+    try:
+        return allocator.live[t.untyped_storage().data_ptr()][0]
+    except KeyError:
+        raise RuntimeError(
+            f"tpu tensor of shape {tuple(t.shape)} has no device buffer (its storage was not created "
+            "by hf_tpu); create tpu tensors with factories or .to('tpu')"
+        ) from None
+
+
+# --- Views: static metadata and the pure read/write functions over a buffer's array.
+
+
+class View(NamedTuple):
+    """How a tensor sits in its buffer, when it is anything but the buffer itself."""
+
+    shape: tuple
+    strides: tuple
+    offset: int
+    dtype: torch.dtype
+
+
+def view_of(t: torch.Tensor, buf: Buffer):
+    """None when `t` is exactly its buffer (the common case, read for free), else its `View`."""
+    shape = tuple(t.shape)
+    offset = t.storage_offset()
+    if offset == 0 and shape == buf.shape and t.dtype == buf.dtype and t.is_contiguous():
+        return None
+    return View(shape, tuple(t.stride()), offset, t.dtype)
+
+
+def _contiguous_strides(shape):
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))
+
+
+class _Dense(NamedTuple):
+    """A strided view expressed as slice -> reshape -> slice -> transpose (no gather)."""
+
+    dims: tuple  # the view's dims of size > 1 and stride > 0, outermost first
+    block: tuple  # reshape of the flat segment
+    take: tuple  # per block dim: how many to keep (the last dim: 1)
+    length: int  # flat segment length
+
+
+def _dense_plan(view: View):
+    dims = [d for d, n in enumerate(view.shape) if n > 1 and view.strides[d] != 0]
+    dims.sort(key=lambda d: -view.strides[d])
+    if not dims:
+        return _Dense((), (1,), (1,), 1)
+    strides = [view.strides[d] for d in dims]
+    sizes = [view.shape[d] for d in dims]
+    for i in range(len(dims) - 1):
+        if strides[i] % strides[i + 1] or strides[i] < strides[i + 1] * sizes[i + 1]:
+            return None
+    block = [sizes[0]] + [strides[i] // strides[i + 1] for i in range(len(dims) - 1)] + [strides[-1]]
+    take = tuple(sizes) + (1,)
+    return _Dense(tuple(dims), tuple(block), take, sizes[0] * strides[0])
+
+
+def _flat(array, dtype):
+    flat = array.reshape(-1)
+    jdt = dtypes.to_jax(dtype)
+    if flat.dtype != jdt:
+        if flat.dtype.itemsize != jnp.dtype(jdt).itemsize:
+            raise NotImplementedError(
+                f"reinterpreting a {flat.dtype} tpu storage as {dtype} (different element size) is not supported"
+            )
+        flat = lax.bitcast_convert_type(flat, jdt)
+    return flat
+
+
+def _segment(flat, offset, length):
+    """flat[offset:offset+length], padded with zeros where the range runs past the end."""
+    end = min(flat.shape[0], offset + length)
+    seg = lax.slice(flat, (offset,), (end,))
+    if end - offset < length:
+        seg = jnp.pad(seg, (0, length - (end - offset)))
+    return seg
+
+
+def _gather_index(view: View, limit: int):
+    idx_dtype = jnp.int32 if limit < 2**31 else jnp.int64
+    idx = jnp.full(view.shape, view.offset, idx_dtype)
+    for d, stride in enumerate(view.strides):
+        if view.shape[d] > 1 and stride:
+            idx = idx + lax.broadcasted_iota(idx_dtype, view.shape, d) * stride
+    return idx
+
+
+def read(array, view: View | None):
+    """The value of a tensor given its buffer's array (inside or outside jit)."""
+    if view is None:
+        return array
+    flat = _flat(array, view.dtype)
+    numel = math.prod(view.shape)
+    if numel == 0:
+        return jnp.zeros(view.shape, flat.dtype)
+    if view.strides == _contiguous_strides(view.shape):
+        if view.offset == 0 and numel == flat.shape[0]:
+            return flat.reshape(view.shape)
+        return lax.slice(flat, (view.offset,), (view.offset + numel,)).reshape(view.shape)
+    plan = _dense_plan(view)
+    if plan is None:
+        return flat[_gather_index(view, flat.shape[0])]
+    block = _segment(flat, view.offset, plan.length).reshape(plan.block)
+    value = lax.slice(block, (0,) * len(plan.block), plan.take)
+    value = value.reshape(plan.take[:-1])
+    # sorted dims -> the view's order, then size-1 and broadcast dims back in
+    order = sorted(range(len(plan.dims)), key=lambda i: plan.dims[i])
+    value = jnp.transpose(value, order)
+    kept = [n if (n > 1 and view.strides[d] != 0) else 1 for d, n in enumerate(view.shape)]
+    return jnp.broadcast_to(value.reshape(kept), view.shape)
+
+
+def write(array, view: View | None, value):
+    """The buffer's new array after writing `value` (of the view's shape and dtype) through `view`."""
+    if view is None:
+        return value.reshape(array.shape).astype(array.dtype)
+    flat = _flat(array, view.dtype)
+    numel = math.prod(view.shape)
+    if numel == 0:
+        return array
+    value = value.astype(flat.dtype)
+    if view.strides == _contiguous_strides(view.shape):
+        flat = lax.dynamic_update_slice(flat, value.reshape(-1), (view.offset,))
+    else:
+        plan = _dense_plan(view)
+        if plan is None:
+            flat = flat.at[_gather_index(view, flat.shape[0]).reshape(-1)].set(value.reshape(-1))
+        else:
+            squeezed = value.reshape([view.shape[d] for d in sorted(plan.dims)])
+            rank = {d: i for i, d in enumerate(sorted(plan.dims))}
+            sorted_value = jnp.transpose(squeezed, [rank[d] for d in plan.dims]) if plan.dims else squeezed
+            block = _segment(flat, view.offset, plan.length).reshape(plan.block)
+            start = (0,) * len(plan.block)
+            block = lax.dynamic_update_slice(block, sorted_value.reshape(plan.take), start)
+            valid = min(plan.length, flat.shape[0] - view.offset)
+            flat = lax.dynamic_update_slice(flat, block.reshape(-1)[:valid], (view.offset,))
+    if flat.dtype != array.dtype:
+        flat = lax.bitcast_convert_type(flat, array.dtype)
+    return flat.reshape(array.shape)
+
+
+def has_internal_overlap(view: View | None) -> bool:
+    """True when two elements of the view share memory (an expanded tensor): not writable in PyTorch."""
+    if view is None:
+        return False
+    if any(n > 1 and s == 0 for n, s in zip(view.shape, view.strides)):
+        return True
+    return _dense_plan(view) is None and not _distinct_positions(view)
+
+
+def _distinct_positions(view: View) -> bool:
+    idx = np.full(view.shape, view.offset, np.int64)
+    for d, stride in enumerate(view.strides):
+        shape = [1] * len(view.shape)
+        shape[d] = view.shape[d]
+        idx = idx + np.arange(view.shape[d]).reshape(shape) * stride
+    return np.unique(idx).size == idx.size
+
+
+# --- Host transfer.
+
+
+def to_numpy(array) -> np.ndarray:
+    return np.asarray(jax.device_get(array))
+
+
+def host_array(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's values as a NumPy array (bit-exact, bfloat16 included)."""
+    t = t.detach().resolve_conj().resolve_neg().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(dtypes.to_jax(torch.bfloat16))
+    return t.numpy()
+
+
+def from_host(t: torch.Tensor, device_index: int):
+    """A CPU tensor's values as a jax.Array on `tpu:device_index`."""
+    return jax.device_put(host_array(t), platform.jax_device(device_index))
+
+
+def to_host(array, dtype: torch.dtype) -> torch.Tensor:
+    """A jax.Array's values as a new CPU tensor of `dtype` (bit-exact)."""
+    host = to_numpy(array)
+    if dtype == torch.bfloat16:
+        host = host.view(np.int16)
+    with warnings.catch_warnings():  # the array is read-only; it is only read from, once
+        warnings.simplefilter("ignore", UserWarning)
+        shared = torch.from_numpy(host)
+    # a fresh tensor rather than the NumPy-backed one: PyTorch cannot resize that one's storage
+    out = torch.empty(host.shape, dtype=shared.dtype).copy_(shared)
+    return out.view(torch.bfloat16) if dtype == torch.bfloat16 else out

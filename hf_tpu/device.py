@@ -1,0 +1,341 @@
+"""`torch.tpu`: the device module PyTorch and its users call, as `torch.cuda` is for CUDA.
+
+`import hf_tpu` registers this module as `torch.tpu` and names PyTorch's PrivateUse1 backend `tpu`.
+Device indices, streams and RNG are kept here in Python: PyTorch's Python backend hooks expose no
+device switching, so `set_device` and `device(...)` steer our own current-device index, which every
+factory call without an explicit index uses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+
+import jax
+import torch
+
+from . import buffer, dispatch, platform, random
+
+_initialized = False
+
+
+def _index(device=None) -> int:
+    if device is None:
+        return dispatch.current_device_index()
+    if isinstance(device, int):
+        platform.jax_device(device)
+        return device
+    device = torch.device(device)
+    if device.type != "tpu":
+        raise ValueError(f"Expected a tpu device, got {device}")
+    return dispatch.current_index_for(device)
+
+
+# --- Availability and devices
+
+
+def is_available() -> bool:
+    return platform.device_count() > 0
+
+
+def is_initialized() -> bool:
+    return _initialized
+
+
+def init() -> None:
+    global _initialized
+    platform.devices()
+    _initialized = True
+
+
+def _is_in_bad_fork() -> bool:
+    return False
+
+
+def device_count() -> int:
+    return platform.device_count()
+
+
+def current_device() -> int:
+    return dispatch.current_device_index()
+
+
+def set_device(device) -> None:
+    dispatch._current_device[0] = _index(device)
+
+
+class device:
+    """Context manager that makes `device` the current tpu device."""
+
+    def __init__(self, device):
+        self.index = _index(device) if device is not None else None
+        self.previous = None
+
+    def __enter__(self):
+        self.previous = current_device()
+        if self.index is not None:
+            set_device(self.index)
+        return self
+
+    def __exit__(self, *exc):
+        set_device(self.previous)
+        return False
+
+
+def get_device_name(device=None) -> str:
+    dev = platform.jax_device(_index(device))
+    kind = getattr(dev, "device_kind", platform.name())
+    if platform.name() == "cpu":
+        return f"virtual TPU (JAX {kind})"
+    return kind
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceProperties:
+    name: str
+    platform: str
+    index: int
+    total_memory: int
+    jax_device: str
+
+
+def get_device_properties(device=None) -> DeviceProperties:
+    index = _index(device)
+    free, total = mem_get_info(index)
+    return DeviceProperties(
+        name=get_device_name(index),
+        platform=platform.name(),
+        index=index,
+        total_memory=total,
+        jax_device=str(platform.jax_device(index)),
+    )
+
+
+def get_amp_supported_dtype() -> list:
+    return [torch.bfloat16, torch.float16]
+
+
+def is_bf16_supported(including_emulation: bool = True) -> bool:
+    return True
+
+
+def synchronize(device=None) -> None:
+    """Wait until every computation on the device has finished (and flush deferred work)."""
+    from . import modes
+
+    modes.current().sync("torch.tpu.synchronize()")
+    index = _index(device)
+    arrays = [
+        buf.array for buf, *_ in list(buffer.allocator.live.values())
+        if buf.device_index == index and isinstance(buf.array, jax.Array)
+    ]
+    jax.block_until_ready(arrays)
+
+
+# --- RNG
+
+
+def manual_seed(seed: int) -> None:
+    random.manual_seed(int(seed), current_device())
+
+
+def manual_seed_all(seed: int) -> None:
+    random.manual_seed_all(int(seed))
+
+
+def seed() -> None:
+    random.manual_seed(random.random_seed(), current_device())
+
+
+def seed_all() -> None:
+    random.manual_seed_all(random.random_seed())
+
+
+def initial_seed() -> int:
+    return random.initial_seed(current_device())
+
+
+def get_rng_state(device="tpu") -> torch.Tensor:
+    return random.get_state(_index(device))
+
+
+def set_rng_state(new_state: torch.Tensor, device="tpu") -> None:
+    random.set_state(new_state, _index(device))
+
+
+def get_rng_state_all() -> list:
+    return [random.get_state(i) for i in range(device_count())]
+
+
+def set_rng_state_all(new_states) -> None:
+    for i, state in enumerate(new_states):
+        random.set_state(state, i)
+
+
+# --- Memory
+
+
+def memory_allocated(device=None) -> int:
+    """Bytes held by live tpu tensors on the device."""
+    return buffer.allocator.allocated.get(_index(device), 0)
+
+
+def max_memory_allocated(device=None) -> int:
+    return buffer.allocator.peak.get(_index(device), 0)
+
+
+def memory_reserved(device=None) -> int:
+    return memory_allocated(device)
+
+
+def max_memory_reserved(device=None) -> int:
+    return max_memory_allocated(device)
+
+
+def reset_peak_memory_stats(device=None) -> None:
+    index = _index(device)
+    buffer.allocator.peak[index] = buffer.allocator.allocated.get(index, 0)
+
+
+def reset_max_memory_allocated(device=None) -> None:
+    reset_peak_memory_stats(device)
+
+
+def memory_stats(device=None) -> dict:
+    """The counters of `torch.cuda.memory_stats` that apply here."""
+    index = _index(device)
+    current = memory_allocated(index)
+    peak = max_memory_allocated(index)
+    allocs = buffer.allocator.num_allocs.get(index, 0)
+    live = sum(1 for buf, *_ in list(buffer.allocator.live.values()) if buf.device_index == index)
+    stats = {}
+    for pool in ("all", "large_pool", "small_pool"):
+        used = current if pool != "small_pool" else 0
+        top = peak if pool != "small_pool" else 0
+        for kind in ("allocated_bytes", "reserved_bytes", "active_bytes", "requested_bytes"):
+            stats[f"{kind}.{pool}.current"] = used
+            stats[f"{kind}.{pool}.peak"] = top
+        stats[f"allocation.{pool}.current"] = live if pool != "small_pool" else 0
+        stats[f"allocation.{pool}.allocated"] = allocs if pool != "small_pool" else 0
+    stats["num_alloc_retries"] = 0
+    stats["num_ooms"] = 0
+    return stats
+
+
+def memory_summary(device=None, abbreviated: bool = False) -> str:
+    stats = memory_stats(device)
+    return (
+        f"tpu:{_index(device)} allocated {stats['allocated_bytes.all.current']} bytes, "
+        f"peak {stats['allocated_bytes.all.peak']} bytes"
+    )
+
+
+def empty_cache() -> None:
+    """JAX frees a buffer as soon as its last tensor dies: there is no cache to empty."""
+
+
+def mem_get_info(device=None) -> tuple[int, int]:
+    """(free, total) bytes of the device; on the CPU platform, of the host."""
+    dev = platform.jax_device(_index(device))
+    stats = None
+    try:
+        stats = dev.memory_stats()
+    except Exception:
+        stats = None
+    if stats and "bytes_limit" in stats:
+        total = int(stats["bytes_limit"])
+        return total - int(stats.get("bytes_in_use", 0)), total
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = os.sysconf("SC_PHYS_PAGES") * page
+    free = os.sysconf("SC_AVPHYS_PAGES") * page
+    return free, total
+
+
+# --- Streams and events: JAX orders work per device itself, so there is one stream per device.
+
+
+class Stream:
+    def __init__(self, device=None, priority: int = 0, **kwargs):
+        self.device_index = _index(device)
+        self.device = torch.device("tpu", self.device_index)
+        self.priority = priority
+
+    def synchronize(self) -> None:
+        synchronize(self.device_index)
+
+    def query(self) -> bool:
+        synchronize(self.device_index)
+        return True
+
+    def wait_stream(self, stream) -> None:
+        """Work on one device runs in order already."""
+
+    def wait_event(self, event) -> None:
+        event.synchronize()
+
+    def record_event(self, event=None):
+        event = event or Event()
+        event.record(self)
+        return event
+
+    def __eq__(self, other):
+        return isinstance(other, Stream) and other.device_index == self.device_index
+
+    def __hash__(self):
+        return hash(("tpu-stream", self.device_index))
+
+    def __repr__(self):
+        return f"<torch.tpu.Stream device=tpu:{self.device_index}>"
+
+
+class Event:
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+        self.enable_timing = enable_timing
+        self.time = None
+        self.stream = None
+
+    def record(self, stream=None) -> None:
+        self.stream = stream or current_stream()
+        self.stream.synchronize()
+        self.time = time.perf_counter()
+
+    def synchronize(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def wait(self, stream=None) -> None:
+        self.synchronize()
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end_event) -> float:
+        """Milliseconds between this event and `end_event`."""
+        if not (self.enable_timing and end_event.enable_timing):
+            raise RuntimeError("Events must be created with enable_timing=True to measure elapsed time")
+        if self.time is None or end_event.time is None:
+            raise RuntimeError("Both events must be recorded before calling elapsed_time()")
+        return (end_event.time - self.time) * 1000.0
+
+
+def current_stream(device=None) -> Stream:
+    return Stream(device)
+
+
+def default_stream(device=None) -> Stream:
+    return Stream(device)
+
+
+def set_stream(stream: Stream) -> None:
+    set_device(stream.device_index)
+
+
+@contextlib.contextmanager
+def stream(stream: Stream | None):
+    if stream is None:
+        yield
+        return
+    with device(stream.device_index):
+        yield

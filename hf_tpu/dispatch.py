@@ -1,0 +1,717 @@
+"""The one entry point from PyTorch's dispatcher into the lowerings.
+
+Every `tpu` kernel is `dispatch(signature, args, kwargs)`. It reads the call against the op's
+schema, builds a key from what decides the compiled code (op, static arguments, shapes, dtypes and
+view layouts of the tensors, Python types of the scalars), and runs the cached program for that key
+through the current execution mode. On a miss it asks PyTorch's meta kernel for the output shapes and
+dtypes (which also raises PyTorch's own errors for bad input), and builds the program: read operands
+through their views, promote, lower, cast to PyTorch's result dtypes, write mutated operands back.
+
+In-place (`add_`) and `out=` (`add.out`) overloads run the lowering of their functional overload;
+that derivation lives here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import threading
+import warnings
+
+import jax
+import jax.numpy as jnp
+import torch
+from torch._prims_common import elementwise_dtypes
+
+from . import buffer, counters, dtypes, platform, random
+from .ops.registry import KERNELS, LOWERINGS, Lowering
+
+aten = torch.ops.aten
+_counters = counters.counters
+
+# --- Schemas, read once per op.
+
+TENSOR, OPT_TENSOR, TENSOR_LIST, SCALAR, GENERATOR, STATIC = range(6)
+
+
+def _kind(arg) -> int:
+    t = str(arg.type)
+    if t == "Tensor":
+        return TENSOR
+    if t == "Optional[Tensor]":
+        return OPT_TENSOR
+    if t in ("List[Tensor]", "List[Optional[Tensor]]"):
+        return TENSOR_LIST
+    if t == "number" or t == "Scalar":
+        return SCALAR
+    if t == "Optional[Generator]":
+        return GENERATOR
+    return STATIC
+
+
+@dataclasses.dataclass
+class Signature:
+    """What dispatch needs to know about one OpOverload."""
+
+    op: torch._ops.OpOverload
+    names: tuple
+    kinds: tuple
+    kwarg_only: tuple  # per argument
+    defaults: tuple
+    mutated: tuple  # argument indices written by the op, in return order
+    returns_mutated: tuple  # per return: index of the argument it aliases, or None
+    lowering: Lowering | None
+    kernel: object  # a storage kernel taking the bound values, or None
+    functional: torch._ops.OpOverload | None  # for in-place/out= overloads: the op that computes
+
+    @property
+    def name(self) -> str:
+        return str(self.op).replace("aten.", "aten::", 1)
+
+
+def _functional_counterpart(op):
+    """`add_.Tensor` -> `add.Tensor`, `add.out` -> `add.Tensor`: the overload whose values an
+    in-place or out= overload writes."""
+    schema = op._schema
+    packet_name = op._schema.name.split("::")[1]
+    out_names = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    if packet_name.endswith("_") and not packet_name.endswith("__"):
+        packet = getattr(aten, packet_name[:-1], None)
+        if packet is None:
+            return None
+        overload = op._overloadname
+        cand = getattr(packet, overload, None)
+        if cand is not None and not cand._schema.is_mutable:
+            return cand
+        return None
+    inputs = [a.name for a in schema.arguments if a.name not in out_names]
+    packet = getattr(aten, packet_name, None)
+    if packet is None:
+        return None
+    factory_args = {"dtype", "layout", "device", "pin_memory", "memory_format"}
+    for name in packet.overloads():
+        cand = getattr(packet, name)
+        if cand._schema.is_mutable:
+            continue
+        cand_inputs = [a.name for a in cand._schema.arguments]
+        if [n for n in cand_inputs if n not in factory_args] == [n for n in inputs if n not in factory_args]:
+            if len(cand._schema.returns) == len(out_names):
+                return cand
+    return None
+
+
+@functools.cache
+def signature(op) -> Signature:
+    schema = op._schema
+    args = schema.arguments
+    mutated = [i for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write]
+    returns_mutated = []
+    for r in schema.returns:
+        alias = None
+        if r.alias_info is not None:
+            for i in mutated:
+                if args[i].alias_info.before_set == r.alias_info.before_set:
+                    alias = i
+        returns_mutated.append(alias)
+    functional = None
+    low = LOWERINGS.get(op)
+    if low is None and mutated:
+        functional = _functional_counterpart(op)
+        if functional is not None:
+            low = LOWERINGS.get(functional)
+    return Signature(
+        op=op,
+        names=tuple(a.name for a in args),
+        kinds=tuple(_kind(a) for a in args),
+        kwarg_only=tuple(a.kwarg_only for a in args),
+        defaults=tuple(a.default_value if a.has_default_value() else None for a in args),
+        mutated=tuple(mutated),
+        returns_mutated=tuple(returns_mutated),
+        lowering=low,
+        kernel=KERNELS.get(op),
+        functional=functional,
+    )
+
+
+def _bind(sig: Signature, args, kwargs) -> list:
+    values = list(args)
+    n = len(values)
+    if n < len(sig.names):
+        for i in range(n, len(sig.names)):
+            name = sig.names[i]
+            values.append(kwargs[name] if name in kwargs else sig.defaults[i])
+    return values
+
+
+# --- Analysing one call.
+
+
+class _Operand:
+    """A tensor argument as the program sees it: its buffer and how it is viewed."""
+
+    __slots__ = ("tensor", "buf", "view")
+
+    def __init__(self, tensor, buf, view):
+        self.tensor = tensor
+        self.buf = buf
+        self.view = view
+
+
+def _device_mismatch(sig, a, b) -> RuntimeError:
+    return RuntimeError(
+        f"Expected all tensors to be on the same device, but found at least two devices, {a} and {b}! "
+        f"(when checking arguments for {sig.name})"
+    )
+
+
+class _Call:
+    """One op call split into operands, scalars and a hashable key."""
+
+    __slots__ = ("sig", "values", "operands", "scalars", "key", "device_index", "rng")
+
+    def __init__(self, sig: Signature, values: list):
+        self.sig = sig
+        self.values = values
+        operands = []
+        scalars = []
+        key = [sig.op]
+        device_index = None
+        rng = False
+        for kind, v in zip(sig.kinds, values):
+            if kind == STATIC:
+                key.append(_hashable(v))
+            elif kind == TENSOR or kind == OPT_TENSOR:
+                if v is None:
+                    key.append(None)
+                elif isinstance(v, torch.Tensor):
+                    device_index = self._operand(v, operands, key, device_index)
+                else:  # a Python number PyTorch wrapped as a tensor: a scalar here
+                    scalars.append(v)
+                    key.append(type(v))
+            elif kind == SCALAR:
+                scalars.append(v)
+                key.append(type(v))
+            elif kind == TENSOR_LIST:
+                key.append(len(v))
+                for t in v:
+                    if t is None:
+                        key.append(None)
+                    else:
+                        device_index = self._operand(t, operands, key, device_index)
+            else:  # GENERATOR
+                rng = True
+                key.append(GENERATOR)
+        self.operands = operands
+        self.scalars = scalars
+        self.key = tuple(key)
+        self.device_index = device_index
+        self.rng = rng
+
+    def _operand(self, t, operands, key, device_index):
+        dev = t.device
+        if dev.type != "tpu":
+            if dev.type == "cpu" and t.dim() == 0:
+                # PyTorch lets a CPU scalar tensor join an op on an accelerator
+                operands.append(_Operand(t, None, buffer.host_array(t)))
+                key.append(("cpu-scalar", t.dtype))
+                return device_index
+            raise _device_mismatch(self.sig, f"tpu:{device_index or 0}", dev)
+        buf = buffer.buffer_of(t)
+        if device_index is not None and buf.device_index != device_index:
+            raise _device_mismatch(self.sig, f"tpu:{device_index}", f"tpu:{buf.device_index}")
+        view = buffer.view_of(t, buf)
+        operands.append(_Operand(t, buf, view))
+        key.append((buf.shape, buf.dtype, view))
+        return buf.device_index
+
+    def arrays(self):
+        return [op.buf.value() if op.buf is not None else op.view for op in self.operands]
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (bool, int, float, complex))
+
+
+def _hashable(v):
+    if isinstance(v, list):
+        return tuple(_hashable(x) for x in v)
+    if isinstance(v, torch.device):
+        return str(v)
+    return v
+
+
+# --- Programs: what one key compiles to.
+
+
+_RNG = object()  # placeholder for the PRNG key in a template
+
+
+class _Slot:
+    __slots__ = ("index",)
+
+    def __init__(self, index):
+        self.index = index
+
+
+@dataclasses.dataclass
+class Program:
+    """The pure function computing one op call's results from its operands' buffers."""
+
+    fn: object  # (arrays, scalars, rng_key) -> list of arrays
+    out_specs: tuple  # per return: (shape, torch dtype) or ("mutated", operand index)
+    device_index: int | None
+    jitted: object = None
+
+
+def _to_meta(values, sig: Signature):
+    """The call with every tensor replaced by a meta tensor of the same layout."""
+
+    def meta(t):
+        if t is None or not isinstance(t, torch.Tensor):
+            return t
+        return torch.empty_strided(tuple(t.shape), t.stride(), dtype=t.dtype, device="meta")
+
+    out = []
+    for kind, v in zip(sig.kinds, values):
+        if kind in (TENSOR, OPT_TENSOR):
+            out.append(meta(v))
+        elif kind == TENSOR_LIST:
+            out.append([meta(t) for t in v])
+        elif kind == GENERATOR:
+            out.append(None)
+        elif isinstance(v, torch.device):
+            out.append(torch.device("meta"))
+        else:
+            out.append(v)
+    return out
+
+
+def _call_with(sig: Signature, op, values):
+    args, kwargs = [], {}
+    for name, kw, v in zip(sig.names, sig.kwarg_only, values):
+        if kw:
+            kwargs[name] = v
+        else:
+            args.append(v)
+    return op(*args, **kwargs)
+
+
+def _flatten_returns(result):
+    if isinstance(result, (tuple, list)):
+        return list(result)
+    return [result]
+
+
+def _out_specs(call: _Call):
+    """Shapes and dtypes of the results, from PyTorch's meta kernel (and its errors for bad input)."""
+    sig = call.sig
+    meta_values = _to_meta(call.values, sig)
+    # factory ops take device=tpu: meta needs device=meta
+    for i, name in enumerate(sig.names):
+        if name == "device" and meta_values[i] is not None:
+            meta_values[i] = torch.device("meta")
+    try:
+        result = _call_with(sig, sig.op, meta_values)
+    except NotImplementedError:
+        return None  # no meta kernel: the lowering's own shapes are used
+    return [(tuple(r.shape), r.dtype) for r in _flatten_returns(result)]
+
+
+def _promotion(call: _Call, low: Lowering):
+    """The computation dtype for PyTorch's elementwise type promotion, or None."""
+    if low.promote is None:
+        return None
+    participants = []
+    for kind, v in zip(call.sig.kinds, call.values):
+        if kind in (TENSOR, OPT_TENSOR) and isinstance(v, torch.Tensor):
+            participants.append(torch.empty((0,) * v.dim(), dtype=v.dtype, device="meta"))
+        elif kind == SCALAR or _is_number(v):
+            participants.append(v)
+    if not participants:
+        return None
+    compute, _ = elementwise_dtypes(*participants, type_promotion_kind=low.promote)
+    return compute
+
+
+def _template(call: _Call):
+    """The call's values with tensors, scalars and the generator replaced by placeholders."""
+    sig = call.sig
+    t_index = 0
+    s_index = 0
+    template = []
+    static_scalars = call.sig.lowering.static
+    for name, kind, v in zip(sig.names, sig.kinds, call.values):
+        if kind in (TENSOR, OPT_TENSOR) and not _is_number(v):
+            if v is None:
+                template.append(None)
+            else:
+                template.append(_Slot(t_index))
+                t_index += 1
+        elif kind == TENSOR_LIST:
+            items = []
+            for t in v:
+                if t is None:
+                    items.append(None)
+                else:
+                    items.append(_Slot(t_index))
+                    t_index += 1
+            template.append(items)
+        elif kind == SCALAR or _is_number(v):
+            template.append(v if name in static_scalars else ("scalar", s_index))
+            s_index += 1
+        elif kind == GENERATOR:
+            template.append(_RNG)
+        else:
+            template.append(v)
+    return template
+
+
+def _build(call: _Call) -> Program:
+    sig = call.sig
+    low = sig.lowering
+    specs = _out_specs(call)
+    compute_dtype = _promotion(call, low)
+    template = _template(call)
+    views = [op.view if op.buf is not None else None for op in call.operands]
+    names, kwarg_only = sig.names, sig.kwarg_only
+    slot_of_arg = {}
+    t_index = 0
+    for i, (kind, v) in enumerate(zip(sig.kinds, call.values)):
+        if kind in (TENSOR, OPT_TENSOR) and isinstance(v, torch.Tensor):
+            slot_of_arg[i] = t_index
+            t_index += 1
+        elif kind == TENSOR_LIST:
+            t_index += sum(t is not None for t in v)
+    returns_mutated = sig.returns_mutated
+    is_out_variant = sig.functional is not None and not sig.op._schema.name.endswith("_")
+    jax_compute = dtypes.to_jax(compute_dtype) if compute_dtype is not None else None
+
+    def fn(arrays, scalars, rng_data):
+        rng_key = random.key_from_data(rng_data) if rng_data is not None else None
+        vals = [buffer.read(a, v) for a, v in zip(arrays, views)]
+        if jax_compute is not None:
+            vals = [v.astype(jax_compute) if _promotable(v) else v for v in vals]
+
+        def fill(x):
+            if isinstance(x, _Slot):
+                return vals[x.index]
+            if isinstance(x, list):
+                return [fill(y) for y in x]
+            if isinstance(x, tuple) and len(x) == 2 and x[0] == "scalar":
+                return scalars[x[1]]
+            if x is _RNG:
+                return rng_key
+            return x
+
+        args, kwargs = [], {}
+        for i, (name, kw, x) in enumerate(zip(names, kwarg_only, template)):
+            if is_out_variant and i in sig.mutated:
+                continue
+            if kw:
+                kwargs[name] = fill(x)
+            else:
+                args.append(fill(x))
+        result = _flatten_returns(low.fn(*args, **kwargs))
+        outs = []
+        for j, r in enumerate(result):
+            r = jnp.asarray(r)
+            if specs is not None:
+                shape, dtype = specs[j]
+                r = r.astype(dtypes.to_jax(dtype))
+                if r.shape != shape:
+                    r = jnp.broadcast_to(r, shape)
+            target = returns_mutated[j] if j < len(returns_mutated) else None
+            if target is not None:
+                k = slot_of_arg[target]
+                r = buffer.write(arrays[k], views[k], r)
+            outs.append(r)
+        return outs
+
+    if specs is None:
+        specs = _eval_specs(fn, call)
+    out_specs = []
+    for j, spec in enumerate(specs):
+        target = returns_mutated[j] if j < len(returns_mutated) else None
+        out_specs.append(("mutated", slot_of_arg[target]) if target is not None else spec)
+    return Program(fn=fn, out_specs=tuple(out_specs), device_index=call.device_index)
+
+
+def _promotable(v) -> bool:
+    return jnp.issubdtype(v.dtype, jnp.number) or v.dtype == jnp.bool_
+
+
+def _eval_specs(fn, call):
+    arrays = call.arrays()
+    scalars = call.scalars
+    key = random.example_key() if call.rng else None
+    shapes = jax.eval_shape(fn, arrays, scalars, key)
+    return [(tuple(s.shape), dtypes.to_torch(s.dtype)) for s in shapes]
+
+
+# --- Execution modes plug in here.
+
+
+_PROGRAMS: dict = {}
+
+
+def _check_writable(call: _Call):
+    for i in call.sig.mutated:
+        v = call.values[i]
+        if isinstance(v, torch.Tensor) and v.device.type == "tpu":
+            if buffer.has_internal_overlap(buffer.view_of(v, buffer.buffer_of(v))):
+                raise RuntimeError(
+                    "unsupported operation: more than one element of the written-to tensor refers to a "
+                    "single memory location. Please clone() the tensor before performing the operation."
+                )
+
+
+def run_lowered(sig: Signature, values: list):
+    """Run an op that has a lowering (directly or through its functional overload)."""
+    from . import modes
+
+    call = _Call(sig, values)
+    if sig.mutated:
+        _check_writable(call)
+        _resize_outs(call)
+    program = _PROGRAMS.get(call.key)
+    if program is None:
+        program = _build(call)
+        _PROGRAMS[call.key] = program
+    else:
+        _counters["compile_cache_hits"] += 1
+        _counters["compile_cache_hits_by_mode"][modes.current().name] += 1
+    _counters["ops_dispatched"] += 1
+    device_index = call.device_index
+    if device_index is None:
+        device_index = _factory_device(sig, values)
+    rng_key = random.next_key(device_index, _generator_arg(sig, values)) if call.rng else None
+    results = modes.current().execute(program, call.key, call.arrays(), call.scalars, rng_key, device_index)
+    outputs = []
+    for spec, array in zip(program.out_specs, results):
+        if spec[0] == "mutated":
+            operand = call.operands[spec[1]]
+            operand.buf.array = array
+            outputs.append(operand.tensor)
+        else:
+            outputs.append(buffer.new_tensor(spec[0], spec[1], device_index, array))
+    if len(sig.op._schema.returns) == 1:
+        return outputs[0]
+    return tuple(outputs)
+
+
+def _generator_arg(sig, values):
+    for kind, v in zip(sig.kinds, values):
+        if kind == GENERATOR:
+            return v
+    return None
+
+
+def _factory_device(sig: Signature, values) -> int:
+    for name, v in zip(sig.names, values):
+        if name == "device" and v is not None:
+            return current_index_for(torch.device(v))
+    return current_device_index()
+
+
+_current_device = [0]
+
+
+def current_device_index() -> int:
+    return _current_device[0]
+
+
+def current_index_for(device: torch.device) -> int:
+    index = device.index if device.index is not None else _current_device[0]
+    platform.jax_device(index)  # raises a clear error for a chip that does not exist
+    return index
+
+
+def _resize_outs(call: _Call):
+    """out= tensors of the wrong shape are resized first, as PyTorch does."""
+    sig = call.sig
+    if sig.functional is None or sig.op._schema.name.endswith("_"):
+        return
+    specs = _out_specs(call)
+    if specs is None:
+        return
+    for j, target in enumerate(sig.returns_mutated):
+        if target is None:
+            continue
+        out = call.values[target]
+        shape = specs[j][0]
+        if tuple(out.shape) != shape:
+            out.resize_(shape)
+    # operands changed: analyse again
+    fresh = _Call(sig, call.values)
+    call.operands, call.key = fresh.operands, fresh.key
+
+
+# --- Ops with no lowering: PyTorch's decompositions, then the CPU fallback.
+
+
+def _cpu_fallback_enabled() -> bool:
+    return os.environ.get("HF_TPU_CPU_FALLBACK", "1") != "0"
+
+
+def describe_call(sig: Signature, values) -> str:
+    parts = []
+    for name, v in zip(sig.names, values):
+        if isinstance(v, torch.Tensor):
+            parts.append(f"{name}: {str(v.dtype).replace('torch.', '')}{list(v.shape)} on {v.device}")
+        elif isinstance(v, (list, tuple)) and v and all(isinstance(t, torch.Tensor) for t in v):
+            parts.append(f"{name}: [{', '.join(str(t.dtype).replace('torch.', '') + str(list(t.shape)) for t in v)}]")
+    return ", ".join(parts)
+
+
+def unsupported(sig: Signature, values) -> NotImplementedError:
+    return NotImplementedError(
+        f"The operator '{sig.name}' has no tpu lowering yet ({describe_call(sig, values)}). "
+        "Set HF_TPU_CPU_FALLBACK=1 to run it on the CPU (slow: data moves to the host and back), "
+        "and see docs/compatibility.md for what is supported."
+    )
+
+
+_warned_fallbacks: set = set()
+
+
+def cpu_fallback(sig: Signature, values):
+    """Run the op on the CPU: operands to the host, results (and in-place writes) back to `tpu`."""
+    from . import modes
+
+    modes.current().sync("cpu fallback " + sig.name)
+    name = sig.name
+    _counters["cpu_fallbacks"][name] += 1
+    if name not in _warned_fallbacks:
+        _warned_fallbacks.add(name)
+        warnings.warn(
+            f"The operator '{name}' has no tpu lowering; it runs on the CPU (data moves to the host and "
+            "back). Set HF_TPU_CPU_FALLBACK=0 to raise instead.",
+            stacklevel=3,
+        )
+    device_index = None
+
+    def to_cpu(v):
+        nonlocal device_index
+        if isinstance(v, torch.Tensor) and v.device.type == "tpu":
+            device_index = v.device.index
+            return v.cpu()
+        if isinstance(v, (list, tuple)):
+            return type(v)(to_cpu(x) for x in v)
+        if isinstance(v, torch.device) and v.type == "tpu":
+            device_index = current_index_for(v)
+            return torch.device("cpu")
+        return v
+
+    cpu_values = [to_cpu(v) for v in values]
+    if device_index is None:
+        device_index = current_device_index()
+    result = _call_with(sig, sig.op, cpu_values)
+    for i in sig.mutated:
+        if values[i].shape != cpu_values[i].shape:
+            values[i].resize_(cpu_values[i].shape)
+        values[i].copy_(cpu_values[i])
+    returns = _flatten_returns(result) if sig.op._schema.returns else []
+    outs = []
+    for j, r in enumerate(returns):
+        target = sig.returns_mutated[j] if j < len(sig.returns_mutated) else None
+        if target is not None:
+            outs.append(values[target])
+        elif isinstance(r, torch.Tensor):
+            outs.append(r.to(f"tpu:{device_index}"))
+        else:
+            outs.append(r)
+    if not sig.op._schema.returns:
+        return None
+    if len(sig.op._schema.returns) == 1 and not isinstance(result, (tuple, list)):
+        return outs[0]
+    return type(result)(outs) if isinstance(result, tuple) else outs
+
+
+_decomposing = threading.local()
+
+
+@functools.cache
+def _decompositions() -> dict:
+    """PyTorch's ATen-to-ATen decompositions (not the `torch._refs` ones, which lower to prims)."""
+    from torch._decomp import decomposition_table
+
+    return {op: fn for op, fn in decomposition_table.items() if fn.__module__.startswith("torch._decomp")}
+
+
+def run_unlowered(sig: Signature, values):
+    decomp = _decompositions().get(sig.op)
+    active = getattr(_decomposing, "ops", None)
+    if active is None:
+        active = _decomposing.ops = set()
+    if decomp is not None and sig.op not in active:
+        active.add(sig.op)
+        try:
+            return _call_with(sig, decomp, values)
+        finally:
+            active.discard(sig.op)
+    if _cpu_fallback_enabled():
+        return cpu_fallback(sig, values)
+    raise unsupported(sig, values)
+
+
+def dispatch(sig: Signature, args, kwargs):
+    """The tpu kernel of every op."""
+    values = _bind(sig, args, kwargs)
+    if sig.kernel is not None:
+        return sig.kernel(sig, values)
+    if sig.lowering is not None:
+        return run_lowered(sig, values)
+    return run_unlowered(sig, values)
+
+
+# --- Registration with PyTorch's dispatcher.
+
+_libraries: list = []
+
+
+def _is_composite_implicit(op) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+
+
+def _derived_variants(functional):
+    """The in-place and out= overloads that compute through `functional`."""
+    name = functional._schema.name.split("::")[1]
+    for packet_name in (name, name + "_"):
+        packet = getattr(aten, packet_name, None)
+        if packet is None:
+            continue
+        for overload_name in packet.overloads():
+            overload = getattr(packet, overload_name)
+            if overload._schema.is_mutable and _functional_counterpart(overload) == functional:
+                yield overload
+
+
+def _kernel(sig: Signature):
+    def kernel(*args, **kwargs):
+        return dispatch(sig, args, kwargs)
+
+    kernel.__name__ = f"tpu_{sig.op._schema.name.split('::')[1]}"
+    return kernel
+
+
+def _fallback(op, *args, **kwargs):
+    return dispatch(signature(op), args, kwargs)
+
+
+def register_kernels() -> None:
+    """Register a tpu kernel for every op with a lowering (and its derived variants) or a storage
+    kernel; everything else reaches the same entry point through the PrivateUse1 fallback."""
+    ops = set(KERNELS)
+    for functional in LOWERINGS:
+        if not _is_composite_implicit(functional):
+            ops.add(functional)
+        ops.update(_derived_variants(functional))
+    lib = torch.library.Library("aten", "IMPL")
+    for op in sorted(ops, key=str):
+        if op in LOWERINGS and op not in KERNELS and _is_composite_implicit(op):
+            continue
+        lib.impl(op, _kernel(signature(op)), "PrivateUse1")
+    fallback = torch.library.Library("_", "IMPL")
+    fallback.fallback(_fallback, "PrivateUse1")
+    _libraries.extend([lib, fallback])

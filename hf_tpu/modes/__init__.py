@@ -1,0 +1,89 @@
+"""Execution modes: how a dispatched op's program runs.
+
+Every op reaches its mode as a `Program` (a pure function of its operands' arrays) and the arrays
+themselves; the mode decides when and how that function runs. Strict eager runs it at once through
+`jax.jit`; launch-blocking also waits for the result so an error surfaces at the user's line.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+
+import jax
+
+from .. import counters, platform
+
+_counters = counters.counters
+
+
+class EagerMode(enum.Enum):
+    DEFER_NEVER = "DEFER_NEVER"
+    DEFER_NEVER_AND_LAUNCH_BLOCKING = "DEFER_NEVER_AND_LAUNCH_BLOCKING"
+
+
+class _Eager:
+    """Each op compiled once per key and launched at once."""
+
+    def __init__(self, mode: EagerMode, blocking: bool):
+        self.mode = mode
+        self.name = mode.value
+        self.blocking = blocking
+
+    def _compiled(self, program):
+        jitted = program.jitted
+        if jitted is None:
+            fn = program.fn
+
+            def traced(arrays, scalars, rng):
+                _counters["compiles"] += 1
+                _counters["compiles_by_mode"][self.name] += 1
+                return fn(arrays, scalars, rng)
+
+            jitted = program.jitted = jax.jit(traced)
+        return jitted
+
+    def execute(self, program, key, arrays, scalars, rng, device_index):
+        jitted = self._compiled(program)
+        if arrays:
+            out = jitted(arrays, scalars, rng)
+        else:
+            with jax.default_device(platform.jax_device(device_index)):
+                out = jitted(arrays, scalars, rng)
+        if self.blocking:
+            jax.block_until_ready(out)
+        return out
+
+    def sync(self, reason: str) -> None:
+        """Nothing is pending in an eager mode."""
+
+
+_MODES = {
+    EagerMode.DEFER_NEVER: _Eager(EagerMode.DEFER_NEVER, blocking=False),
+    EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING: _Eager(EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING, blocking=True),
+}
+
+
+def _initial() -> EagerMode:
+    name = os.environ.get("HF_TPU_EAGER_MODE", "").strip().upper()
+    if not name:
+        return EagerMode.DEFER_NEVER
+    try:
+        return EagerMode[name]
+    except KeyError:
+        raise ValueError(
+            f"HF_TPU_EAGER_MODE={name!r}: expected one of {', '.join(m.name for m in EagerMode)}"
+        ) from None
+
+
+_current = [_MODES[_initial()]]
+
+
+def current():
+    return _current[0]
+
+
+def set_eager_mode(mode) -> None:
+    mode = EagerMode(mode.value if isinstance(mode, EagerMode) else str(mode).upper())
+    _current[0].sync("eager mode change")
+    _current[0] = _MODES[mode]

@@ -1,0 +1,3 @@
+"""ATen -> JAX lowerings, one module per op family; importing this package fills the registry."""
+
+from . import elementwise, storage  # noqa: F401

@@ -1,0 +1,74 @@
+"""The one table from ATen operator to JAX lowering.
+
+A lowering is a pure function written against the ATen schema: tensor arguments arrive as
+`jax.Array`s (already read through their views), `Scalar` arguments as traced scalars (so a new
+value never recompiles), a `Generator?` argument as a JAX PRNG key, everything else as the Python
+value PyTorch passed. It returns arrays in the order of the schema's returns. Output dtypes and
+shapes come from PyTorch's own meta kernels and are enforced after the lowering, so a lowering only
+has to get the values right.
+
+Only functional overloads are written; their in-place (`add_`) and `out=` (`add.out`) variants are
+derived by `dispatch.py`, once, for every lowering.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as Promote
+
+__all__ = ["Lowering", "LOWERINGS", "lowering", "KERNELS", "kernel", "Promote"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowering:
+    fn: Callable
+    # PyTorch's elementwise type promotion applied to the tensor and Scalar arguments before the
+    # lowering runs (computation dtype, e.g. float32 for bfloat16 inputs); None: inputs as they are.
+    promote: Promote | None = None
+    # names of Scalar arguments the lowering needs as Python values (e.g. to choose a code path)
+    static: frozenset = frozenset()
+
+
+LOWERINGS: dict[torch._ops.OpOverload, Lowering] = {}
+
+
+def _overloads(op):
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return [getattr(op, name) for name in op.overloads()]
+    return [op]
+
+
+def lowering(*ops, promote: Promote | None = None, static=()):
+    """Register `fn` as the lowering of each op (an OpOverload, or a packet meaning its functional
+    overloads)."""
+
+    def register(fn):
+        entry = Lowering(fn, promote, frozenset(static))
+        for op in ops:
+            for overload in _overloads(op):
+                if isinstance(op, torch._ops.OpOverloadPacket) and overload._schema.is_mutable:
+                    continue
+                if overload in LOWERINGS:
+                    raise ValueError(f"{overload} has two lowerings")
+                LOWERINGS[overload] = entry
+        return fn
+
+    return register
+
+
+# Ops that manage storage rather than compute values (allocation, views, transfers, host reads)
+# get the raw call instead of arrays: they are the few places that touch buffers directly.
+KERNELS: dict[torch._ops.OpOverload, Callable] = {}
+
+
+def kernel(*ops):
+    def register(fn):
+        for op in ops:
+            for overload in _overloads(op):
+                KERNELS[overload] = fn
+        return fn
+
+    return register

@@ -1,0 +1,197 @@
+"""Kernels that manage storage rather than compute: allocation, views, transfers, host reads.
+
+Views are PyTorch's own: the CPU kernels of `as_strided`, `view`, `set_`, ... only compute sizes
+and strides over a shared storage, so they are reused as they are (redispatched with the CPU key).
+Every other view op (transpose, slice, select, expand, ...) is composite over these.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import torch
+
+from .. import buffer, counters, dispatch, dtypes, platform
+from .registry import kernel, lowering
+
+aten = torch.ops.aten
+_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+_counters = counters.counters
+
+
+def _redispatch_to_cpu(sig, values):
+    return dispatch._call_with(sig, lambda *a, **k: sig.op.redispatch(_CPU, *a, **k), values)
+
+
+for _op in (
+    aten.view.default,
+    aten.as_strided.default,
+    aten._reshape_alias.default,
+    aten.unfold.default,
+    aten.set_.source_Storage,
+    aten.set_.source_Storage_storage_offset,
+    aten.set_.source_Tensor,
+    aten.is_set_to.default,
+):
+    kernel(_op)(_redispatch_to_cpu)
+
+
+def _sync(reason: str):
+    from .. import modes
+
+    modes.current().sync(reason)
+    _counters["host_syncs"] += 1
+
+
+def _contiguous(shape):
+    return torch.empty(shape, device="meta").stride()
+
+
+@kernel(aten.empty.memory_format)
+def empty(sig, values):
+    size, dtype, _layout, device = values[:4]
+    dtype = dtype or torch.get_default_dtype()
+    index = dispatch.current_index_for(torch.device(device) if device is not None else torch.device("tpu"))
+    return buffer.new_tensor(size, dtype, index)
+
+
+@kernel(aten.empty_strided.default)
+def empty_strided(sig, values):
+    size, stride, dtype, _layout, device = values[:5]
+    dtype = dtype or torch.get_default_dtype()
+    index = dispatch.current_index_for(torch.device(device) if device is not None else torch.device("tpu"))
+    if tuple(stride) == _contiguous(size):
+        return buffer.new_tensor(size, dtype, index)
+    extent = 1 + sum((n - 1) * s for n, s in zip(size, stride)) if math.prod(size) else 0
+    base = buffer.new_tensor((extent,), dtype, index)
+    return aten.as_strided.default.redispatch(_CPU, base, size, stride, 0)
+
+
+@kernel(aten.resize_.default)
+def resize_(sig, values):
+    self, size = values[0], values[1]
+    size = tuple(size)
+    needed = (self.storage_offset() + math.prod(size)) * self.element_size()
+    if needed > self.untyped_storage().nbytes():
+        old = buffer.buffer_of(self)
+        fresh = buffer.new_tensor((self.storage_offset() + math.prod(size),), self.dtype, old.device_index)
+        if old.array is not None:
+            flat = buffer.read(old.array, buffer.View((old.array.size,), (1,), 0, old.dtype))
+            if old.dtype != self.dtype:
+                flat = jax.numpy.zeros(fresh.shape, dtypes.to_jax(self.dtype))
+            pad = fresh.numel() - flat.shape[0]
+            buffer.buffer_of(fresh).array = jax.numpy.pad(flat, (0, max(pad, 0)))[: fresh.numel()]
+        aten.set_.source_Storage_storage_offset.redispatch(
+            _CPU, self, fresh.untyped_storage(), self.storage_offset(), size, _contiguous(size)
+        )
+        return self
+    return aten.resize_.default.redispatch(_CPU, self, size)
+
+
+@kernel(aten._local_scalar_dense.default)
+def local_scalar_dense(sig, values):
+    t = values[0]
+    _sync("item()")
+    buf = buffer.buffer_of(t)
+    value = buffer.to_numpy(_read(t, buf))
+    return value.item()
+
+
+def _read(t, buf):
+    """A tpu tensor's value as a jax.Array (through its view)."""
+    view = buffer.view_of(t, buf)
+    if view is None:
+        return buf.value()
+    return _jitted_read(view)(buf.value())
+
+
+_READERS: dict = {}
+
+
+def _jitted_read(view):
+    fn = _READERS.get(view)
+    if fn is None:
+        fn = _READERS[view] = jax.jit(lambda a: buffer.read(a, view))
+    return fn
+
+
+@kernel(aten.copy_.default)
+def copy_(sig, values):
+    dst, src, _non_blocking = values[0], values[1], values[2]
+    if dst.device.type != "tpu":
+        # tpu -> host
+        _sync("copy to cpu")
+        host = buffer.to_host(_read(src, buffer.buffer_of(src)), src.dtype)
+        with torch.no_grad():
+            return dst.copy_(host)
+    index = dst.device.index
+    if src.device.type != "tpu":
+        if src.device.type != "cpu":
+            raise dispatch._device_mismatch(sig, dst.device, src.device)
+        host = src.to(dst.dtype)
+        if tuple(host.shape) != tuple(dst.shape):
+            host = host.expand(dst.shape)
+        src = buffer.new_tensor(host.shape, host.dtype, index, buffer.from_host(host, index))
+    elif src.device.index != index:
+        src_buf = buffer.buffer_of(src)
+        moved = jax.device_put(_read(src, src_buf), platform.jax_device(index))
+        src = buffer.new_tensor(src.shape, src.dtype, index, moved)
+    dst_buf = buffer.buffer_of(dst)
+    if (
+        buffer.view_of(dst, dst_buf) is None
+        and tuple(src.shape) == tuple(dst.shape)
+        and src.dtype == dst.dtype
+        and buffer.view_of(src, buffer.buffer_of(src)) is None
+    ):
+        dst_buf.array = buffer.buffer_of(src).value()  # jax arrays are immutable: sharing is a copy
+        return dst
+    return dispatch.run_lowered(dispatch.signature(aten.copy_.default), [dst, src, False])
+
+
+@lowering(aten.copy.default)
+def copy(self, src, non_blocking=False):
+    return src
+
+
+@kernel(aten._to_copy.default)
+def to_copy(sig, values):
+    self = values[0]
+    dtype, _layout, device = values[1], values[2], values[3]
+    dtype = dtype or self.dtype
+    target = torch.device(device) if device is not None else self.device
+    if target.type == "cpu":
+        _sync("copy to cpu")
+        host = buffer.to_host(_read(self, buffer.buffer_of(self)), self.dtype)
+        return host.to(dtype)
+    if target.type != "tpu":
+        raise RuntimeError(f"cannot copy a tpu tensor to {target} directly; go through .cpu()")
+    index = dispatch.current_index_for(target)
+    if self.device.type == "cpu":
+        host = self.to(dtype)
+        return buffer.new_tensor(host.shape, dtype, index, buffer.from_host(host, index))
+    value = _read(self, buffer.buffer_of(self))
+    if index != self.device.index:
+        value = jax.device_put(value, platform.jax_device(index))
+    out = buffer.new_tensor(self.shape, self.dtype, index, value)
+    if dtype != self.dtype:
+        out = dispatch.run_lowered(dispatch.signature(aten._to_copy.default), [out, dtype] + [None] * 5)
+    return out
+
+
+@lowering(aten._to_copy.default)
+def _to_copy(self, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
+    return self  # the cast to `dtype` is applied to every result from its meta dtype
+
+
+@kernel(aten.equal.default)
+def equal(sig, values):
+    a, b = values
+    if a.shape != b.shape:
+        return False
+    return bool(torch.eq(a, b).all().item())
+
+
+@kernel(aten.record_stream.default)
+def record_stream(sig, values):
+    return None

@@ -1,0 +1,82 @@
+"""RNG for `tpu`: a (seed, offset) pair per device, turned into a JAX key inside each program.
+
+`torch.manual_seed(s)` reaches `torch.tpu.manual_seed_all(s)`. Each random op takes the next offset,
+so a sequence of random ops is reproducible run to run, and the seed and offset travel into the
+compiled program as data: a new offset never recompiles.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import jax
+import numpy as np
+import torch
+
+from . import platform
+
+DEFAULT_SEED = 67280421310721  # PyTorch's default seed on every device
+_MASK32 = (1 << 32) - 1
+
+_state: dict[int, list] = {}
+
+
+def _device_state(index: int) -> list:
+    st = _state.get(index)
+    if st is None:
+        st = _state[index] = [DEFAULT_SEED, 0]
+    return st
+
+
+def manual_seed(seed: int, index: int) -> None:
+    _state[index] = [int(seed) & ((1 << 64) - 1), 0]
+
+
+def manual_seed_all(seed: int) -> None:
+    for index in range(platform.device_count()):
+        manual_seed(seed, index)
+
+
+def initial_seed(index: int) -> int:
+    return _device_state(index)[0]
+
+
+def get_state(index: int) -> torch.Tensor:
+    seed, offset = _device_state(index)
+    return torch.from_numpy(np.array([seed, offset], dtype=np.uint64).view(np.uint8).copy())
+
+
+def set_state(state: torch.Tensor, index: int) -> None:
+    if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.numel() != 16:
+        raise RuntimeError("RNG state must be a torch.ByteTensor of 16 bytes from torch.tpu.get_rng_state()")
+    seed, offset = state.cpu().numpy().view(np.uint64)
+    _state[index] = [int(seed), int(offset)]
+
+
+def random_seed() -> int:
+    return secrets.randbits(63)
+
+
+def next_key(index: int, generator=None) -> np.ndarray:
+    """Key data for one random op: (seed lo, seed hi, offset lo, offset hi) as uint32."""
+    if generator is not None:
+        # a user's (CPU) torch.Generator: draw a seed from it so it advances as on CPU
+        seed = int(torch.randint(0, 2**62, (), generator=generator, device=generator.device))
+        offset = 0
+    else:
+        st = _device_state(index)
+        seed, offset = st
+        st[1] += 1
+    return np.array([seed & _MASK32, seed >> 32, offset & _MASK32, offset >> 32], dtype=np.uint32)
+
+
+def example_key() -> np.ndarray:
+    return np.zeros(4, np.uint32)
+
+
+def key_from_data(data):
+    """The JAX PRNG key for key data (inside a program)."""
+    key = jax.random.key(data[0])
+    for word in (data[1], data[2], data[3]):
+        key = jax.random.fold_in(key, word)
+    return key
