@@ -233,6 +233,20 @@ def _is_number(v) -> bool:
     return isinstance(v, (bool, int, float, complex))
 
 
+def _number_as_tensor(v, device) -> torch.Tensor:
+    """A Python number that PyTorch unwrapped from a Tensor argument, as a 0-dim tensor again, with
+    the dtype a wrapped number promotes like."""
+    if isinstance(v, bool):
+        dtype = torch.bool
+    elif isinstance(v, int):
+        dtype = torch.int64
+    elif isinstance(v, float):
+        dtype = torch.get_default_dtype()
+    else:
+        dtype = torch.complex64 if torch.get_default_dtype() != torch.float64 else torch.complex128
+    return torch.scalar_tensor(v, dtype=dtype, device=device)
+
+
 def _hashable(v):
     if isinstance(v, list):
         return tuple(_hashable(x) for x in v)
@@ -275,7 +289,7 @@ def _to_meta(values, sig: Signature):
     out = []
     for kind, v in zip(sig.kinds, values):
         if kind in (TENSOR, OPT_TENSOR):
-            out.append(meta(v))
+            out.append(_number_as_tensor(v, "meta") if _is_number(v) else meta(v))
         elif kind == TENSOR_LIST:
             out.append([meta(t) for t in v])
         elif kind == GENERATOR:
@@ -326,7 +340,7 @@ def _promotion(call: _Call, low: Lowering):
     for kind, v in zip(call.sig.kinds, call.values):
         if kind in (TENSOR, OPT_TENSOR) and isinstance(v, torch.Tensor):
             participants.append(torch.empty((0,) * v.dim(), dtype=v.dtype, device="meta"))
-        elif kind == SCALAR or _is_number(v):
+        elif kind in (SCALAR, TENSOR, OPT_TENSOR) and v is not None:
             participants.append(v)
     if not participants:
         return None
@@ -357,7 +371,7 @@ def _template(call: _Call):
                     items.append(_Slot(t_index))
                     t_index += 1
             template.append(items)
-        elif kind == SCALAR or _is_number(v):
+        elif kind in (SCALAR, TENSOR, OPT_TENSOR):  # a Scalar, or a number in a Tensor argument
             template.append(v if name in static_scalars else ("scalar", s_index))
             s_index += 1
         elif kind == GENERATOR:
@@ -603,7 +617,10 @@ def cpu_fallback(sig: Signature, values):
             return torch.device("cpu")
         return v
 
-    cpu_values = [to_cpu(v) for v in values]
+    cpu_values = [
+        _number_as_tensor(v, "cpu") if kind in (TENSOR, OPT_TENSOR) and _is_number(v) else to_cpu(v)
+        for kind, v in zip(sig.kinds, values)
+    ]
     if device_index is None:
         device_index = current_device_index()
     result = _call_with(sig, sig.op, cpu_values)
