@@ -33,7 +33,7 @@ def _check_privateuse1_is_free() -> None:
 _check_privateuse1_is_free()
 
 from . import device as _device_module  # noqa: E402
-from . import dispatch, ops  # noqa: E402,F401
+from . import accelerator, dispatch, ops, storage  # noqa: E402,F401
 from .counters import metrics, reset_metrics  # noqa: E402,F401
 from .modes import EagerMode  # noqa: E402,F401
 
@@ -63,6 +63,8 @@ def _register_backend() -> None:
         "tpu", backend_module=_device_module, hook=_Hooks(), device_guard=_Guard()
     )
     dispatch.register_kernels()
+    accelerator.install()
+    storage.install()
 
 
 _register_backend()

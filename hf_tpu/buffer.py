@@ -17,6 +17,7 @@ import ctypes
 import math
 import threading
 import warnings
+import weakref
 from typing import NamedTuple
 
 import jax
@@ -27,7 +28,14 @@ from jax import lax
 
 from . import dtypes, platform
 
-# --- DLPack structs: the one public door through which Python can create a storage with a deleter.
+# --- DLPack: the one public door through which Python can create a storage with a deleter.
+#
+# The DLManagedTensor comes from NumPy's own `__dlpack__` of a tiny "owner" array, with its fields
+# rewritten to describe our storage. Its deleter is NumPy's C function, which drops the owner array;
+# a weak reference to the owner then tells us the storage died. Going through C and a weakref (rather
+# than a ctypes callback as deleter) matters: storages often die while an exception propagates, and
+# CPython runs weakref callbacks with the pending exception saved, where a ctypes callback would turn
+# the user's error into a SystemError.
 
 
 class _DLDevice(ctypes.Structure):
@@ -50,21 +58,12 @@ class _DLTensor(ctypes.Structure):
     ]
 
 
-class _DLManagedTensor(ctypes.Structure):
-    pass
-
-
-_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
-_DLManagedTensor._fields_ = [
-    ("dl_tensor", _DLTensor),
-    ("manager_ctx", ctypes.c_void_p),
-    ("deleter", _DELETER),
-]
 _DL_EXT_DEV = 12  # kDLExtDev: PyTorch maps it to PrivateUse1, i.e. `tpu`
-_capsule_new = ctypes.pythonapi.PyCapsule_New
-_capsule_new.restype = ctypes.py_object
-_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype = ctypes.c_void_p
+_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 _from_dlpack = torch._C._from_dlpack
+_OWNER_SHAPES = [(1,) * n for n in range(65)]
 
 _ALIGN = 256
 _FIRST_ADDRESS = 1 << 40
@@ -98,29 +97,29 @@ class _Allocator:
     def __init__(self):
         self.lock = threading.Lock()
         self.next_address = _FIRST_ADDRESS
-        self.live: dict[int, tuple] = {}  # address -> (Buffer, DLManagedTensor, shape array)
+        self.live: dict[int, tuple] = {}  # address -> (Buffer, weakref to the DLPack owner)
         self.allocated: dict[int, int] = {}
         self.peak: dict[int, int] = {}
         self.num_allocs: dict[int, int] = {}
-        self.deleter = _DELETER(self._release)
 
-    def new_tensor(self, shape, dtype: torch.dtype, device_index: int) -> torch.Tensor:
+    def new_tensor(self, shape, dtype: torch.dtype, device_index: int):
+        """A new contiguous tpu tensor and its (uninitialised) buffer."""
         shape = tuple(int(s) for s in shape)
-        itemsize = dtype.itemsize
-        nbytes = math.prod(shape) * itemsize
-        managed = _DLManagedTensor()
-        dims = (ctypes.c_int64 * max(len(shape), 1))(*shape)
+        nbytes = math.prod(shape) * dtype.itemsize
+        owner = np.empty(_OWNER_SHAPES[len(shape)], np.uint8)
+        capsule = owner.__dlpack__()
+        dl = _DLTensor.from_address(_capsule_pointer(capsule, b"dltensor"))
         with self.lock:
             address = self.next_address
             self.next_address += (nbytes + 2 * _ALIGN - 1) // _ALIGN * _ALIGN
             buf = Buffer(shape, dtype, device_index, nbytes, address)
-            self.live[address] = (buf, managed, dims)
+            self.live[address] = (buf, weakref.KeyedRef(owner, self._release, address))
             used = self.allocated.get(device_index, 0) + nbytes
             self.allocated[device_index] = used
             if used > self.peak.get(device_index, 0):
                 self.peak[device_index] = used
             self.num_allocs[device_index] = self.num_allocs.get(device_index, 0) + 1
-        dl = managed.dl_tensor
+        del owner  # the capsule holds it now; it dies with the storage
         dl.data = address
         dl.device.device_type = _DL_EXT_DEV
         dl.device.device_id = device_index
@@ -129,14 +128,15 @@ class _Allocator:
         dl.dtype.code = code
         dl.dtype.bits = bits
         dl.dtype.lanes = 1
-        dl.shape = dims
-        managed.deleter = self.deleter
-        return _from_dlpack(_capsule_new(ctypes.addressof(managed), b"dltensor", None))
+        for i, n in enumerate(shape):
+            dl.shape[i] = n
+        dl.strides = None  # compact row-major
+        dl.byte_offset = 0
+        return _from_dlpack(capsule), buf
 
-    def _release(self, managed_ptr):
-        address = managed_ptr.contents.dl_tensor.data
+    def _release(self, ref):
         with self.lock:
-            entry = self.live.pop(address, None)
+            entry = self.live.pop(ref.key, None)
             if entry is not None:
                 buf = entry[0]
                 self.allocated[buf.device_index] -= buf.nbytes
@@ -151,9 +151,8 @@ allocator = _Allocator()
 
 def new_tensor(shape, dtype: torch.dtype, device_index: int, array=None) -> torch.Tensor:
     """A contiguous `tpu` tensor with a fresh storage whose buffer holds `array` (None: uninitialised)."""
-    t = allocator.new_tensor(shape, dtype, device_index)
-    if array is not None:
-        allocator.live[t.untyped_storage().data_ptr()][0].array = array
+    t, buf = allocator.new_tensor(shape, dtype, device_index)
+    buf.array = array
     return t
 
 
@@ -184,9 +183,33 @@ def view_of(t: torch.Tensor, buf: Buffer):
     """None when `t` is exactly its buffer (the common case, read for free), else its `View`."""
     shape = tuple(t.shape)
     offset = t.storage_offset()
-    if offset == 0 and shape == buf.shape and t.dtype == buf.dtype and t.is_contiguous():
-        return None
+    if offset == 0 and t.is_contiguous():
+        if shape == buf.shape and t.dtype == buf.dtype:
+            return None
+        if t.dtype != buf.dtype and math.prod(shape) * t.dtype.itemsize == buf.nbytes:
+            _adopt_layout(buf, shape, t.dtype)  # e.g. bytes restored by torch.load, read as float32
+            return None
     return View(shape, tuple(t.stride()), offset, t.dtype)
+
+
+def _adopt_layout(buf: Buffer, shape, dtype):
+    """Re-express a whole buffer in the layout of the tensor that covers it, so later reads of that
+    tensor are free instead of reinterpreting bytes every time (the bytes do not change)."""
+    if buf.array is not None:
+        view = View(shape, _contiguous_strides(shape), 0, dtype)
+        buf.array = _reinterpret_jit(buf.array.shape, buf.array.dtype, view)(buf.array)
+    buf.shape, buf.dtype = shape, dtype
+
+
+_REINTERPRETERS: dict = {}
+
+
+def _reinterpret_jit(shape, dtype, view):
+    key = (shape, dtype, view)
+    fn = _REINTERPRETERS.get(key)
+    if fn is None:
+        fn = _REINTERPRETERS[key] = jax.jit(lambda a: read(a, view))
+    return fn
 
 
 def _contiguous_strides(shape):
@@ -221,16 +244,39 @@ def _dense_plan(view: View):
     return _Dense(tuple(dims), tuple(block), take, sizes[0] * strides[0])
 
 
+def _as_bytes(flat):
+    if flat.dtype == jnp.bool_:
+        return flat.astype(jnp.uint8)
+    if jnp.issubdtype(flat.dtype, jnp.complexfloating):
+        flat = jnp.stack([flat.real, flat.imag], -1).reshape(-1)
+    return lax.bitcast_convert_type(flat, jnp.uint8).reshape(-1)
+
+
+def _from_bytes(data, dtype):
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.bool_:
+        return data != 0
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        parts = _from_bytes(data, jnp.finfo(dtype).dtype).reshape(-1, 2)
+        return lax.complex(parts[:, 0], parts[:, 1])
+    if dtype.itemsize == 1:
+        return lax.bitcast_convert_type(data, dtype)
+    return lax.bitcast_convert_type(data.reshape(-1, dtype.itemsize), dtype)
+
+
+def _reinterpret(flat, dtype):
+    """The same bytes seen as another dtype (PyTorch's `view(dtype)`, and storages read as bytes)."""
+    dtype = jnp.dtype(dtype)
+    if flat.dtype == dtype:
+        return flat
+    plain = (jnp.bool_, jnp.complex64, jnp.complex128)
+    if flat.dtype.itemsize == dtype.itemsize and flat.dtype not in plain and dtype not in plain:
+        return lax.bitcast_convert_type(flat, dtype)
+    return _from_bytes(_as_bytes(flat), dtype)
+
+
 def _flat(array, dtype):
-    flat = array.reshape(-1)
-    jdt = dtypes.to_jax(dtype)
-    if flat.dtype != jdt:
-        if flat.dtype.itemsize != jnp.dtype(jdt).itemsize:
-            raise NotImplementedError(
-                f"reinterpreting a {flat.dtype} tpu storage as {dtype} (different element size) is not supported"
-            )
-        flat = lax.bitcast_convert_type(flat, jdt)
-    return flat
+    return _reinterpret(array.reshape(-1), dtypes.to_jax(dtype))
 
 
 def _segment(flat, offset, length):
@@ -300,9 +346,7 @@ def write(array, view: View | None, value):
             block = lax.dynamic_update_slice(block, sorted_value.reshape(plan.take), start)
             valid = min(plan.length, flat.shape[0] - view.offset)
             flat = lax.dynamic_update_slice(flat, block.reshape(-1)[:valid], (view.offset,))
-    if flat.dtype != array.dtype:
-        flat = lax.bitcast_convert_type(flat, array.dtype)
-    return flat.reshape(array.shape)
+    return _reinterpret(flat, array.dtype).reshape(array.shape)
 
 
 def has_internal_overlap(view: View | None) -> bool:

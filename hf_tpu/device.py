@@ -117,6 +117,13 @@ def get_amp_supported_dtype() -> list:
     return [torch.bfloat16, torch.float16]
 
 
+def supported_dtypes() -> list:
+    """The dtypes tpu tensors can hold on this platform (float64 only where XLA computes it)."""
+    dts = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.int16, torch.int32,
+           torch.int64, torch.uint8, torch.bool, torch.complex64]
+    return dts + ([torch.float64, torch.complex128] if platform.supports_float64() else [])
+
+
 def is_bf16_supported(including_emulation: bool = True) -> bool:
     return True
 
