@@ -1,3 +1,4 @@
 """ATen -> JAX lowerings, one module per op family; importing this package fills the registry."""
 
 from . import elementwise, storage  # noqa: F401
+from . import index, shape  # noqa: F401

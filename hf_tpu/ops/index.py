@@ -1,0 +1,326 @@
+"""Indexing, gather/scatter and embedding ops.
+
+Index tensors are used as they are: XLA clamps (gathers) or drops (scatters) out-of-range indices
+where PyTorch raises an IndexError, so checking them needs a host sync (left to the core).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from .registry import Promote, lowering
+
+aten = torch.ops.aten
+
+
+# --- Advanced indexing: `self[indices]` with PyTorch's List[Optional[Tensor]] of indices.
+
+
+def _is_mask(index) -> bool:
+    return index is not None and index.dtype in (jnp.bool_, jnp.uint8)
+
+
+def _numpy_index(indices, padded_to=None):
+    """PyTorch's index list as a NumPy index tuple: None is a full slice, a k-dim mask is its k
+    nonzero coordinate arrays. A mask's true count is data-dependent: with `padded_to`, masks give
+    that many coordinates, padded with out-of-range ones (for scatters with mode="drop")."""
+    out = []
+    for index in indices:
+        if index is None:
+            out.append(slice(None))
+        elif _is_mask(index):
+            if padded_to is None:
+                out.extend(jnp.nonzero(index))
+            else:
+                fill = tuple(index.shape)
+                out.extend(jnp.nonzero(index, size=padded_to, fill_value=fill))
+        else:
+            out.append(index)
+    return tuple(out)
+
+
+@lowering(aten.index.Tensor)
+def index(self, indices):
+    return self[_numpy_index(indices)]
+
+
+def _advanced_position(index_tuple):
+    """Where NumPy's rules place the broadcast advanced-index dims in the result."""
+    advanced = [i for i, x in enumerate(index_tuple) if not isinstance(x, slice)]
+    if advanced != list(range(advanced[0], advanced[-1] + 1)):
+        return 0
+    return advanced[0]
+
+
+def _values_for_padded_masks(self, index_tuple, values, padded_to):
+    """`values` broadcast to `self[index_tuple]` when masks were padded to `padded_to` coordinates:
+    a dim holding one value per true mask element is padded to match."""
+    indexed = jax.eval_shape(lambda a: a[index_tuple], self).shape
+    advanced = [x for x in index_tuple if not isinstance(x, slice)]
+    advanced_shape = jnp.broadcast_shapes(*(x.shape for x in advanced))
+    start = _advanced_position(index_tuple)
+    lead = len(indexed) - values.ndim
+    pad = [(0, 0)] * values.ndim
+    for d in range(start, start + len(advanced_shape)):
+        k = d - lead
+        if 0 <= k < values.ndim and values.shape[k] not in (1, indexed[d]):
+            pad[k] = (0, indexed[d] - values.shape[k])
+    return jnp.broadcast_to(jnp.pad(values, pad), indexed)
+
+
+@lowering(aten.index_put.default)
+def index_put(self, indices, values, accumulate=False):
+    values = values.astype(self.dtype)
+    if any(_is_mask(i) for i in indices):
+        padded_to = max(i.size for i in indices if _is_mask(i))
+        index_tuple = _numpy_index(indices, padded_to)
+        values = _values_for_padded_masks(self, index_tuple, values, padded_to)
+    else:
+        index_tuple = _numpy_index(indices)
+    at = self.at[index_tuple]
+    return at.add(values, mode="drop") if accumulate else at.set(values, mode="drop")
+
+
+@lowering(aten._index_put_impl_.default)
+def index_put_impl_(self, indices, values, accumulate=False, unsafe=False):
+    """In-place only in ATen (no functional overload): returns the new value of `self`."""
+    return index_put(self, indices, values, accumulate)
+
+
+# --- gather/scatter along one dim: index has self's rank; other dims are position-for-position.
+
+
+def _coordinates(dim, index):
+    """The full index tuple of `gather`/`scatter`: `index` at `dim`, iotas elsewhere."""
+    return tuple(
+        index if d == dim else jax.lax.broadcasted_iota(jnp.int64, index.shape, d) for d in range(index.ndim)
+    )
+
+
+def _leading(src, shape):
+    """The part of `src` a same-rank index of `shape` addresses (its sizes may exceed the index's)."""
+    return src[tuple(slice(0, n) for n in shape)] if src.ndim else src
+
+
+def _dim(dim, ndim):
+    return dim % max(ndim, 1)
+
+
+@lowering(aten.gather.default)
+def gather(self, dim, index, sparse_grad=False):
+    if self.ndim == 0:
+        return jnp.broadcast_to(self, index.shape)
+    return self[_coordinates(_dim(dim, self.ndim), index)]
+
+
+# The reductions of scatter_reduce/index_reduce, with the value that leaves an element unchanged.
+_REDUCTIONS = {
+    "sum": ("add", lambda dtype: 0),
+    "mean": ("add", lambda dtype: 0),
+    "prod": ("multiply", lambda dtype: 1),
+    "amax": ("max", lambda dtype: _lowest(dtype)),
+    "amin": ("min", lambda dtype: _highest(dtype)),
+}
+
+
+def _lowest(dtype):
+    return -jnp.inf if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).min if dtype != jnp.bool_ else False
+
+
+def _highest(dtype):
+    return jnp.inf if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).max if dtype != jnp.bool_ else True
+
+
+def _reduce_into(self, where, src, reduce, include_self=True):
+    """`self` with `src` reduced into the positions `where` (a NumPy index tuple), as
+    scatter_reduce/index_reduce: `include_self=False` ignores the old value of each written position;
+    "mean" divides by the number of values reduced into a position (floor division for integers)."""
+    method, identity = _REDUCTIONS[reduce]
+    src = src.astype(self.dtype)
+    base = self if include_self else self.at[where].set(identity(self.dtype), mode="drop")
+    out = getattr(base.at[where], method)(src, mode="drop")
+    if reduce != "mean":
+        return out
+    count = jnp.zeros(self.shape, jnp.int64).at[where].add(1, mode="drop") + int(include_self)
+    count = jnp.maximum(count, 1)
+    if jnp.issubdtype(self.dtype, jnp.floating):
+        return out / count.astype(self.dtype)
+    return jnp.floor_divide(out, count).astype(self.dtype)
+
+
+def _scatter(self, dim, index, src, reduce=None):
+    if self.ndim == 0:
+        self, index, src = self.reshape(1), index.reshape(1), jnp.reshape(src, (1,) * (jnp.ndim(src) > 0))
+    where = _coordinates(_dim(dim, self.ndim), index)
+    src = jnp.broadcast_to(_leading(src, index.shape), index.shape).astype(self.dtype)
+    if reduce is None:
+        out = self.at[where].set(src, mode="drop")
+    else:
+        out = _reduce_into(self, where, src, {"add": "sum", "multiply": "prod"}.get(reduce, reduce))
+    return out.reshape(self.shape) if out.shape != self.shape else out
+
+
+@lowering(aten.scatter.src, aten.scatter.value)
+def scatter(self, dim, index, src):
+    return _scatter(self, dim, index, src)
+
+
+@lowering(aten.scatter.reduce, aten.scatter.value_reduce)
+def scatter_with_reduce(self, dim, index, src, reduce):
+    return _scatter(self, dim, index, src, reduce)
+
+
+@lowering(aten.scatter_add.default)
+def scatter_add(self, dim, index, src):
+    return _scatter(self, dim, index, src, "sum")
+
+
+@lowering(aten.scatter_reduce.two)
+def scatter_reduce(self, dim, index, src, reduce, include_self=True):
+    shape = self.shape
+    if self.ndim == 0:
+        self, index, src = self.reshape(1), index.reshape(1), src.reshape(1)
+    where = _coordinates(_dim(dim, self.ndim), index)
+    return _reduce_into(self, where, _leading(src, index.shape), reduce, include_self).reshape(shape)
+
+
+# --- index_* along one dim: a 1-D index picks whole slices.
+
+
+def _slices_at(dim, index):
+    return (slice(None),) * dim + (index.reshape(-1),)
+
+
+def _along_dim(fn):
+    """Run `fn(self, dim, ...)` on `self` as at least 1-D (0-dim tensors index like 1-element ones)."""
+
+    def run(self, dim, index, *args):
+        shape = self.shape
+        dim = _dim(dim, self.ndim)
+        args = [jnp.atleast_1d(a) if isinstance(a, jax.Array) and self.ndim == 0 else a for a in args]
+        return fn(jnp.atleast_1d(self), dim, index, *args).reshape(shape)
+
+    return run
+
+
+@lowering(aten.index_select.default)
+def index_select(self, dim, index):
+    dim = _dim(dim, self.ndim)
+    return jnp.take(jnp.atleast_1d(self), index.reshape(-1), axis=dim)
+
+
+@lowering(aten.index_add.default)
+@_along_dim
+def index_add(self, dim, index, source, alpha=1):
+    return self.at[_slices_at(dim, index)].add((source * alpha).astype(self.dtype), mode="drop")
+
+
+@lowering(aten.index_copy.default)
+@_along_dim
+def index_copy(self, dim, index, source):
+    return self.at[_slices_at(dim, index)].set(source.astype(self.dtype), mode="drop")
+
+
+@lowering(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor)
+@_along_dim
+def index_fill(self, dim, index, value):
+    return self.at[_slices_at(dim, index)].set(jnp.asarray(value).astype(self.dtype), mode="drop")
+
+
+@lowering(aten.index_reduce.default)
+@_along_dim
+def index_reduce(self, dim, index, source, reduce, include_self=True):
+    return _reduce_into(self, _slices_at(dim, index), source, reduce, include_self)
+
+
+# --- Masks with static output shapes.
+
+
+@lowering(aten.masked_fill.Scalar, aten.masked_fill.Tensor)
+def masked_fill(self, mask, value):
+    return jnp.where(mask, jnp.asarray(value).astype(self.dtype), self)
+
+
+@lowering(aten.masked_scatter.default)
+def masked_scatter(self, mask, source):
+    """The i-th true element of `mask` (row-major, broadcast to `self`) takes `source`'s i-th element."""
+    mask = jnp.broadcast_to(mask, self.shape).reshape(-1)
+    position = jnp.clip(jnp.cumsum(mask) - 1, 0, max(source.size - 1, 0))
+    taken = source.reshape(-1)[position] if source.size else jnp.zeros_like(self.reshape(-1))
+    return jnp.where(mask, taken.astype(self.dtype), self.reshape(-1)).reshape(self.shape)
+
+
+# --- Flat indexing.
+
+
+@lowering(aten.take.default)
+def take(self, index):
+    return self.reshape(-1)[index]
+
+
+@lowering(aten.put.default)
+def put(self, index, source, accumulate=False):
+    at = self.reshape(-1).at[index.reshape(-1)]
+    source = source.reshape(-1).astype(self.dtype)
+    flat = at.add(source, mode="drop") if accumulate else at.set(source, mode="drop")
+    return flat.reshape(self.shape)
+
+
+# --- Embedding.
+
+
+@lowering(aten.embedding.default)
+def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    return weight[indices]
+
+
+@lowering(aten.embedding_dense_backward.default)
+def embedding_dense_backward(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
+    indices = indices.reshape(-1)
+    grad = grad_output.reshape(indices.shape[0], -1)
+    accumulate = jnp.promote_types(grad.dtype, jnp.float32)  # bfloat16 rows summed in float32
+    grad = jnp.where((indices == padding_idx)[:, None], 0, grad.astype(accumulate))
+    if scale_grad_by_freq:
+        counts = jnp.zeros(num_weights, accumulate).at[indices].add(1)
+        grad = grad / counts[indices][:, None]
+    return jnp.zeros((num_weights, grad.shape[1]), accumulate).at[indices].add(grad)
+
+
+# --- Sorted search and histograms.
+
+
+def _searchsorted(sorted_sequence, values, right, sorter=None):
+    if sorter is not None:
+        sorted_sequence = jnp.take_along_axis(sorted_sequence, sorter, axis=-1)
+    side = "right" if right else "left"
+    search = lambda seq, v: jnp.searchsorted(seq, v, side=side, method="compare_all")  # noqa: E731
+    if sorted_sequence.ndim <= 1:
+        return search(sorted_sequence, values)
+    batched = jnp.vectorize(search, signature="(n),(m)->(m)")
+    return batched(sorted_sequence, values)
+
+
+@lowering(aten.searchsorted.Tensor, aten.searchsorted.Scalar)
+def searchsorted(sorted_sequence, self, *, out_int32=False, right=False, side=None, sorter=None):
+    return _searchsorted(sorted_sequence, jnp.asarray(self), right or side == "right", sorter)
+
+
+@lowering(aten.bucketize.Tensor, aten.bucketize.Scalar)
+def bucketize(self, boundaries, *, out_int32=False, right=False):
+    return _searchsorted(boundaries, jnp.asarray(self), right)
+
+
+@lowering(aten.histc.default, promote=Promote.DEFAULT)
+def histc(self, bins=100, min=0, max=0):
+    """Equal-width bins over [min, max] (the data's range when both are 0); the last bin is closed."""
+    low, high = jnp.asarray(min, self.dtype), jnp.asarray(max, self.dtype)
+    unset = low == high
+    low = jnp.where(unset, jnp.min(self, initial=jnp.inf), low)
+    high = jnp.where(unset, jnp.max(self, initial=-jnp.inf), high)
+    low, high = jnp.where(low == high, low - 1, low), jnp.where(low == high, high + 1, high)
+    inside = (self >= low) & (self <= high)
+    position = ((self - low) * bins / (high - low)).astype(jnp.int64)
+    position = jnp.clip(position, 0, bins - 1)
+    return jnp.zeros(bins, self.dtype).at[position.reshape(-1)].add(inside.reshape(-1).astype(self.dtype))

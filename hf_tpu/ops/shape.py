@@ -1,0 +1,152 @@
+"""Shape ops that copy: concatenation, flips and rolls, repeats, triangles, padding and the
+`*_scatter` ops that write a view's values into a copy.
+
+Views themselves (view, slice, select, transpose, expand, ...) are PyTorch's own kernels over shared
+storage (ops/storage.py); the `*_copy` view variants already run as view + copy.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from .registry import lowering
+
+aten = torch.ops.aten
+
+
+@lowering(aten.cat.default)
+def cat(tensors, dim=0):
+    # PyTorch still skips 1-D empty tensors whatever their rank next to the others (legacy behaviour)
+    kept = [t for t in tensors if t.shape != (0,)] or list(tensors[:1])
+    dtype = jnp.result_type(*kept)
+    return jnp.concatenate([t.astype(dtype) for t in kept], axis=dim % max(kept[0].ndim, 1))
+
+
+@lowering(aten.flip.default)
+def flip(self, dims):
+    return jnp.flip(self, axis=tuple(d % self.ndim for d in dims)) if dims and self.ndim else self
+
+
+@lowering(aten.roll.default)
+def roll(self, shifts, dims=()):
+    if not dims:
+        return jnp.roll(self.reshape(-1), shifts[0]).reshape(self.shape)
+    return jnp.roll(self, tuple(shifts), axis=tuple(dims))
+
+
+@lowering(aten.repeat.default)
+def repeat(self, repeats):
+    return jnp.tile(self.reshape((1,) * (len(repeats) - self.ndim) + self.shape), tuple(repeats))
+
+
+@lowering(aten.tril.default)
+def tril(self, diagonal=0):
+    return jnp.tril(self, diagonal)
+
+
+@lowering(aten.triu.default)
+def triu(self, diagonal=0):
+    return jnp.triu(self, diagonal)
+
+
+# --- Padding: the pad list runs from the last dim backwards, (before, after) per dim.
+
+
+def _pairs(pad, ndim):
+    """ATen's flat pad list as jnp.pad's per-dim pairs for all `ndim` dims."""
+    pairs = [(0, 0)] * ndim
+    for i in range(len(pad) // 2):
+        pairs[ndim - 1 - i] = (pad[2 * i], pad[2 * i + 1])
+    return pairs
+
+
+@lowering(aten.constant_pad_nd.default)
+def constant_pad_nd(self, pad, value=0):
+    # lax.pad crops with negative amounts, as PyTorch does
+    config = [(lo, hi, 0) for lo, hi in _pairs(pad, self.ndim)]
+    return jax.lax.pad(self, jnp.asarray(value).astype(self.dtype), config)
+
+
+def _reflect(self, padding):
+    return jnp.pad(self, _pairs(padding, self.ndim), mode="reflect")
+
+
+def _replicate(self, padding):
+    return jnp.pad(self, _pairs(padding, self.ndim), mode="edge")
+
+
+def _pad_backward(pad):
+    """The backward of a padding: the transpose of `pad` (overlapping reflected/replicated
+    elements add up), one program instead of ATen's decomposition into scatter-adds."""
+
+    def backward(grad_output, self, padding):
+        _, transpose = jax.vjp(lambda x: pad(x, padding), self)
+        return transpose(grad_output.astype(self.dtype))[0]
+
+    return backward
+
+
+lowering(aten.reflection_pad1d.default, aten.reflection_pad2d.default, aten.reflection_pad3d.default)(_reflect)
+lowering(aten.replication_pad1d.default, aten.replication_pad2d.default, aten.replication_pad3d.default)(
+    _replicate
+)
+lowering(
+    aten.reflection_pad1d_backward.default,
+    aten.reflection_pad2d_backward.default,
+    aten.reflection_pad3d_backward.default,
+)(_pad_backward(_reflect))
+lowering(
+    aten.replication_pad1d_backward.default,
+    aten.replication_pad2d_backward.default,
+    aten.replication_pad3d_backward.default,
+)(_pad_backward(_replicate))
+
+
+# --- Diagonals and the *_scatter ops (the functional form of writing into a view).
+
+
+def _diagonal_coordinates(n_rows, n_cols, offset):
+    length = max(min(n_rows + min(offset, 0), n_cols - max(offset, 0)), 0)
+    rows = jnp.arange(length) - min(offset, 0)
+    return rows, rows + offset
+
+
+@lowering(aten.diag_embed.default)
+def diag_embed(self, offset=0, dim1=-2, dim2=-1):
+    n = self.shape[-1] + abs(offset)
+    ndim = self.ndim + 1
+    rows, cols = _diagonal_coordinates(n, n, offset)
+    out = jnp.zeros(self.shape[:-1] + (n, n), self.dtype).at[..., rows, cols].set(self)
+    return jnp.moveaxis(out, (-2, -1), (dim1 % ndim, dim2 % ndim))
+
+
+@lowering(aten.diagonal_scatter.default)
+def diagonal_scatter(self, src, offset=0, dim1=0, dim2=1):
+    dims = (dim1 % self.ndim, dim2 % self.ndim)
+    moved = jnp.moveaxis(self, dims, (-2, -1))
+    rows, cols = _diagonal_coordinates(moved.shape[-2], moved.shape[-1], offset)
+    moved = moved.at[..., rows, cols].set(src.astype(self.dtype))
+    return jnp.moveaxis(moved, (-2, -1), dims)
+
+
+@lowering(aten.select_scatter.default)
+def select_scatter(self, src, dim, index):
+    return self.at[(slice(None),) * (dim % self.ndim) + (index,)].set(src.astype(self.dtype))
+
+
+@lowering(aten.slice_scatter.default)
+def slice_scatter(self, src, dim=0, start=None, end=None, step=1):
+    where = (slice(None),) * (dim % self.ndim) + (slice(start, end, step),)
+    return self.at[where].set(src.astype(self.dtype))
+
+
+@lowering(aten.as_strided_scatter.default)
+def as_strided_scatter(self, src, size, stride, storage_offset=None):
+    """`src` written through `as_strided(size, stride, storage_offset)` of a contiguous copy of self."""
+    flat_index = jnp.asarray(storage_offset or 0)
+    for d, (n, s) in enumerate(zip(size, stride)):
+        flat_index = flat_index + jax.lax.broadcasted_iota(jnp.int64, tuple(size), d) * s
+    flat = self.reshape(-1).at[flat_index].set(src.astype(self.dtype))
+    return flat.reshape(self.shape)
