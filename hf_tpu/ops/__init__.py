@@ -2,3 +2,4 @@
 
 from . import elementwise, storage  # noqa: F401
 from . import index, shape  # noqa: F401
+from . import conv, linalg  # noqa: F401
