@@ -331,6 +331,12 @@ def write(array, view: View | None, value):
     if numel == 0:
         return array
     value = value.astype(flat.dtype)
+    broadcast = [d for d, (n, s) in enumerate(zip(view.shape, view.strides)) if n > 1 and s == 0]
+    if broadcast:  # one memory location per expanded dim: its first value is written
+        value = value[tuple(slice(0, 1) if d in broadcast else slice(None) for d in range(value.ndim))]
+        shape = tuple(1 if d in broadcast else n for d, n in enumerate(view.shape))
+        view = View(shape, view.strides, view.offset, view.dtype)
+        numel = math.prod(shape)
     if view.strides == _contiguous_strides(view.shape):
         flat = lax.dynamic_update_slice(flat, value.reshape(-1), (view.offset,))
     else:
@@ -347,24 +353,6 @@ def write(array, view: View | None, value):
             valid = min(plan.length, flat.shape[0] - view.offset)
             flat = lax.dynamic_update_slice(flat, block.reshape(-1)[:valid], (view.offset,))
     return _reinterpret(flat, array.dtype).reshape(array.shape)
-
-
-def has_internal_overlap(view: View | None) -> bool:
-    """True when two elements of the view share memory (an expanded tensor): not writable in PyTorch."""
-    if view is None:
-        return False
-    if any(n > 1 and s == 0 for n, s in zip(view.shape, view.strides)):
-        return True
-    return _dense_plan(view) is None and not _distinct_positions(view)
-
-
-def _distinct_positions(view: View) -> bool:
-    idx = np.full(view.shape, view.offset, np.int64)
-    for d, stride in enumerate(view.strides):
-        shape = [1] * len(view.shape)
-        shape[d] = view.shape[d]
-        idx = idx + np.arange(view.shape[d]).reshape(shape) * stride
-    return np.unique(idx).size == idx.size
 
 
 # --- Host transfer.

@@ -469,15 +469,23 @@ def _eval_specs(fn, call):
 _PROGRAMS: dict = {}
 
 
+# In-place ops PyTorch lets write through an expanded (stride 0) tensor: they write one value per
+# memory location. Every other op raises PyTorch's overlap error (meta kernels do not check it).
+_WRITES_ALLOWED_ON_EXPANDED = ("fill", "zero", "masked_fill", "masked_scatter", "index_fill", "index_put",
+                               "_index_put_impl", "index_copy", "put")
+
+
 def _check_writable(call: _Call):
+    name = call.sig.op._schema.name.split("::")[1].rstrip("_")
+    if name in _WRITES_ALLOWED_ON_EXPANDED:
+        return
     for i in call.sig.mutated:
         v = call.values[i]
-        if isinstance(v, torch.Tensor) and v.device.type == "tpu":
-            if buffer.has_internal_overlap(buffer.view_of(v, buffer.buffer_of(v))):
-                raise RuntimeError(
-                    "unsupported operation: more than one element of the written-to tensor refers to a "
-                    "single memory location. Please clone() the tensor before performing the operation."
-                )
+        if isinstance(v, torch.Tensor) and any(n > 1 and s == 0 for n, s in zip(v.shape, v.stride())):
+            raise RuntimeError(
+                "unsupported operation: more than one element of the written-to tensor refers to a "
+                "single memory location. Please clone() the tensor before performing the operation."
+            )
 
 
 def run_lowered(sig: Signature, values: list):

@@ -1,0 +1,52 @@
+"""Differential testing: the same function on cpu and on tpu, compared with tolerances per dtype."""
+
+from __future__ import annotations
+
+import torch
+
+TOLERANCES = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.float64: dict(rtol=1e-7, atol=1e-7),
+    torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2),
+    torch.float16: dict(rtol=1e-3, atol=1e-3),
+    torch.complex64: dict(rtol=1e-5, atol=1e-5),
+}
+
+
+def to_cpu(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    if isinstance(x, (list, tuple)):
+        return type(x)(to_cpu(y) for y in x)
+    if isinstance(x, dict):
+        return {k: to_cpu(v) for k, v in x.items()}
+    return x
+
+
+def assert_same(actual, expected):
+    """`actual` (from tpu) equals `expected` (from cpu): same dtypes, shapes and values."""
+    actual, expected = to_cpu(actual), to_cpu(expected)
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), type(actual)
+        assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+        assert actual.shape == expected.shape, (actual.shape, expected.shape)
+        tol = TOLERANCES.get(expected.dtype, dict(rtol=0, atol=0))
+        torch.testing.assert_close(actual, expected, equal_nan=True, **tol)
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected)
+        for a, e in zip(actual, expected):
+            assert_same(a, e)
+    elif isinstance(expected, dict):
+        assert actual.keys() == expected.keys()
+        for k in expected:
+            assert_same(actual[k], expected[k])
+    else:
+        assert actual == expected, (actual, expected)
+
+
+def differential(fn):
+    """Run `fn(device)` on cpu and on tpu and assert the results are the same."""
+    expected = fn("cpu")
+    actual = fn("tpu")
+    assert_same(actual, expected)
+    return actual
