@@ -1,0 +1,549 @@
+"""Neural-network ops: softmax, normalisations, activations, losses and dropout's backward.
+
+Backward ops of smooth functions are the VJP of the forward lowering (recomputing the forward is
+free inside one XLA program); piecewise ones spell out PyTorch's choice at the kinks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from .. import dispatch
+from .registry import Promote, kernel, lowering
+
+aten = torch.ops.aten
+
+_REDUCTION_NONE, _REDUCTION_MEAN, _REDUCTION_SUM = 0, 1, 2
+
+
+def _opmath(x):
+    """PyTorch computes low-precision floats in float32."""
+    if x is not None and x.dtype in (jnp.bfloat16, jnp.float16):
+        return x.astype(jnp.float32)
+    return x
+
+
+def _along(fn, dim, *arrays):
+    """`fn(*arrays, axis)` for a normalised `dim`; a 0-dim tensor behaves as one element."""
+    if arrays[0].ndim == 0:
+        return fn(*(a[None] for a in arrays), 0)[0]
+    return fn(*arrays, dim % arrays[0].ndim)
+
+
+def _vjp(fn, grad, *primals):
+    """The gradients of `fn` at `primals` for the output gradient `grad`."""
+    out, pullback = jax.vjp(fn, *primals)
+    return pullback(grad.astype(out.dtype))
+
+
+def _reduce(loss, reduction):
+    if reduction == _REDUCTION_MEAN:
+        return jnp.mean(loss)
+    if reduction == _REDUCTION_SUM:
+        return jnp.sum(loss)
+    return loss
+
+
+def _sum_to(x, shape):
+    """Sum a broadcast result back to `shape` (the gradient of a broadcast)."""
+    lead = x.ndim - len(shape)
+    x = jnp.sum(x, axis=tuple(range(lead))) if lead else x
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
+    return jnp.sum(x, axis=axes, keepdims=True) if axes else x
+
+
+# --- Softmax.
+
+
+@lowering(aten._softmax.default)
+def _softmax(self, dim, half_to_float):
+    return _along(lambda x, axis: jax.nn.softmax(x, axis=axis), dim, _opmath(self))
+
+
+@lowering(aten._log_softmax.default)
+def _log_softmax(self, dim, half_to_float):
+    return _along(lambda x, axis: jax.nn.log_softmax(x, axis=axis), dim, _opmath(self))
+
+
+def _safe_softmax_along(x, axis):
+    """Softmax whose rows of only -inf give 0 rather than NaN (SDPA's fully masked rows)."""
+    masked = jnp.all(x == -jnp.inf, axis=axis, keepdims=True)
+    return jnp.where(masked, 0, jax.nn.softmax(x, axis=axis))
+
+
+@lowering(aten._safe_softmax.default)
+def _safe_softmax(self, dim, dtype=None):
+    return _along(_safe_softmax_along, dim, _opmath(self))
+
+
+@lowering(aten._softmax_backward_data.default)
+def _softmax_backward_data(grad_output, output, dim, input_dtype):
+    def grad(g, y, axis):
+        return y * (g - jnp.sum(g * y, axis, keepdims=True))
+
+    return _along(grad, dim, _opmath(grad_output), _opmath(output))
+
+
+@lowering(aten._log_softmax_backward_data.default)
+def _log_softmax_backward_data(grad_output, output, dim, input_dtype):
+    def grad(g, y, axis):
+        return g - jnp.exp(y) * jnp.sum(g, axis, keepdims=True)
+
+    return _along(grad, dim, _opmath(grad_output), _opmath(output))
+
+
+# --- Normalisations. Statistics are float32 for low-precision inputs, as on PyTorch's CPU.
+# Backward lowerings compute every gradient; `_masked_backward` drops those not asked for.
+
+
+def _masked_backward(*ops):
+    """Run a backward op with every output asked for and return None for the others (its undefined
+    tensors): the dispatcher expects a tensor for every return, and meta returns None for these."""
+
+    def run(sig, values):
+        mask_index = sig.names.index("output_mask")
+        mask = values[mask_index]
+        values = list(values)
+        values[mask_index] = [True] * len(mask)
+        results = dispatch.run_lowered(sig, values)
+        return tuple(r if keep else None for r, keep in zip(results, mask))
+
+    return kernel(*ops)(run)
+
+
+def _channel_shape(input):
+    return (1, -1) + (1,) * (input.ndim - 2)
+
+
+def _affine(x, weight, bias, shape):
+    if weight is not None:
+        x = x * _opmath(weight).reshape(shape)
+    if bias is not None:
+        x = x + _opmath(bias).reshape(shape)
+    return x
+
+
+def _normalize(x, axes, eps):
+    """(x - mean) * rstd over `axes` (biased variance), with the statistics as kept dims."""
+    mean = jnp.mean(x, axes, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axes, keepdims=True)
+    rstd = jax.lax.rsqrt(var + eps)
+    return (x - mean) * rstd, mean, rstd
+
+
+def _normalized_grad(grad_x_hat, x_hat, rstd, axes):
+    """The gradient through x_hat = (x - mean(x)) * rstd(x), statistics over `axes`."""
+    mean_grad = jnp.mean(grad_x_hat, axes, keepdims=True)
+    mean_proj = jnp.mean(grad_x_hat * x_hat, axes, keepdims=True)
+    return rstd * (grad_x_hat - mean_grad - x_hat * mean_proj)
+
+
+def _scaled(grad_out, weight, shape):
+    return grad_out * _opmath(weight).reshape(shape) if weight is not None else grad_out
+
+
+@lowering(aten.native_layer_norm.default)
+def native_layer_norm(input, normalized_shape, weight, bias, eps):
+    axes = tuple(range(input.ndim - len(normalized_shape), input.ndim))
+    y, mean, rstd = _normalize(_opmath(input), axes, eps)
+    return _affine(y, weight, bias, tuple(normalized_shape)), mean, rstd
+
+
+@lowering(aten.native_layer_norm_backward.default)
+def native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask):
+    shape = tuple(normalized_shape)
+    axes = tuple(range(input.ndim - len(shape), input.ndim))
+    batch_axes = tuple(range(input.ndim - len(shape)))
+    g = _opmath(grad_out)
+    x_hat = (_opmath(input) - mean) * rstd
+    grad_input = _normalized_grad(_scaled(g, weight, shape), x_hat, rstd, axes)
+    return grad_input, jnp.sum(g * x_hat, batch_axes), jnp.sum(g, batch_axes)
+
+
+_masked_backward(aten.native_layer_norm_backward.default)
+
+
+def _grouped(x, n, group):
+    return x.reshape(n, group, -1)
+
+
+@lowering(aten.native_group_norm.default)
+def native_group_norm(input, weight, bias, N, C, HxW, group, eps):
+    x = _grouped(_opmath(input), N, group)
+    y, mean, rstd = _normalize(x, (2,), eps)
+    y = _affine(y.reshape(input.shape), weight, bias, _channel_shape(input))
+    return y, mean.reshape(N, group), rstd.reshape(N, group)
+
+
+@lowering(aten.native_group_norm_backward.default)
+def native_group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, group, output_mask):
+    g = _opmath(grad_out).reshape(N, C, HxW)
+    x_hat = (_grouped(_opmath(input), N, group) - mean[..., None]) * rstd[..., None]
+    grad_x_hat = _grouped(_scaled(g, weight, (1, C, 1)), N, group)
+    grad_input = _normalized_grad(grad_x_hat, x_hat, rstd[..., None], (2,)).reshape(input.shape)
+    x_hat = x_hat.reshape(N, C, HxW)
+    return grad_input, jnp.sum(g * x_hat, (0, 2)), jnp.sum(g, (0, 2))
+
+
+_masked_backward(aten.native_group_norm_backward.default)
+
+
+def _batch_axes(input):
+    return (0,) + tuple(range(2, input.ndim))
+
+
+def _batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    """(output, save_mean, save_invstd, new running mean, new running var)."""
+    x = _opmath(input)
+    shape = _channel_shape(input)
+    if training:
+        axes = _batch_axes(input)
+        y, mean, rstd = _normalize(x, axes, eps)
+        mean, rstd = mean.reshape(-1), rstd.reshape(-1)
+        if running_mean is not None:
+            n = input.size // input.shape[1]
+            unbiased_var = jnp.var(x, axes) * (n / max(n - 1, 1))
+            running_mean = momentum * mean + (1 - momentum) * running_mean
+            running_var = momentum * unbiased_var + (1 - momentum) * running_var
+    else:
+        mean, rstd = running_mean, jax.lax.rsqrt(running_var + eps)
+        y = (x - mean.reshape(shape)) * rstd.reshape(shape)
+    return _affine(y, weight, bias, shape), mean, rstd, running_mean, running_var
+
+
+@lowering(aten._native_batch_norm_legit_functional.default)
+def _native_batch_norm_legit_functional(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    return _batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
+
+
+@lowering(aten._native_batch_norm_legit.no_stats)
+def _native_batch_norm_legit_no_stats(input, weight, bias, training, momentum, eps):
+    return _batch_norm(input, weight, bias, None, None, training, momentum, eps)[:3]
+
+
+_BATCH_NORM_FUNCTIONAL = aten._native_batch_norm_legit_functional.default
+
+
+@kernel(aten.native_batch_norm.default, aten._native_batch_norm_legit.default)
+def _batch_norm_updating_stats(sig, values):
+    """The dispatcher cannot write arguments an op mutates without returning them (running
+    statistics), so the functional op computes them and they are copied in here."""
+    input, weight, bias, running_mean, running_var, training, momentum, eps = values
+    if running_mean is None:
+        return dispatch.run_lowered(dispatch.signature(aten._native_batch_norm_legit.no_stats),
+                                    [input, weight, bias, training, momentum, eps])
+    out, mean, rstd, new_mean, new_var = dispatch.run_lowered(dispatch.signature(_BATCH_NORM_FUNCTIONAL), values)
+    if training:
+        running_mean.copy_(new_mean)
+        running_var.copy_(new_var)
+    return out, mean, rstd
+
+
+@kernel(aten._batch_norm_with_update.default)
+def _batch_norm_with_update(sig, values):
+    input, weight, bias, running_mean, running_var, momentum, eps = values
+    out, mean, rstd = _batch_norm_updating_stats(
+        sig, [input, weight, bias, running_mean, running_var, True, momentum, eps])
+    reserve = torch.empty(0, dtype=torch.uint8, device=input.device)
+    return out, mean, rstd, reserve
+
+
+def _batch_norm_grads(grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps):
+    shape = _channel_shape(input)
+    axes = _batch_axes(input)
+    if train:
+        mean, invstd = save_mean, save_invstd
+    else:
+        mean, invstd = running_mean, jax.lax.rsqrt(running_var + eps)
+    g = _opmath(grad_out)
+    mean, invstd = _opmath(mean).reshape(shape), _opmath(invstd).reshape(shape)
+    x_hat = (_opmath(input) - mean) * invstd
+    grad_x_hat = _scaled(g, weight, shape)
+    grad_input = _normalized_grad(grad_x_hat, x_hat, invstd, axes) if train else grad_x_hat * invstd
+    return grad_input, jnp.sum(g * x_hat, axes), jnp.sum(g, axes)
+
+
+@lowering(aten.native_batch_norm_backward.default)
+def native_batch_norm_backward(grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train,
+                               eps, output_mask):
+    return _batch_norm_grads(grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps)
+
+
+@lowering(aten.batch_norm_backward.default)
+def batch_norm_backward(grad_out, input, weight, running_mean, running_var, save_mean, save_var, update, eps,
+                        output_mask, reserve):
+    return _batch_norm_grads(grad_out, input, weight, running_mean, running_var, save_mean, save_var, update, eps)
+
+
+_masked_backward(aten.native_batch_norm_backward.default, aten.batch_norm_backward.default)
+
+
+# --- Activations.
+
+
+@lowering(aten.relu.default, promote=Promote.DEFAULT)
+def relu(self):
+    return jnp.maximum(self, 0)
+
+
+@lowering(aten.threshold.default, promote=Promote.DEFAULT)
+def threshold(self, threshold, value):
+    return jnp.where(self <= threshold, value, self)
+
+
+@lowering(aten.threshold_backward.default, promote=Promote.DEFAULT)
+def threshold_backward(grad_output, self, threshold):
+    return jnp.where(self <= threshold, 0, grad_output)
+
+
+def _gelu(x, approximate):
+    if approximate == "tanh":
+        inner = math.sqrt(2 / math.pi) * (x + 0.044715 * x * x * x)
+        return 0.5 * x * (1 + jnp.tanh(inner))
+    return 0.5 * x * (1 + jax.lax.erf(x * (1 / math.sqrt(2))))
+
+
+@lowering(aten.gelu.default, promote=Promote.DEFAULT)
+def gelu(self, *, approximate="none"):
+    return _gelu(self, approximate)
+
+
+@lowering(aten.gelu_backward.default, promote=Promote.DEFAULT)
+def gelu_backward(grad_output, self, *, approximate="none"):
+    return _vjp(lambda x: _gelu(x, approximate), grad_output, self)[0]
+
+
+@lowering(aten.silu.default, promote=Promote.DEFAULT)
+def silu(self):
+    return self * jax.nn.sigmoid(self)
+
+
+def _softplus(x, beta, threshold):
+    return jnp.where(x * beta > threshold, x, jnp.log1p(jnp.exp(x * beta)) / beta)
+
+
+@lowering(aten.softplus.default, promote=Promote.DEFAULT)
+def softplus(self, beta=1, threshold=20):
+    return _softplus(self, beta, threshold)
+
+
+@lowering(aten.softplus_backward.default, promote=Promote.DEFAULT)
+def softplus_backward(grad_output, self, beta, threshold):
+    z = jnp.exp(self * beta)
+    return jnp.where(self * beta > threshold, grad_output, grad_output * z / (z + 1))
+
+
+@lowering(aten.mish.default, promote=Promote.DEFAULT)
+def mish(self):
+    return self * jnp.tanh(_softplus(self, 1, 20))
+
+
+@lowering(aten.elu.default, promote=Promote.DEFAULT)
+def elu(self, alpha=1, scale=1, input_scale=1):
+    return jnp.where(self > 0, self * scale, jnp.expm1(self * input_scale) * (alpha * scale))
+
+
+@lowering(aten.elu_backward.default, promote=Promote.DEFAULT)
+def elu_backward(grad_output, alpha, scale, input_scale, is_result, self_or_result):
+    x = self_or_result
+    if is_result:
+        negative = grad_output * input_scale * (x + alpha * scale)
+    else:
+        negative = grad_output * input_scale * alpha * scale * jnp.exp(x * input_scale)
+    return jnp.where(x <= 0, negative, grad_output * scale)
+
+
+@lowering(aten.leaky_relu.default, promote=Promote.DEFAULT)
+def leaky_relu(self, negative_slope=0.01):
+    return jnp.where(self > 0, self, self * negative_slope)
+
+
+@lowering(aten.leaky_relu_backward.default, promote=Promote.DEFAULT)
+def leaky_relu_backward(grad_output, self, negative_slope, self_is_result):
+    return jnp.where(self > 0, grad_output, grad_output * negative_slope)
+
+
+@lowering(aten.hardtanh.default, promote=Promote.DEFAULT)
+def hardtanh(self, min_val=-1, max_val=1):
+    # NaN stays NaN, as PyTorch's clamp
+    return jnp.where(self < min_val, min_val, jnp.where(self > max_val, max_val, self))
+
+
+@lowering(aten.hardtanh_backward.default, promote=Promote.DEFAULT)
+def hardtanh_backward(grad_output, self, min_val, max_val):
+    return jnp.where((self <= min_val) | (self >= max_val), 0, grad_output)
+
+
+@lowering(aten.hardsigmoid.default, promote=Promote.DEFAULT)
+def hardsigmoid(self):
+    return jnp.clip(self + 3, 0, 6) / 6
+
+
+@lowering(aten.hardsigmoid_backward.default, promote=Promote.DEFAULT)
+def hardsigmoid_backward(grad_output, self):
+    return jnp.where((self > -3) & (self < 3), grad_output / 6, 0)
+
+
+@lowering(aten.hardswish.default, promote=Promote.DEFAULT)
+def hardswish(self):
+    return self * jnp.clip(self + 3, 0, 6) / 6
+
+
+@lowering(aten.hardswish_backward.default, promote=Promote.DEFAULT)
+def hardswish_backward(grad_output, self):
+    inside = jnp.where(self <= 3, grad_output * (self / 3 + 0.5), grad_output)
+    return jnp.where(self < -3, 0, inside)
+
+
+def _glu(x, dim):
+    a, b = jnp.split(x, 2, axis=dim)
+    return a * jax.nn.sigmoid(b)
+
+
+@lowering(aten.glu.default, promote=Promote.DEFAULT)
+def glu(self, dim=-1):
+    return _glu(self, dim)
+
+
+@lowering(aten.glu_backward.default, promote=Promote.DEFAULT)
+def glu_backward(grad_output, self, dim):
+    return _vjp(lambda x: _glu(x, dim), grad_output, self)[0]
+
+
+@lowering(aten.log_sigmoid_forward.default, promote=Promote.DEFAULT)
+def log_sigmoid_forward(self):
+    return jax.nn.log_sigmoid(self), jnp.zeros_like(self)
+
+
+@lowering(aten.log_sigmoid_backward.default, promote=Promote.DEFAULT)
+def log_sigmoid_backward(grad_output, self, buffer):
+    return grad_output * jax.nn.sigmoid(-self)
+
+
+@lowering(aten._prelu_kernel.default, promote=Promote.DEFAULT)
+def _prelu_kernel(self, weight):
+    return jnp.where(self > 0, self, weight * self)
+
+
+@lowering(aten._prelu_kernel_backward.default, promote=Promote.DEFAULT)
+def _prelu_kernel_backward(grad_output, self, weight):
+    positive = self > 0
+    grad_input = jnp.where(positive, grad_output, weight * grad_output)
+    grad_weight = jnp.where(positive, 0, self * grad_output)
+    return grad_input, _sum_to(grad_weight, weight.shape)
+
+
+@lowering(aten.native_dropout_backward.default, promote=Promote.DEFAULT)
+def native_dropout_backward(grad_output, mask, scale):
+    return grad_output * mask * scale
+
+
+# --- Losses. reduction: 0 none, 1 mean, 2 sum.
+
+
+def _grad_of_reduction(grad_output, reduction, numel):
+    return grad_output / numel if reduction == _REDUCTION_MEAN else grad_output
+
+
+def _nll_weights(target, weight, ignore_index):
+    w = jnp.ones(target.shape, jnp.float32) if weight is None else _opmath(weight)[jnp.clip(target, 0, weight.shape[0] - 1)]
+    return jnp.where(target == ignore_index, 0, w)
+
+
+def _class_axis(self):
+    return 0 if self.ndim == 1 else 1
+
+
+def _picked(self, target):
+    """self[..., target, ...] along the class axis; out-of-range (ignored) targets pick class 0."""
+    axis = _class_axis(self)
+    index = jnp.expand_dims(jnp.clip(target, 0, self.shape[axis] - 1), axis)
+    return jnp.squeeze(jnp.take_along_axis(self, index, axis), axis)
+
+
+@lowering(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
+def nll_loss_forward(self, target, weight, reduction, ignore_index):
+    w = _nll_weights(target, weight, ignore_index)
+    loss = -_picked(_opmath(self), target) * w
+    total_weight = jnp.sum(w)
+    if reduction == _REDUCTION_MEAN:
+        return jnp.sum(loss) / total_weight, total_weight
+    return _reduce(loss, reduction), total_weight
+
+
+@lowering(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
+def nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index, total_weight):
+    w = _nll_weights(target, weight, ignore_index)
+    g = _opmath(grad_output)
+    if reduction == _REDUCTION_MEAN:
+        g = g / total_weight
+    axis = _class_axis(self)
+    one_hot = jax.nn.one_hot(target, self.shape[axis], axis=axis, dtype=jnp.float32)
+    return one_hot * jnp.expand_dims(-w * g, axis)
+
+
+@lowering(aten.mse_loss.default, promote=Promote.DEFAULT)
+def mse_loss(self, target, reduction=_REDUCTION_MEAN):
+    return _reduce(jnp.square(self - target), reduction)
+
+
+@lowering(aten.mse_loss_backward.default, promote=Promote.DEFAULT)
+def mse_loss_backward(grad_output, self, target, reduction):
+    return 2 * (self - target) * _grad_of_reduction(grad_output, reduction, self.size)
+
+
+_LOG_FLOOR = -100.0  # PyTorch clamps log(x) and log(1 - x) here so that 0 * log(0) stays finite
+
+
+def _weighted(loss, weight):
+    return loss if weight is None else loss * weight
+
+
+@lowering(aten.binary_cross_entropy.default, promote=Promote.DEFAULT)
+def binary_cross_entropy(self, target, weight=None, reduction=_REDUCTION_MEAN):
+    log_x = jnp.maximum(jnp.log(self), _LOG_FLOOR)
+    log_1mx = jnp.maximum(jnp.log1p(-self), _LOG_FLOOR)
+    return _reduce(_weighted(-(target * log_x + (1 - target) * log_1mx), weight), reduction)
+
+
+@lowering(aten.binary_cross_entropy_backward.default, promote=Promote.DEFAULT)
+def binary_cross_entropy_backward(grad_output, self, target, weight=None, reduction=_REDUCTION_MEAN):
+    grad = (self - target) / jnp.maximum((1 - self) * self, 1e-12)
+    return _weighted(grad * _grad_of_reduction(grad_output, reduction, self.size), weight)
+
+
+@lowering(aten.binary_cross_entropy_with_logits.default, promote=Promote.DEFAULT)
+def binary_cross_entropy_with_logits(self, target, weight=None, pos_weight=None, reduction=_REDUCTION_MEAN):
+    softplus_neg = jnp.log1p(jnp.exp(-jnp.abs(self))) + jnp.maximum(-self, 0)  # log(1 + exp(-x)), stably
+    log_weight = 1 if pos_weight is None else (pos_weight - 1) * target + 1
+    return _reduce(_weighted((1 - target) * self + log_weight * softplus_neg, weight), reduction)
+
+
+@lowering(aten.smooth_l1_loss.default, promote=Promote.DEFAULT)
+def smooth_l1_loss(self, target, reduction=_REDUCTION_MEAN, beta=1.0):
+    z = jnp.abs(self - target)
+    loss = z if beta == 0 else jnp.where(z < beta, 0.5 * z * z / beta, z - 0.5 * beta)
+    return _reduce(loss, reduction)
+
+
+@lowering(aten.smooth_l1_loss_backward.default, promote=Promote.DEFAULT)
+def smooth_l1_loss_backward(grad_output, self, target, reduction, beta):
+    d = self - target
+    grad = jnp.sign(d) if beta == 0 else jnp.clip(d / beta, -1, 1)
+    return grad * _grad_of_reduction(grad_output, reduction, self.size)
+
+
+@lowering(aten.huber_loss.default, promote=Promote.DEFAULT)
+def huber_loss(self, target, reduction=_REDUCTION_MEAN, delta=1.0):
+    z = jnp.abs(self - target)
+    return _reduce(jnp.where(z < delta, 0.5 * z * z, delta * (z - 0.5 * delta)), reduction)
+
+
+@lowering(aten.huber_loss_backward.default, promote=Promote.DEFAULT)
+def huber_loss_backward(grad_output, self, target, reduction, delta):
+    grad = jnp.clip(self - target, -delta, delta)
+    return grad * _grad_of_reduction(grad_output, reduction, self.size)
