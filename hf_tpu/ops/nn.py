@@ -100,19 +100,26 @@ def _log_softmax_backward_data(grad_output, output, dim, input_dtype):
 # Backward lowerings compute every gradient; `_masked_backward` drops those not asked for.
 
 
-def _masked_backward(*ops):
-    """Run a backward op with every output asked for and return None for the others (its undefined
-    tensors): the dispatcher expects a tensor for every return, and meta returns None for these."""
+def _masked_backward(op, params, param_shape):
+    """Run a backward op with every output asked for, then return None (an undefined tensor) for
+    those that were not. The dispatcher expects a tensor for every return while meta returns None
+    for masked-off or parameter-less gradients, so absent `params` are passed as ones of
+    `param_shape(values)` (the same gradients as no parameter)."""
 
     def run(sig, values):
+        values = list(values)
         mask_index = sig.names.index("output_mask")
         mask = values[mask_index]
-        values = list(values)
         values[mask_index] = [True] * len(mask)
+        input = values[sig.names.index("input")]
+        for name in params:
+            i = sig.names.index(name)
+            if values[i] is None:
+                values[i] = torch.ones(param_shape(values), dtype=input.dtype, device=input.device)
         results = dispatch.run_lowered(sig, values)
         return tuple(r if keep else None for r, keep in zip(results, mask))
 
-    return kernel(*ops)(run)
+    return kernel(op)(run)
 
 
 def _channel_shape(input):
@@ -164,11 +171,11 @@ def native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, we
     return grad_input, jnp.sum(g * x_hat, batch_axes), jnp.sum(g, batch_axes)
 
 
-_masked_backward(aten.native_layer_norm_backward.default)
+_masked_backward(aten.native_layer_norm_backward.default, ("weight", "bias"), lambda values: values[2])
 
 
 def _grouped(x, n, group):
-    return x.reshape(n, group, -1)
+    return x.reshape(n, group, x.size // max(n * group, 1))  # not -1: the sizes may be 0
 
 
 @lowering(aten.native_group_norm.default)
@@ -189,7 +196,7 @@ def native_group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, g
     return grad_input, jnp.sum(g * x_hat, (0, 2)), jnp.sum(g, (0, 2))
 
 
-_masked_backward(aten.native_group_norm_backward.default)
+_masked_backward(aten.native_group_norm_backward.default, ("weight",), lambda values: (values[6],))
 
 
 def _batch_axes(input):
@@ -279,7 +286,8 @@ def batch_norm_backward(grad_out, input, weight, running_mean, running_var, save
     return _batch_norm_grads(grad_out, input, weight, running_mean, running_var, save_mean, save_var, update, eps)
 
 
-_masked_backward(aten.native_batch_norm_backward.default, aten.batch_norm_backward.default)
+for _op in (aten.native_batch_norm_backward.default, aten.batch_norm_backward.default):
+    _masked_backward(_op, ("weight",), lambda values: values[1].shape[1:2])
 
 
 # --- Activations.
