@@ -175,33 +175,30 @@ def logsumexp(self, dim, keepdim=False):
 
 
 def _vector_norm(x, ord, dim, keepdim, dtype):
-    x = jnp.abs(_accumulator(x, dtype))
+    # `ord` is traced: dispatch keys a Scalar argument by its type only, even one named in
+    # `static=`, so a Python branch on it would reuse the program compiled for the first value.
+    magnitudes = jnp.abs(_accumulator(x, dtype))
+    ord = jnp.asarray(ord, magnitudes.dtype)
     axes = _axes(x, dim)
-    if ord == math.inf:
-        return jnp.max(x, axes, keepdims=keepdim)
-    if ord == -math.inf:
-        return jnp.min(x, axes, keepdims=keepdim)
-    if ord == 0:
-        return jnp.sum(x != 0, axes, keepdims=keepdim).astype(x.dtype)
-    if ord == 1:
-        return jnp.sum(x, axes, keepdims=keepdim)
-    if ord == 2:
-        return jnp.sqrt(jnp.sum(jnp.square(x), axes, keepdims=keepdim))
-    return jnp.sum(x**ord, axes, keepdims=keepdim) ** (1.0 / ord)
+    reduce = functools.partial(jnp.sum, axis=axes, keepdims=keepdim)
+    cases = [
+        (ord == math.inf, lambda: jnp.max(magnitudes, axes, keepdims=keepdim, initial=0)),
+        (ord == -math.inf, lambda: jnp.min(magnitudes, axes, keepdims=keepdim, initial=math.inf)),
+        (ord == 0, lambda: reduce(magnitudes != 0).astype(magnitudes.dtype)),
+        (ord == 1, lambda: reduce(magnitudes)),
+        (ord == 2, lambda: jnp.sqrt(reduce(jnp.square(magnitudes)))),
+    ]
+    general = lambda: reduce(magnitudes**ord) ** (1 / ord)  # noqa: E731
+    branch = jnp.select([condition for condition, _ in cases], jnp.arange(len(cases)), len(cases))
+    return jax.lax.switch(branch, [fn for _, fn in cases] + [general])
 
 
-@lowering(aten.linalg_vector_norm.default, static=("ord",))
+@lowering(aten.linalg_vector_norm.default)
 def linalg_vector_norm(self, ord=2, dim=None, keepdim=False, *, dtype=None):
     return _vector_norm(self, ord, dim, keepdim, dtype)
 
 
-@lowering(
-    aten.norm.Scalar,
-    aten.norm.ScalarOpt_dim,
-    aten.norm.ScalarOpt_dim_dtype,
-    aten.norm.ScalarOpt_dtype,
-    static=("p",),
-)
+@lowering(aten.norm.Scalar, aten.norm.ScalarOpt_dim, aten.norm.ScalarOpt_dim_dtype, aten.norm.ScalarOpt_dtype)
 def norm(self, p=2, dim=None, keepdim=False, *, dtype=None):
     return _vector_norm(self, 2 if p is None else p, dim, keepdim, dtype)
 
