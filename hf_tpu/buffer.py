@@ -372,7 +372,12 @@ def host_array(t: torch.Tensor) -> np.ndarray:
 
 def from_host(t: torch.Tensor, device_index: int):
     """A CPU tensor's values as a jax.Array on `tpu:device_index`."""
-    return jax.device_put(host_array(t), platform.jax_device(device_index))
+    host = host_array(t)
+    if platform.name() == "cpu":
+        # XLA on the CPU may alias host memory: copy, so the tpu tensor never shares the CPU tensor's
+        # storage (which PyTorch may free or overwrite)
+        host = np.array(host, copy=True)
+    return jax.device_put(host, platform.jax_device(device_index))
 
 
 def to_host(array, dtype: torch.dtype) -> torch.Tensor:

@@ -67,7 +67,9 @@ class Signature:
 
     @property
     def name(self) -> str:
-        return str(self.op).replace("aten.", "aten::", 1)
+        """`aten::add.Tensor`, or `aten::abs` for a default overload, as PyTorch's errors name ops."""
+        overload = self.op._overloadname
+        return self.op._schema.name + ("" if overload == "default" else f".{overload}")
 
 
 def _functional_counterpart(op):

@@ -1,0 +1,122 @@
+"""The `torch.tpu` module, `torch.accelerator` and device registration, from a plain session."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import hf_tpu
+
+
+def test_device_strings_and_accelerator():
+    assert torch.device("tpu").type == "tpu"
+    assert torch.device("tpu:0").index == 0
+    assert torch.accelerator.current_accelerator().type == "tpu"
+    assert torch.accelerator.is_available()
+    assert torch.accelerator.device_count() == torch.tpu.device_count() == 2
+    assert torch.accelerator.current_device_index() == 0
+    torch.accelerator.synchronize()
+    assert torch.accelerator.memory_allocated() == torch.tpu.memory_allocated()
+
+
+def test_transformers_sees_the_accelerator():
+    from transformers.utils import is_torch_tpu_available
+
+    assert is_torch_tpu_available()
+
+
+def test_module_functions():
+    tpu = torch.tpu
+    assert tpu.is_available() and tpu.device_count() == 2
+    tpu.init()
+    assert tpu.is_initialized()
+    assert tpu.current_device() == 0
+    assert "TPU" in tpu.get_device_name() or tpu.get_device_name()
+    props = tpu.get_device_properties(0)
+    assert props.total_memory > 0 and props.index == 0
+    assert torch.bfloat16 in tpu.get_amp_supported_dtype()
+    free, total = tpu.mem_get_info()
+    assert 0 < free <= total
+    tpu.empty_cache()
+    tpu.synchronize()
+    stats = tpu.memory_stats()
+    assert stats["allocated_bytes.all.current"] == tpu.memory_allocated()
+
+
+def test_set_device_and_context_manager():
+    with torch.tpu.device(1):
+        assert torch.tpu.current_device() == 1
+        x = torch.ones(3, device="tpu")
+        assert x.device == torch.device("tpu:1")
+    assert torch.tpu.current_device() == 0
+    torch.tpu.set_device("tpu:1")
+    try:
+        assert torch.zeros(1, device="tpu").device.index == 1
+    finally:
+        torch.tpu.set_device(0)
+    assert (torch.ones(2, device="tpu:1") + 1).device.index == 1
+
+
+def test_tensors_on_two_chips_do_not_mix():
+    a = torch.ones(2, device="tpu:0")
+    b = torch.ones(2, device="tpu:1")
+    with pytest.raises(RuntimeError, match="same device"):
+        a + b
+    assert (a + b.to("tpu:0")).cpu().tolist() == [2.0, 2.0]
+
+
+def test_streams_and_events():
+    s = torch.tpu.current_stream()
+    assert s == torch.tpu.default_stream()
+    s.synchronize()
+    s.wait_stream(torch.tpu.Stream())
+    start, end = torch.tpu.Event(enable_timing=True), torch.tpu.Event(enable_timing=True)
+    start.record()
+    (torch.ones(64, 64, device="tpu") * 2).sum()
+    end.record()
+    end.synchronize()
+    assert start.elapsed_time(end) >= 0
+    with pytest.raises(RuntimeError):
+        torch.tpu.Event().elapsed_time(torch.tpu.Event())
+
+
+def test_metrics_counters():
+    hf_tpu.reset_metrics()
+    x = torch.ones(4, device="tpu")
+    (x + 1).cpu()
+    m = hf_tpu.metrics()
+    for key in ("ops_dispatched", "compiles", "compile_cache_hits", "host_syncs", "cpu_fallbacks"):
+        assert key in m
+    assert m["ops_dispatched"] >= 1 and m["host_syncs"] >= 1
+    (x + 1).cpu()
+    assert hf_tpu.metrics()["compile_cache_hits"] > m["compile_cache_hits"]
+
+
+def _python(code, **env):
+    import os
+
+    full_env = dict(os.environ, **env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=300)
+
+
+def test_one_chip_platform_rejects_tpu7_clearly():
+    r = _python(
+        "import torch, hf_tpu\n"
+        "try:\n    torch.zeros(2, device='tpu:7')\nexcept RuntimeError as e:\n    print('ERR', e)\n",
+        HF_TPU_NUM_DEVICES="1",
+    )
+    assert r.returncode == 0, r.stderr
+    assert "ERR Invalid device tpu:7" in r.stdout and "1 tpu device" in r.stdout
+
+
+def test_platform_override_and_simulated_chips():
+    r = _python("import torch, hf_tpu; print(hf_tpu.platform_name(), torch.tpu.device_count())",
+                HF_TPU_PLATFORM="cpu", HF_TPU_NUM_DEVICES="4")
+    assert r.stdout.split() == ["cpu", "4"], r.stderr
+
+
+def test_another_owner_of_privateuse1_is_reported():
+    r = _python("import torch\ntorch.utils.rename_privateuse1_backend('jax')\nimport hf_tpu")
+    assert r.returncode != 0
+    assert "already taken as 'jax'" in r.stderr and "torchax" in r.stderr

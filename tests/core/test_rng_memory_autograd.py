@@ -1,0 +1,110 @@
+"""RNG reproducibility and state, memory statistics, and autograd's checks on tpu."""
+
+import pytest
+import torch
+
+
+def test_manual_seed_makes_random_ops_reproducible():
+    def draw():
+        return [torch.rand(4, device="tpu"), torch.randn(3, device="tpu"),
+                torch.randint(0, 100, (5,), device="tpu"), torch.empty(6, device="tpu").uniform_(-1, 1),
+                torch.empty(3, device="tpu").normal_(), torch.bernoulli(torch.full((8,), 0.5, device="tpu"))]
+
+    torch.manual_seed(123)
+    first = [t.cpu() for t in draw()]
+    torch.manual_seed(123)
+    second = [t.cpu() for t in draw()]
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    assert not torch.equal(first[0], torch.rand(4, device="tpu").cpu())
+    assert torch.tpu.initial_seed() == 123
+
+
+def test_rng_state_round_trips():
+    torch.manual_seed(7)
+    torch.rand(3, device="tpu")
+    state = torch.tpu.get_rng_state()
+    assert state.dtype == torch.uint8
+    a = torch.rand(5, device="tpu").cpu()
+    torch.tpu.set_rng_state(state)
+    b = torch.rand(5, device="tpu").cpu()
+    assert torch.equal(a, b)
+    states = torch.tpu.get_rng_state_all()
+    assert len(states) == torch.tpu.device_count()
+    torch.tpu.set_rng_state_all(states)
+    with pytest.raises(RuntimeError):
+        torch.tpu.set_rng_state(torch.zeros(3))
+
+
+def test_seed_gives_a_new_initial_seed():
+    torch.tpu.seed()
+    s = torch.tpu.initial_seed()
+    torch.tpu.seed()
+    assert torch.tpu.initial_seed() != s
+
+
+def test_memory_counts_live_buffers_and_peak():
+    torch.tpu.synchronize()
+    base = torch.tpu.memory_allocated()
+    torch.tpu.reset_peak_memory_stats()
+    a = torch.zeros(1024, device="tpu")
+    assert torch.tpu.memory_allocated() == base + 4096
+    b = torch.zeros(2048, device="tpu")
+    assert torch.tpu.memory_allocated() == base + 4096 + 8192
+    del a, b
+    assert torch.tpu.memory_allocated() == base
+    assert torch.tpu.max_memory_allocated() >= base + 4096 + 8192
+    torch.tpu.reset_peak_memory_stats()
+    assert torch.tpu.max_memory_allocated() == base
+
+
+def test_views_do_not_allocate():
+    x = torch.zeros(256, device="tpu")
+    before = torch.tpu.memory_allocated()
+    v = x.view(16, 16).t()[::2]
+    assert torch.tpu.memory_allocated() == before and v.shape == (8, 16)
+
+
+def test_leaf_in_place_error_still_fires():
+    w = torch.ones(3, device="tpu", requires_grad=True)
+    with pytest.raises(RuntimeError, match="a leaf Variable that requires grad is being used in an in-place operation"):
+        w.add_(1)
+
+
+def test_modified_by_inplace_error_still_fires():
+    a = torch.ones(3, device="tpu", requires_grad=True)
+    b = a * 2
+    c = b * b  # saves b
+    b.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        c.sum().backward()
+
+
+def test_version_counters_bump_as_on_cpu():
+    for device in ("cpu", "tpu"):
+        x = torch.ones(4, 4, device=device)
+        v = x[1:]
+        versions = [x._version]
+        x.add_(1)
+        versions.append(x._version)
+        v.mul_(2)
+        versions.append(x._version)
+        x.t().zero_()
+        versions.append(v._version)
+        if device == "cpu":
+            expected = versions
+        else:
+            assert versions == expected
+
+
+def test_backward_through_views_and_in_place():
+    def run(device):
+        w = torch.arange(6.0, device=device).reshape(2, 3).requires_grad_()
+        y = w * 1
+        y[:, 1].mul_(3)
+        y.t()[0].add_(1)
+        (y * y).sum().backward()
+        return w.grad
+
+    cpu, tpu = run("cpu"), run("tpu")
+    assert torch.allclose(tpu.cpu(), cpu)

@@ -1,0 +1,153 @@
+"""Transfers, factories, host reads, serialization and dtypes, each compared with CPU."""
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+
+from tests.util import assert_same, differential
+
+
+def test_transfers_both_ways():
+    x = torch.randn(3, 4)
+    t = x.to("tpu")
+    assert t.device == torch.device("tpu:0")
+    assert torch.equal(t.cpu(), x) and torch.equal(t.to("cpu"), x)
+    assert torch.equal(x.to("tpu", non_blocking=True).cpu(), x)
+    dst = torch.empty(3, 4, device="tpu")
+    dst.copy_(x)
+    assert torch.equal(dst.cpu(), x)
+    back = torch.empty(3, 4)
+    back.copy_(dst, non_blocking=True)
+    assert torch.equal(back, x)
+    assert torch.equal(t.to(torch.float64).cpu(), x.double())
+
+
+def test_numpy_on_tpu_raises_like_cuda():
+    with pytest.raises(TypeError, match="can't convert tpu:0 device type tensor to numpy"):
+        torch.ones(2, device="tpu").numpy()
+
+
+def test_repr_item_tolist_bool():
+    t = torch.tensor([1.5, 2.0, -3.0], device="tpu")
+    assert "device='tpu:0'" in repr(t) and "1.5000" in repr(t)
+    assert t[0].item() == 1.5
+    assert t.tolist() == [1.5, 2.0, -3.0]
+    assert bool(t[1]) is True and bool(torch.zeros((), device="tpu")) is False
+    assert torch.tensor(7, device="tpu").item() == 7
+
+
+@pytest.mark.parametrize(
+    "factory",
+    [
+        lambda d: torch.zeros(2, 3, device=d),
+        lambda d: torch.ones(2, 3, dtype=torch.int64, device=d),
+        lambda d: torch.full((2, 2), 3.5, device=d),
+        lambda d: torch.arange(10, device=d),
+        lambda d: torch.arange(1.0, 4.0, 0.5, device=d),
+        lambda d: torch.linspace(0, 1, 5, device=d),
+        lambda d: torch.eye(3, device=d),
+        lambda d: torch.eye(2, 4, dtype=torch.int32, device=d),
+        lambda d: torch.tensor([[1, 2], [3, 4]], device=d),
+        lambda d: torch.zeros_like(torch.ones(2, 3, device=d)),
+        lambda d: torch.ones_like(torch.ones(2, 3, device=d), dtype=torch.bool),
+        lambda d: torch.full_like(torch.ones(2, device=d), 9),
+        lambda d: torch.empty(2, 3, device=d).shape,
+        lambda d: torch.empty_strided((2, 3), (1, 2), device=d).stride(),
+    ],
+)
+def test_factories(factory):
+    differential(factory)
+
+
+def test_random_factories_have_the_right_shape_dtype_and_range():
+    torch.manual_seed(0)
+    r = torch.rand(100, device="tpu")
+    assert r.shape == (100,) and r.dtype == torch.float32 and 0 <= r.min().item() and r.max().item() < 1
+    n = torch.randn(2, 3, device="tpu", dtype=torch.bfloat16)
+    assert n.dtype == torch.bfloat16 and n.shape == (2, 3)
+    i = torch.randint(3, 9, (50,), device="tpu")
+    assert i.dtype == torch.int64 and 3 <= i.min().item() and i.max().item() < 9
+    p = torch.randperm(10, device="tpu")
+    assert sorted(p.tolist()) == list(range(10))
+
+
+def test_torch_save_and_load():
+    x = torch.randn(3, 5).to("tpu")
+    state = {"x": x, "view": x[1:, ::2], "i": torch.arange(4, device="tpu")}
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    on_tpu = torch.load(buf, map_location="tpu")
+    buf.seek(0)
+    on_cpu = torch.load(buf, map_location="cpu")
+    buf.seek(0)
+    as_saved = torch.load(buf)
+    for loaded in (on_tpu, as_saved):
+        assert loaded["x"].device.type == "tpu"
+        assert_same(loaded, state)
+    assert on_cpu["x"].device.type == "cpu"
+    assert_same(on_cpu, state)
+    # a view keeps sharing its storage after a round trip, as on CPU
+    on_tpu["x"].zero_()
+    assert on_tpu["view"].cpu().abs().sum().item() == 0
+
+
+def test_cpu_checkpoint_loads_onto_tpu():
+    buf = io.BytesIO()
+    torch.save({"w": torch.arange(6.0).reshape(2, 3)}, buf)
+    buf.seek(0)
+    w = torch.load(buf, map_location="tpu")["w"]
+    assert w.device.type == "tpu"
+    assert (w * 2).cpu().tolist() == [[0.0, 2.0, 4.0], [6.0, 8.0, 10.0]]
+
+
+def test_state_dict_safetensors_round_trip_is_bit_exact(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8)).to(torch.bfloat16)
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    model.to("tpu")
+    path = tmp_path / "model.safetensors"
+    save_file(model.state_dict(), str(path))
+    loaded = load_file(str(path))
+    for k, v in reference.items():
+        assert torch.equal(loaded[k].view(torch.int16), v.view(torch.int16)), k
+    moved = {k: v.to("tpu") for k, v in loaded.items()}
+    assert all(torch.equal(moved[k].cpu(), reference[k]) for k in reference)
+
+
+def test_deepcopy_and_pickle():
+    x = torch.arange(6.0, device="tpu").reshape(2, 3)
+    y = copy.deepcopy(x)
+    y.add_(1)
+    assert x.cpu().tolist() == [[0, 1, 2], [3, 4, 5]] and y.device.type == "tpu"
+    z = pickle.loads(pickle.dumps(x))
+    assert z.device.type == "tpu" and torch.equal(z.cpu(), x.cpu())
+    model = copy.deepcopy(torch.nn.Linear(3, 2).to("tpu"))
+    assert model.weight.device.type == "tpu"
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.int16, torch.int32,
+     torch.int64, torch.uint8, torch.bool, torch.complex64],
+)
+def test_dtypes_round_trip_and_compute(dtype):
+    if dtype == torch.bool:
+        x = torch.tensor([True, False, True])
+    elif dtype.is_complex:
+        x = torch.tensor([1 + 2j, -3j, 0.5], dtype=dtype)
+    else:
+        x = torch.tensor([1, 0, 3, 100], dtype=dtype)
+    t = x.to("tpu")
+    assert t.dtype == dtype and torch.equal(t.cpu(), x)
+    differential(lambda d: x.to(d) * 2 if dtype != torch.bool else x.to(d) & x.to(d))
+    differential(lambda d: x.to(d).to(torch.float32))
+
+
+def test_view_as_another_dtype_reinterprets_bytes():
+    differential(lambda d: torch.tensor([1.0, -2.0], device=d).view(torch.int32))
+    differential(lambda d: torch.arange(4, dtype=torch.int16, device=d).view(torch.uint8))
