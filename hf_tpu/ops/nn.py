@@ -48,14 +48,6 @@ def _reduce(loss, reduction):
     return loss
 
 
-def _sum_to(x, shape):
-    """Sum a broadcast result back to `shape` (the gradient of a broadcast)."""
-    lead = x.ndim - len(shape)
-    x = jnp.sum(x, axis=tuple(range(lead))) if lead else x
-    axes = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
-    return jnp.sum(x, axis=axes, keepdims=True) if axes else x
-
-
 # --- Softmax.
 
 
@@ -441,8 +433,8 @@ def _prelu_kernel(self, weight):
 def _prelu_kernel_backward(grad_output, self, weight):
     positive = self > 0
     grad_input = jnp.where(positive, grad_output, weight * grad_output)
-    grad_weight = jnp.where(positive, 0, self * grad_output)
-    return grad_input, _sum_to(grad_weight, weight.shape)
+    # the weight gradient keeps the broadcast shape, as on CPU: autograd sums it to the weight's
+    return grad_input, jnp.where(positive, 0, self * grad_output)
 
 
 @lowering(aten.native_dropout_backward.default, promote=Promote.DEFAULT)
