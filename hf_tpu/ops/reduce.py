@@ -49,6 +49,19 @@ def _count(x, axes) -> int:
     return math.prod(x.shape[a] for a in axes)
 
 
+def require_nonempty(name, x, axes):
+    """PyTorch's error for a reduction with no identity over an empty dim (these ops' meta kernels
+    do not raise it)."""
+    if axes is None and x.size == 0:
+        raise RuntimeError(
+            f"{name}(): Expected reduction dim to be specified for input.numel() == 0. "
+            "Specify the reduction dim with the 'dim' argument."
+        )
+    for axis in axes or ():
+        if x.shape[axis] == 0:
+            raise IndexError(f"{name}(): Expected reduction dim {axis} to have non-zero size.")
+
+
 def scalar_as_vector(fn):
     """PyTorch's single-dim ops treat a 0-dim tensor as a 1-element vector and return 0-dim
     results; JAX has no axis 0 on a scalar, so run on the vector and drop the dim."""
@@ -93,26 +106,42 @@ def mean(self, dim=None, keepdim=False, *, dtype=None):
 # equal values, as PyTorch does.
 
 
-@lowering(aten.amax.default, aten.max.default)
-def amax(self, dim=None, keepdim=False):
-    return jnp.max(self, _axes(self, dim), keepdims=keepdim)
+def _extreme(name, reduce, x, dim, keepdim):
+    axes = _axes(x, dim)
+    require_nonempty(name, x, axes)
+    return reduce(x, axes, keepdims=keepdim)
 
 
-@lowering(aten.amin.default, aten.min.default)
-def amin(self, dim=None, keepdim=False):
-    return jnp.min(self, _axes(self, dim), keepdims=keepdim)
+@lowering(aten.amax.default)
+def amax(self, dim=(), keepdim=False):
+    return _extreme("amax", jnp.max, self, dim, keepdim)
+
+
+@lowering(aten.amin.default)
+def amin(self, dim=(), keepdim=False):
+    return _extreme("amin", jnp.min, self, dim, keepdim)
+
+
+@lowering(aten.max.default)
+def max_(self):
+    return _extreme("max", jnp.max, self, None, False)
+
+
+@lowering(aten.min.default)
+def min_(self):
+    return _extreme("min", jnp.min, self, None, False)
 
 
 @lowering(aten.max.dim)
 @scalar_as_vector
 def max_dim(self, dim, keepdim=False):
-    return jnp.max(self, dim, keepdims=keepdim), jnp.argmax(self, dim, keepdims=keepdim)
+    return _extreme("max", jnp.max, self, dim, keepdim), jnp.argmax(self, dim, keepdims=keepdim)
 
 
 @lowering(aten.min.dim)
 @scalar_as_vector
 def min_dim(self, dim, keepdim=False):
-    return jnp.min(self, dim, keepdims=keepdim), jnp.argmin(self, dim, keepdims=keepdim)
+    return _extreme("min", jnp.min, self, dim, keepdim), jnp.argmin(self, dim, keepdims=keepdim)
 
 
 @lowering(aten.argmax.default)
@@ -130,7 +159,7 @@ def argmin(self, dim=None, keepdim=False):
 @lowering(aten.aminmax.default)
 @scalar_as_vector
 def aminmax(self, *, dim=None, keepdim=False):
-    return jnp.min(self, dim, keepdims=keepdim), jnp.max(self, dim, keepdims=keepdim)
+    return _extreme("aminmax", jnp.min, self, dim, keepdim), _extreme("aminmax", jnp.max, self, dim, keepdim)
 
 
 # --- Statistics.

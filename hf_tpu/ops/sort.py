@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import torch
 
 from .registry import lowering
-from .reduce import scalar_as_vector
+from .reduce import require_nonempty, scalar_as_vector
 
 aten = torch.ops.aten
 
@@ -28,11 +28,11 @@ def _sort(x, dim, descending=False):
     return values, indices
 
 
-def _take(arrays, position, dim, keepdim):
-    """The entries at `position` (an int, or an array with size 1 along `dim`) of each array."""
-    axis = dim % arrays[0].ndim
-    if isinstance(position, int):
-        position = jnp.full(arrays[0].shape[:axis] + (1,) + arrays[0].shape[axis + 1 :], position)
+def _take(arrays, position, axis, keepdim):
+    """The entries at `position` (an int, or an array with size 1 along `axis`) of each array."""
+    shape = list(arrays[0].shape)
+    shape[axis] = 1
+    position = jnp.broadcast_to(position, shape)
     picked = tuple(jnp.take_along_axis(a, position, axis) for a in arrays)
     return picked if keepdim else tuple(p.squeeze(axis) for p in picked)
 
@@ -61,21 +61,22 @@ def topk(self, k, dim=-1, largest=True, sorted=True):
 @lowering(aten.kthvalue.default)
 @scalar_as_vector
 def kthvalue(self, k, dim=-1, keepdim=False):
-    return _take(_sort(self, dim), k - 1, dim, keepdim)
+    return _take(_sort(self, dim), k - 1, dim % self.ndim, keepdim)
 
 
 def _median(x, dim, keepdim, ignore_nan):
     """The lower median along `dim` and its index. NaN sorts last: with `ignore_nan` the median is
     taken over the numbers; without, any NaN is the result (the first one, as PyTorch reports)."""
-    values, indices = _sort(x, dim)
-    n = x.shape[dim]
-    numbers = jnp.sum(~jnp.isnan(x), dim, keepdims=True) if jnp.issubdtype(x.dtype, jnp.floating) else n
+    axis = dim % x.ndim
+    require_nonempty("median", x, (axis,))
+    values, indices = _sort(x, axis)
+    n = x.shape[axis]
+    numbers = jnp.sum(~jnp.isnan(x), axis, keepdims=True) if jnp.issubdtype(x.dtype, jnp.floating) else n
     if ignore_nan:
         position = jnp.maximum((numbers - 1) // 2, 0)
     else:
         position = jnp.where(numbers < n, numbers, (n - 1) // 2)
-    position = jnp.broadcast_to(position, x.shape[: dim % x.ndim] + (1,) + x.shape[dim % x.ndim + 1 :])
-    return _take((values, indices), position, dim, keepdim)
+    return _take((values, indices), position, axis, keepdim)
 
 
 def _median_of_all(x, ignore_nan):
@@ -112,6 +113,7 @@ def mode(self, dim=-1, keepdim=False):
     """The most frequent value (the smallest among equally frequent ones) and the index of its last
     occurrence, as PyTorch's CPU kernel returns them."""
     axis = dim % self.ndim
+    require_nonempty("mode", self, (axis,))
     values, indices = _sort(self, axis)
     n = self.shape[axis]
     positions = jax.lax.broadcasted_iota(jnp.int64, values.shape, axis)
