@@ -275,9 +275,12 @@ class Program:
     """The pure function computing one op call's results from its operands' buffers."""
 
     fn: object  # (arrays, scalars, rng_key) -> list of arrays
-    out_specs: tuple  # per return: (shape, torch dtype) or ("mutated", operand index)
+    out_specs: tuple | None  # per return: (shape, torch dtype) or ("mutated", operand index)
     device_index: int | None
     jitted: object = None
+    # output shapes depend on the data (nonzero, masked_select, unique): run on concrete arrays,
+    # a sync point, and take the specs from the results
+    data_dependent: bool = False
 
 
 def _to_meta(values, sig: Signature):
@@ -445,12 +448,24 @@ def _build(call: _Call) -> Program:
         return outs
 
     if specs is None:
-        specs = _eval_specs(fn, call)
+        try:
+            specs = _eval_specs(fn, call)
+        except _DATA_DEPENDENT_ERRORS:
+            return Program(fn=fn, out_specs=None, device_index=call.device_index, data_dependent=True)
     out_specs = []
     for j, spec in enumerate(specs):
         target = returns_mutated[j] if j < len(returns_mutated) else None
         out_specs.append(("mutated", slot_of_arg[target]) if target is not None else spec)
     return Program(fn=fn, out_specs=tuple(out_specs), device_index=call.device_index)
+
+
+_DATA_DEPENDENT_ERRORS = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.NonConcreteBooleanIndexError,
+    jax.errors.TracerArrayConversionError,
+    jax.errors.TracerIntegerConversionError,
+    jax.errors.TracerBoolConversionError,
+)
 
 
 def _promotable(v) -> bool:
@@ -510,9 +525,17 @@ def run_lowered(sig: Signature, values: list):
     if device_index is None:
         device_index = _factory_device(sig, values)
     rng_key = random.next_key(device_index, _generator_arg(sig, values)) if call.rng else None
-    results = modes.current().execute(program, call.key, call.arrays(), call.scalars, rng_key, device_index)
+    mode = modes.current()
+    if program.data_dependent:
+        mode.sync(f"{sig.name} has a data-dependent output shape")
+        _counters["host_syncs"] += 1
+        results = program.fn(call.arrays(), call.scalars, rng_key)
+        out_specs = [(tuple(r.shape), dtypes.to_torch(r.dtype)) for r in results]
+    else:
+        results = mode.execute(program, call.key, call.arrays(), call.scalars, rng_key, device_index)
+        out_specs = program.out_specs
     outputs = []
-    for spec, array in zip(program.out_specs, results):
+    for spec, array in zip(out_specs, results):
         if spec[0] == "mutated":
             operand = call.operands[spec[1]]
             operand.buf.array = array

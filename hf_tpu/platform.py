@@ -29,6 +29,19 @@ import jax  # noqa: E402
 # PyTorch's default integer type is int64 and float64 is a real dtype there; without x64 JAX would
 # silently compute them in 32 bits.
 jax.config.update("jax_enable_x64", True)
+
+
+def cache_dir() -> str:
+    """Where compiled programs persist between processes (`HF_TPU_CACHE_DIR`, empty to disable)."""
+    return os.environ.get("HF_TPU_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "hf_tpu"))
+
+
+if cache_dir():
+    # XLA executables are cached on disk by JAX, keyed by the program and the compiler/platform, so
+    # a second process starts warm; an unreadable entry is recompiled.
+    jax.config.update("jax_compilation_cache_dir", os.path.join(cache_dir(), "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 if os.environ.get("HF_TPU_NUM_DEVICES"):
     try:
         jax.config.update("jax_num_cpu_devices", int(os.environ["HF_TPU_NUM_DEVICES"]))
