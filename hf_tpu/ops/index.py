@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from .registry import Promote, lowering
+from .registry import lowering
 
 aten = torch.ops.aten
 
@@ -72,15 +72,13 @@ def _values_for_padded_masks(self, index_tuple, values, padded_to):
 
 @lowering(aten.index_put.default)
 def index_put(self, indices, values, accumulate=False):
-    values = values.astype(self.dtype)
     if any(_is_mask(i) for i in indices):
         padded_to = max(i.size for i in indices if _is_mask(i))
         index_tuple = _numpy_index(indices, padded_to)
         values = _values_for_padded_masks(self, index_tuple, values, padded_to)
     else:
         index_tuple = _numpy_index(indices)
-    at = self.at[index_tuple]
-    return at.add(values, mode="drop") if accumulate else at.set(values, mode="drop")
+    return _update(self, index_tuple, values, "add" if accumulate else "set")
 
 
 @lowering(aten._index_put_impl_.default)
@@ -110,6 +108,8 @@ def _dim(dim, ndim):
 
 @lowering(aten.gather.default)
 def gather(self, dim, index, sparse_grad=False):
+    if index.size == 0:  # then the index's rank may differ from self's
+        return jnp.zeros(index.shape, self.dtype)
     if self.ndim == 0:
         return jnp.broadcast_to(self, index.shape)
     return self[_coordinates(_dim(dim, self.ndim), index)]
@@ -133,14 +133,20 @@ def _highest(dtype):
     return jnp.inf if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).max if dtype != jnp.bool_ else True
 
 
+def _update(target, where, values, method):
+    """`target.at[where].<method>(values)`; bools reduce as 0/1 integers (add is `or`, multiply `and`)."""
+    if target.dtype == jnp.bool_:
+        return _update(target.astype(jnp.int32), where, values.astype(jnp.int32), method).astype(jnp.bool_)
+    return getattr(target.at[where], method)(values.astype(target.dtype), mode="drop")
+
+
 def _reduce_into(self, where, src, reduce, include_self=True):
     """`self` with `src` reduced into the positions `where` (a NumPy index tuple), as
     scatter_reduce/index_reduce: `include_self=False` ignores the old value of each written position;
     "mean" divides by the number of values reduced into a position (floor division for integers)."""
     method, identity = _REDUCTIONS[reduce]
-    src = src.astype(self.dtype)
     base = self if include_self else self.at[where].set(identity(self.dtype), mode="drop")
-    out = getattr(base.at[where], method)(src, mode="drop")
+    out = _update(base, where, src, method)
     if reduce != "mean":
         return out
     count = jnp.zeros(self.shape, jnp.int64).at[where].add(1, mode="drop") + int(include_self)
@@ -150,16 +156,19 @@ def _reduce_into(self, where, src, reduce, include_self=True):
     return jnp.floor_divide(out, count).astype(self.dtype)
 
 
-def _scatter(self, dim, index, src, reduce=None):
-    if self.ndim == 0:
-        self, index, src = self.reshape(1), index.reshape(1), jnp.reshape(src, (1,) * (jnp.ndim(src) > 0))
+def _scatter(self, dim, index, src, reduce="set", include_self=True):
+    """scatter and its reductions; `src` is a tensor or a scalar; 0-dim operands act as 1-element."""
+    if index.size == 0:
+        return self
+    as_1d = (lambda a: a.reshape(1)) if self.ndim == 0 else (lambda a: a)
+    index = as_1d(index)
+    src = jnp.broadcast_to(_leading(as_1d(src), index.shape) if jnp.ndim(src) else src, index.shape)
     where = _coordinates(_dim(dim, self.ndim), index)
-    src = jnp.broadcast_to(_leading(src, index.shape), index.shape).astype(self.dtype)
-    if reduce is None:
-        out = self.at[where].set(src, mode="drop")
+    if reduce == "set":
+        out = as_1d(self).at[where].set(src.astype(self.dtype), mode="drop")
     else:
-        out = _reduce_into(self, where, src, {"add": "sum", "multiply": "prod"}.get(reduce, reduce))
-    return out.reshape(self.shape) if out.shape != self.shape else out
+        out = _reduce_into(as_1d(self), where, src, reduce, include_self)
+    return out.reshape(self.shape)
 
 
 @lowering(aten.scatter.src, aten.scatter.value)
@@ -169,7 +178,7 @@ def scatter(self, dim, index, src):
 
 @lowering(aten.scatter.reduce, aten.scatter.value_reduce)
 def scatter_with_reduce(self, dim, index, src, reduce):
-    return _scatter(self, dim, index, src, reduce)
+    return _scatter(self, dim, index, src, {"add": "sum", "multiply": "prod"}[reduce])
 
 
 @lowering(aten.scatter_add.default)
@@ -179,11 +188,7 @@ def scatter_add(self, dim, index, src):
 
 @lowering(aten.scatter_reduce.two)
 def scatter_reduce(self, dim, index, src, reduce, include_self=True):
-    shape = self.shape
-    if self.ndim == 0:
-        self, index, src = self.reshape(1), index.reshape(1), src.reshape(1)
-    where = _coordinates(_dim(dim, self.ndim), index)
-    return _reduce_into(self, where, _leading(src, index.shape), reduce, include_self).reshape(shape)
+    return _scatter(self, dim, index, src, reduce, include_self)
 
 
 # --- index_* along one dim: a 1-D index picks whole slices.
@@ -196,25 +201,25 @@ def _slices_at(dim, index):
 def _along_dim(fn):
     """Run `fn(self, dim, ...)` on `self` as at least 1-D (0-dim tensors index like 1-element ones)."""
 
-    def run(self, dim, index, *args):
-        shape = self.shape
-        dim = _dim(dim, self.ndim)
-        args = [jnp.atleast_1d(a) if isinstance(a, jax.Array) and self.ndim == 0 else a for a in args]
-        return fn(jnp.atleast_1d(self), dim, index, *args).reshape(shape)
+    def run(self, dim, index, source, *args, **kwargs):
+        if self.ndim == 0:
+            return fn(self.reshape(1), 0, index, jnp.reshape(source, (-1,)), *args, **kwargs).reshape(())
+        return fn(self, _dim(dim, self.ndim), index, source, *args, **kwargs)
 
     return run
 
 
 @lowering(aten.index_select.default)
 def index_select(self, dim, index):
-    dim = _dim(dim, self.ndim)
-    return jnp.take(jnp.atleast_1d(self), index.reshape(-1), axis=dim)
+    if self.ndim == 0:
+        return self
+    return jnp.take(self, index.reshape(-1), axis=_dim(dim, self.ndim))
 
 
 @lowering(aten.index_add.default)
 @_along_dim
 def index_add(self, dim, index, source, alpha=1):
-    return self.at[_slices_at(dim, index)].add((source * alpha).astype(self.dtype), mode="drop")
+    return _update(self, _slices_at(dim, index), source * alpha, "add")
 
 
 @lowering(aten.index_copy.default)
@@ -246,10 +251,11 @@ def masked_fill(self, mask, value):
 @lowering(aten.masked_scatter.default)
 def masked_scatter(self, mask, source):
     """The i-th true element of `mask` (row-major, broadcast to `self`) takes `source`'s i-th element."""
-    mask = jnp.broadcast_to(mask, self.shape).reshape(-1)
+    shape = jnp.broadcast_shapes(self.shape, mask.shape)
+    self, mask = jnp.broadcast_to(self, shape).reshape(-1), jnp.broadcast_to(mask, shape).reshape(-1)
     position = jnp.clip(jnp.cumsum(mask) - 1, 0, max(source.size - 1, 0))
-    taken = source.reshape(-1)[position] if source.size else jnp.zeros_like(self.reshape(-1))
-    return jnp.where(mask, taken.astype(self.dtype), self.reshape(-1)).reshape(self.shape)
+    taken = source.reshape(-1)[position] if source.size else jnp.zeros_like(self)
+    return jnp.where(mask, taken.astype(self.dtype), self).reshape(shape)
 
 
 # --- Flat indexing.
@@ -262,9 +268,7 @@ def take(self, index):
 
 @lowering(aten.put.default)
 def put(self, index, source, accumulate=False):
-    at = self.reshape(-1).at[index.reshape(-1)]
-    source = source.reshape(-1).astype(self.dtype)
-    flat = at.add(source, mode="drop") if accumulate else at.set(source, mode="drop")
+    flat = _update(self.reshape(-1), index.reshape(-1), source.reshape(-1), "add" if accumulate else "set")
     return flat.reshape(self.shape)
 
 
@@ -312,9 +316,10 @@ def bucketize(self, boundaries, *, out_int32=False, right=False):
     return _searchsorted(boundaries, jnp.asarray(self), right)
 
 
-@lowering(aten.histc.default, promote=Promote.DEFAULT)
+@lowering(aten.histc.default)
 def histc(self, bins=100, min=0, max=0):
-    """Equal-width bins over [min, max] (the data's range when both are 0); the last bin is closed."""
+    """Equal-width bins over [min, max] (the data's range when both are 0); the last bin is closed.
+    Bin positions are computed in self's dtype, as PyTorch does (it decides edge cases in bfloat16)."""
     low, high = jnp.asarray(min, self.dtype), jnp.asarray(max, self.dtype)
     unset = low == high
     low = jnp.where(unset, jnp.min(self, initial=jnp.inf), low)
