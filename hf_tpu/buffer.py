@@ -69,26 +69,63 @@ _ALIGN = 256
 _FIRST_ADDRESS = 1 << 40
 
 
-class Buffer:
-    """The data of one storage: `array` (a jax.Array, or None while uninitialised) and its layout."""
+class Lazy:
+    """A result of a deferred op, not computed yet: the shape and dtype of the array it will be."""
 
-    __slots__ = ("array", "shape", "dtype", "device_index", "nbytes", "address", "__weakref__")
+    __slots__ = ("shape", "dtype", "graph", "node", "index")
+
+    def __init__(self, shape, dtype, graph, node, index):
+        self.shape = shape
+        self.dtype = dtype
+        self.graph = graph
+        self.node = node
+        self.index = index
+
+
+# Buffers that hold a Lazy value, so a flush knows which results are still referenced.
+pending: weakref.WeakSet = weakref.WeakSet()
+# Set by the execution modes: computes every pending value (a sync point).
+flush = None
+
+
+class Buffer:
+    """The data of one storage: `array` (a jax.Array, a `Lazy` deferred result, or None while
+    uninitialised) and its layout. `counted` says whether its bytes are in the memory statistics:
+    a deferred result occupies no device memory until a flush materialises it."""
+
+    __slots__ = ("_array", "shape", "dtype", "device_index", "nbytes", "address", "counted", "__weakref__")
 
     def __init__(self, shape, dtype, device_index, nbytes, address):
-        self.array = None
+        self._array = None
         self.shape = shape
         self.dtype = dtype
         self.device_index = device_index
         self.nbytes = nbytes
         self.address = address
+        self.counted = False
+
+    @property
+    def array(self):
+        return self._array
+
+    @array.setter
+    def array(self, value):
+        self._array = value
+        if type(value) is Lazy:
+            pending.add(self)
+        elif not self.counted and value is not None:
+            allocator.count(self)
 
     def value(self):
-        """The buffer's array; an uninitialised buffer reads as zeros (PyTorch leaves it undefined)."""
-        if self.array is None:
+        """The buffer's concrete array (flushing deferred work first); an uninitialised buffer reads
+        as zeros (PyTorch leaves it undefined)."""
+        if type(self._array) is Lazy:
+            flush(f"a value was read ({tuple(self.shape)} {self.dtype})")
+        if self._array is None:
             self.array = jax.device_put(
                 jnp.zeros(self.shape, dtypes.to_jax(self.dtype)), platform.jax_device(self.device_index)
             )
-        return self.array
+        return self._array
 
 
 class _Allocator:
@@ -114,10 +151,6 @@ class _Allocator:
             self.next_address += (nbytes + 2 * _ALIGN - 1) // _ALIGN * _ALIGN
             buf = Buffer(shape, dtype, device_index, nbytes, address)
             self.live[address] = (buf, weakref.KeyedRef(owner, self._release, address))
-            used = self.allocated.get(device_index, 0) + nbytes
-            self.allocated[device_index] = used
-            if used > self.peak.get(device_index, 0):
-                self.peak[device_index] = used
             self.num_allocs[device_index] = self.num_allocs.get(device_index, 0) + 1
         del owner  # the capsule holds it now; it dies with the storage
         dl.data = address
@@ -139,8 +172,18 @@ class _Allocator:
             entry = self.live.pop(ref.key, None)
             if entry is not None:
                 buf = entry[0]
-                self.allocated[buf.device_index] -= buf.nbytes
-                buf.array = None
+                if buf.counted:
+                    self.allocated[buf.device_index] -= buf.nbytes
+                buf._array = None
+
+    def count(self, buf: Buffer):
+        """Add a buffer's bytes to its device's statistics (once it holds or reserves memory)."""
+        buf.counted = True
+        index = buf.device_index
+        used = self.allocated.get(index, 0) + buf.nbytes
+        self.allocated[index] = used
+        if used > self.peak.get(index, 0):
+            self.peak[index] = used
 
     def buffer(self, address: int) -> Buffer:
         return self.live[address][0]
@@ -152,7 +195,10 @@ allocator = _Allocator()
 def new_tensor(shape, dtype: torch.dtype, device_index: int, array=None) -> torch.Tensor:
     """A contiguous `tpu` tensor with a fresh storage whose buffer holds `array` (None: uninitialised)."""
     t, buf = allocator.new_tensor(shape, dtype, device_index)
-    buf.array = array
+    if array is None:
+        allocator.count(buf)  # PyTorch counts an uninitialised tensor's memory
+    else:
+        buf.array = array
     return t
 
 
@@ -196,8 +242,9 @@ def _adopt_layout(buf: Buffer, shape, dtype):
     """Re-express a whole buffer in the layout of the tensor that covers it, so later reads of that
     tensor are free instead of reinterpreting bytes every time (the bytes do not change)."""
     if buf.array is not None:
+        array = buf.value()
         view = View(shape, _contiguous_strides(shape), 0, dtype)
-        buf.array = _reinterpret_jit(buf.array.shape, buf.array.dtype, view)(buf.array)
+        buf.array = _reinterpret_jit(array.shape, array.dtype, view)(array)
     buf.shape, buf.dtype = shape, dtype
 
 

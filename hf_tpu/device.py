@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import os
 import time
 
@@ -346,3 +347,25 @@ def stream(stream: Stream | None):
         return
     with device(stream.device_index):
         yield
+
+
+# --- Execution modes: `torch.tpu.EagerMode`, `set_eager_mode`, the `eager_mode` property and a
+# context manager. See docs/design/execution-modes.md.
+
+from .modes import EagerMode, set_eager_mode  # noqa: E402,F401
+from .modes import eager_mode as use_eager_mode  # noqa: E402,F401
+
+
+class _TpuModule(sys.modules[__name__].__class__):
+    @property
+    def eager_mode(self) -> EagerMode:
+        from . import modes
+
+        return modes.get_eager_mode()
+
+    @eager_mode.setter
+    def eager_mode(self, mode) -> None:
+        set_eager_mode(mode)
+
+
+sys.modules[__name__].__class__ = _TpuModule

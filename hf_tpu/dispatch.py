@@ -228,7 +228,15 @@ class _Call:
         return buf.device_index
 
     def arrays(self):
-        return [op.buf.value() if op.buf is not None else op.view for op in self.operands]
+        """The operands' arrays as they are: concrete, or Lazy results of deferred ops."""
+        out = []
+        for op in self.operands:
+            if op.buf is None:
+                out.append(op.view)  # a CPU scalar's host array
+            else:
+                array = op.buf.array
+                out.append(array if array is not None else op.buf.value())
+        return out
 
 
 def _is_number(v) -> bool:
@@ -473,7 +481,7 @@ def _promotable(v) -> bool:
 
 
 def _eval_specs(fn, call):
-    arrays = call.arrays()
+    arrays = [op.buf.value() if op.buf is not None else op.view for op in call.operands]
     scalars = call.scalars
     key = random.example_key() if call.rng else None
     shapes = jax.eval_shape(fn, arrays, scalars, key)
@@ -529,7 +537,8 @@ def run_lowered(sig: Signature, values: list):
     if program.data_dependent:
         mode.sync(f"{sig.name} has a data-dependent output shape")
         _counters["host_syncs"] += 1
-        results = program.fn(call.arrays(), call.scalars, rng_key)
+        concrete = [op.buf.value() if op.buf is not None else op.view for op in call.operands]
+        results = program.fn(concrete, call.scalars, rng_key)
         out_specs = [(tuple(r.shape), dtypes.to_torch(r.dtype)) for r in results]
     else:
         results = mode.execute(program, call.key, call.arrays(), call.scalars, rng_key, device_index)

@@ -2,23 +2,28 @@
 
 Every op reaches its mode as a `Program` (a pure function of its operands' arrays) and the arrays
 themselves; the mode decides when and how that function runs. Strict eager runs it at once through
-`jax.jit`; launch-blocking also waits for the result so an error surfaces at the user's line.
+`jax.jit`; launch-blocking also waits for the result so an error surfaces at the user's line;
+defer-and-fuse records it and runs the pending ops as one program at the next sync point
+(`modes/deferred.py`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 
 import jax
 
-from .. import counters, platform
+from .. import buffer, counters, platform
+from .deferred import Deferred
 
 _counters = counters.counters
 
 
 class EagerMode(enum.Enum):
     DEFER_NEVER = "DEFER_NEVER"
+    DEFER_AND_FUSE = "DEFER_AND_FUSE"
     DEFER_NEVER_AND_LAUNCH_BLOCKING = "DEFER_NEVER_AND_LAUNCH_BLOCKING"
 
 
@@ -60,6 +65,7 @@ class _Eager:
 
 _MODES = {
     EagerMode.DEFER_NEVER: _Eager(EagerMode.DEFER_NEVER, blocking=False),
+    EagerMode.DEFER_AND_FUSE: Deferred(EagerMode.DEFER_AND_FUSE),
     EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING: _Eager(EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING, blocking=True),
 }
 
@@ -87,3 +93,26 @@ def set_eager_mode(mode) -> None:
     mode = EagerMode(mode.value if isinstance(mode, EagerMode) else str(mode).upper())
     _current[0].sync("eager mode change")
     _current[0] = _MODES[mode]
+
+
+def get_eager_mode() -> EagerMode:
+    return _current[0].mode
+
+
+@contextlib.contextmanager
+def eager_mode(mode):
+    """Run a block in another execution mode (pending work is flushed on entry and exit)."""
+    previous = get_eager_mode()
+    set_eager_mode(mode)
+    try:
+        yield
+    finally:
+        set_eager_mode(previous)
+
+
+def flush(reason: str) -> None:
+    """Compute all deferred work now (a sync point), counted in `host_syncs` when a host read asked."""
+    _current[0].sync(reason)
+
+
+buffer.flush = flush

@@ -76,12 +76,10 @@ def resize_(sig, values):
     if needed > self.untyped_storage().nbytes():
         old = buffer.buffer_of(self)
         fresh = buffer.new_tensor((self.storage_offset() + math.prod(size),), self.dtype, old.device_index)
-        if old.array is not None:
-            flat = buffer.read(old.array, buffer.View((old.array.size,), (1,), 0, old.dtype))
-            if old.dtype != self.dtype:
-                flat = jax.numpy.zeros(fresh.shape, dtypes.to_jax(self.dtype))
-            pad = fresh.numel() - flat.shape[0]
-            buffer.buffer_of(fresh).array = jax.numpy.pad(flat, (0, max(pad, 0)))[: fresh.numel()]
+        if old.array is not None:  # PyTorch keeps the old bytes at the front of the new storage
+            kept = old.nbytes // self.element_size()
+            flat = buffer.read(old.value(), buffer.View((kept,), (1,), 0, self.dtype))
+            buffer.buffer_of(fresh).array = jax.numpy.pad(flat, (0, fresh.numel() - kept))
         aten.set_.source_Storage_storage_offset.redispatch(
             _CPU, self, fresh.untyped_storage(), self.storage_offset(), size, _contiguous(size)
         )
@@ -144,7 +142,9 @@ def copy_(sig, values):
         and src.dtype == dst.dtype
         and buffer.view_of(src, buffer.buffer_of(src)) is None
     ):
-        dst_buf.array = buffer.buffer_of(src).value()  # jax arrays are immutable: sharing is a copy
+        src_buf = buffer.buffer_of(src)
+        # jax arrays are immutable, so sharing one is a copy (a deferred result is shared the same way)
+        dst_buf.array = src_buf.array if src_buf.array is not None else src_buf.value()
         return dst
     return dispatch.run_lowered(dispatch.signature(aten.copy_.default), [dst, src, False])
 

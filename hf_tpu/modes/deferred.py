@@ -1,0 +1,150 @@
+"""Defer-and-fuse: ops are recorded, and at a sync point the pending ones run as one XLA program.
+
+Each op arrives as the same `Program` strict eager would jit; here it becomes a node of a graph whose
+edges are `buffer.Lazy` values. A flush replays the nodes inside one `jax.jit`, returning only the
+results some live buffer still holds: an intermediate nobody references is never an output, so it
+never occupies device memory. The fused program is cached by the graph's structure (each node's
+dispatch key, its wiring, which results are outputs, the input shapes and dtypes), and the arrays a
+graph overwrote in place are donated to it where the platform supports donation.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+
+from .. import buffer, counters, dtypes, platform
+
+_counters = counters.counters
+log = logging.getLogger("hf_tpu.compile")
+
+MAX_GRAPH_OPS = int(os.environ.get("HF_TPU_MAX_GRAPH_OPS", "4096"))
+
+
+class _Graph:
+    """The pending ops of one device."""
+
+    def __init__(self, device_index: int):
+        self.device_index = device_index
+        self.nodes = []  # (program, key, wiring, scalars, rng)
+        self.inputs = []  # concrete arrays read by the graph
+        self.input_ids = {}  # id(array) -> input position
+
+    def wire(self, array):
+        if type(array) is buffer.Lazy and array.graph is self:
+            return ("n", array.node, array.index)
+        if type(array) is buffer.Lazy:  # a result pending on another device's graph
+            buffer.flush("an op used a result pending on another device")
+            raise RuntimeError("internal error: a deferred value outlived its flush")
+        position = self.input_ids.get(id(array))
+        if position is None:
+            position = self.input_ids[id(array)] = len(self.inputs)
+            self.inputs.append(array)
+        return ("i", position)
+
+
+class _Fused:
+    """The one jitted function replaying a graph structure."""
+
+    def __init__(self, nodes, outputs, num_inputs, donated):
+        self.programs = [node[0] for node in nodes]
+        self.wirings = [node[2] for node in nodes]
+        self.outputs = outputs
+        self.donated = donated
+        self.kept = tuple(i for i in range(num_inputs) if i not in set(donated))
+        self.jitted = jax.jit(self._run, donate_argnums=(0,) if donated else ())
+
+    def __call__(self, inputs, scalars, rngs):
+        return self.jitted([inputs[i] for i in self.donated], [inputs[i] for i in self.kept], scalars, rngs)
+
+    def _run(self, donated, kept, scalars, rngs):
+        _counters["compiles"] += 1
+        _counters["compiles_by_mode"]["DEFER_AND_FUSE"] += 1
+        inputs = dict(zip(self.donated, donated)) | dict(zip(self.kept, kept))
+        env = {}
+        for n, (program, wiring) in enumerate(zip(self.programs, self.wirings)):
+            args = [inputs[w[1]] if w[0] == "i" else env[(w[1], w[2])] for w in wiring]
+            for j, out in enumerate(program.fn(args, scalars[n], rngs[n])):
+                env[(n, j)] = out
+        return [env[o] for o in self.outputs]
+
+
+class Deferred:
+    """The DEFER_AND_FUSE execution mode."""
+
+    name = "DEFER_AND_FUSE"
+
+    def __init__(self, mode):
+        self.mode = mode
+        self.graphs: dict[int, _Graph] = {}
+        self.cache: dict = {}
+        self.seen_structures: set = set()
+
+    def execute(self, program, key, arrays, scalars, rng, device_index):
+        graph = self.graphs.get(device_index)
+        if graph is None:
+            graph = self.graphs[device_index] = _Graph(device_index)
+        elif len(graph.nodes) >= MAX_GRAPH_OPS:
+            self.sync(f"the graph reached HF_TPU_MAX_GRAPH_OPS={MAX_GRAPH_OPS} ops")
+            graph = self.graphs[device_index] = _Graph(device_index)
+        wiring = tuple(graph.wire(a) for a in arrays)
+        n = len(graph.nodes)
+        graph.nodes.append((program, key, wiring, tuple(scalars), rng))
+        results = []
+        for j, spec in enumerate(program.out_specs):
+            if spec[0] == "mutated":
+                source = arrays[spec[1]]
+                shape, dtype = source.shape, source.dtype
+            else:
+                shape, dtype = spec[0], dtypes.to_jax(spec[1])
+            results.append(buffer.Lazy(shape, dtype, graph, n, j))
+        return results
+
+    def sync(self, reason: str) -> None:
+        graphs, self.graphs = self.graphs, {}
+        if not any(g.nodes for g in graphs.values()):
+            return
+        holders = {}
+        for buf in list(buffer.pending):
+            value = buf._array
+            if type(value) is buffer.Lazy and value.graph in graphs.values():
+                holders.setdefault(id(value), (value, []))[1].append(buf)
+        buffer.pending.clear()
+        for graph in graphs.values():
+            if graph.nodes:
+                self._run(graph, [h for h in holders.values() if h[0].graph is graph], reason)
+
+    def _run(self, graph: _Graph, holders, reason: str):
+        outputs = tuple((value.node, value.index) for value, _ in holders)
+        donated = self._donatable(graph) if platform.name() != "cpu" else ()
+        structure = (tuple((node[1], node[2]) for node in graph.nodes), outputs, donated)
+        key = (structure, tuple((a.shape, a.dtype) for a in graph.inputs))
+        fused = self.cache.get(key)
+        if fused is None:
+            fused = self.cache[key] = _Fused(graph.nodes, outputs, len(graph.inputs), donated)
+            if os.environ.get("HF_TPU_LOG_COMPILES") == "1":
+                why = "new input shapes" if structure in self.seen_structures else "new graph"
+                log.warning("hf_tpu: compiling a fused graph of %d ops (%s), flushed because %s",
+                            len(graph.nodes), why, reason)
+            self.seen_structures.add(structure)
+        else:
+            _counters["compile_cache_hits"] += 1
+            _counters["compile_cache_hits_by_mode"][self.name] += 1
+        scalars = [node[3] for node in graph.nodes]
+        rngs = [node[4] for node in graph.nodes]
+        if graph.inputs:
+            results = fused(graph.inputs, scalars, rngs)
+        else:
+            with jax.default_device(platform.jax_device(graph.device_index)):
+                results = fused(graph.inputs, scalars, rngs)
+        for (value, bufs), array in zip(holders, results):
+            for buf in bufs:
+                buf.array = array
+
+    @staticmethod
+    def _donatable(graph: _Graph) -> tuple:
+        """Inputs no live buffer holds any more (overwritten in place): their memory can be reused."""
+        held = {id(entry[0]._array) for entry in list(buffer.allocator.live.values())}
+        return tuple(i for i, a in enumerate(graph.inputs) if id(a) not in held)
