@@ -40,7 +40,7 @@ def _linspace(start, end, steps, dtype):
     start, end = jnp.asarray(start, compute), jnp.asarray(end, compute)
     step = (end - start) / max(steps - 1, 1)
     i = jnp.arange(steps, dtype=compute)
-    return jnp.where(i < steps // 2, start + step * i, end - step * (steps - 1 - i))
+    return jnp.where(i < max(steps // 2, 1), start + step * i, end - step * (steps - 1 - i))  # 1 step: start
 
 
 @lowering(aten.linspace.default, aten.linspace.Tensor_Tensor, aten.linspace.Tensor_Scalar,
