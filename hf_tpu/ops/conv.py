@@ -5,10 +5,12 @@ Backward ops are the VJP of their forward lowering, so the two can never disagre
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 
 from .. import dispatch
@@ -93,3 +95,371 @@ def convolution_backward_all_grads(sig, values):
     output_mask = values[-1]
     grads = dispatch.run_lowered(sig, [*values[:-1], [True, True, True]])
     return tuple(g if wanted else None for g, wanted in zip(grads, output_mask))
+
+
+# --- Windows: pooling and im2col gather each output position's window over the last n dims.
+
+
+def _window_taps(out_size, kernel_size, stride, padding, dilation):
+    """Input positions of each window (out, kernel) along one dim, as numpy (fixed at trace time)."""
+    return np.arange(out_size)[:, None] * stride - padding + np.arange(kernel_size)[None, :] * dilation
+
+
+def _adaptive_taps(in_size, out_size):
+    """Adaptive pooling's windows along one dim: [floor(o*L/out), ceil((o+1)*L/out)), padded to the
+    widest with positions past the end (which `_inside` then masks)."""
+    starts = np.arange(out_size) * in_size // out_size
+    ends = -(-(np.arange(1, out_size + 1) * in_size) // out_size)
+    taps = starts[:, None] + np.arange(int((ends - starts).max()))[None, :]
+    return np.where(taps < ends[:, None], taps, in_size)
+
+
+def _interleaved(per_dim):
+    """Per-dim (out, kernel) arrays laid out to broadcast as (out_0, k_0, out_1, k_1, ...)."""
+    n = len(per_dim)
+    return [a.reshape((1,) * 2 * d + a.shape + (1,) * 2 * (n - d - 1)) for d, a in enumerate(per_dim)]
+
+
+def _windows_last(a, n):
+    """(..., out_0, k_0, out_1, k_1, ...) -> (..., out_0, out_1, ..., k_0 * k_1 * ...)."""
+    lead = a.ndim - 2 * n
+    order = list(range(lead)) + [lead + 2 * d for d in range(n)] + [lead + 2 * d + 1 for d in range(n)]
+    a = jnp.transpose(a, order) if isinstance(a, jax.Array) else np.transpose(a, order)
+    return a.reshape(a.shape[: lead + n] + (math.prod(a.shape[lead + n :]),))
+
+
+def _windows(x, taps, fill):
+    """Gather windows over the last len(taps) dims. Returns the values (..., *out, K) with `fill`
+    outside the input, whether each element is inside (*out, K), and its flat spatial index (*out, K)."""
+    n = len(taps)
+    lead = x.ndim - n
+    spatial = x.shape[lead:]
+    for d, (t, size) in enumerate(zip(taps, spatial)):
+        x = jnp.take(x, np.clip(t, 0, size - 1), axis=lead + 2 * d)
+    shape = tuple(s for t in taps for s in t.shape)
+    inside = functools.reduce(np.logical_and, _interleaved([(t >= 0) & (t < size) for t, size in zip(taps, spatial)]))
+    flat = sum(_interleaved([t * math.prod(spatial[d + 1 :]) for d, t in enumerate(taps)]))
+    inside, flat = (_windows_last(np.broadcast_to(a, shape), n) for a in (inside, flat))
+    return jnp.where(inside, _windows_last(x, n), fill), inside, flat
+
+
+def _pooled_size(in_size, kernel_size, stride, padding, dilation, ceil_mode):
+    span = in_size + 2 * padding - dilation * (kernel_size - 1) - 1
+    out = (span + (stride - 1 if ceil_mode else 0)) // stride + 1
+    if ceil_mode and (out - 1) * stride >= in_size + padding:  # the last window must start inside
+        out -= 1
+    return out
+
+
+def _pool_taps(x, n, kernel_size, stride, padding, dilation, ceil_mode):
+    """Each dim's window positions for a pooling op over the last n dims (empty stride: the kernel)."""
+    kernel_size = _expand(kernel_size, n)
+    stride = _expand(stride, n) if stride else kernel_size
+    padding, dilation = _expand(padding, n), _expand(dilation, n)
+    return [
+        _window_taps(_pooled_size(size, k, s, p, d, ceil_mode), k, s, p, d)
+        for size, k, s, p, d in zip(x.shape[x.ndim - n :], kernel_size, stride, padding, dilation)
+    ]
+
+
+def _lowest(dtype):
+    return -jnp.inf if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).min
+
+
+def _max_with_index(values, flat):
+    """Max over the last axis (NaN wins) and the flat index of the first maximum."""
+    arg = jnp.argmax(values, axis=-1)
+    index = jnp.take_along_axis(jnp.broadcast_to(flat, values.shape), arg[..., None], axis=-1)[..., 0]
+    return jnp.max(values, axis=-1), index
+
+
+def _scatter_to_input(grad_output, self, indices, n):
+    """Max pooling's gradient: each output's gradient added at the input position it came from."""
+    rows = math.prod(self.shape[: self.ndim - n])
+    outputs = math.prod(grad_output.shape[self.ndim - n :])
+    grad = grad_output.astype(accumulation_dtype(grad_output.dtype)).reshape(rows, outputs)
+    out = jnp.zeros((rows, math.prod(self.shape[self.ndim - n :])), grad.dtype)
+    out = out.at[jnp.arange(rows)[:, None], indices.reshape(rows, outputs)].add(grad)
+    return out.reshape(self.shape)
+
+
+def _max_pool(self, n, kernel_size, stride, padding, dilation, ceil_mode):
+    taps = _pool_taps(self, n, kernel_size, stride, padding, dilation, ceil_mode)
+    values, _, flat = _windows(self, taps, _lowest(self.dtype))
+    return _max_with_index(values, flat)
+
+
+@lowering(aten.max_pool2d_with_indices.default)
+def max_pool2d_with_indices(self, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    return _max_pool(self, 2, kernel_size, stride, padding, dilation, ceil_mode)
+
+
+@lowering(aten.max_pool3d_with_indices.default)
+def max_pool3d_with_indices(self, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    return _max_pool(self, 3, kernel_size, stride, padding, dilation, ceil_mode)
+
+
+@lowering(aten.max_pool2d_with_indices_backward.default)
+def max_pool2d_with_indices_backward(grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices):
+    return _scatter_to_input(grad_output, self, indices, 2)
+
+
+@lowering(aten.max_pool3d_with_indices_backward.default)
+def max_pool3d_with_indices_backward(grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices):
+    return _scatter_to_input(grad_output, self, indices, 3)
+
+
+def _avg_pool(self, n, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    """Sums in float32 for low-precision floats; integers divide with truncation, like PyTorch."""
+    taps = _pool_taps(self, n, kernel_size, stride, padding, 1, ceil_mode)
+    x = self.astype(accumulation_dtype(self.dtype))
+    values, _, _ = _windows(x, taps, 0)
+    total = jnp.sum(values, axis=-1)
+    if divisor_override:
+        divisor = np.asarray(divisor_override)
+    else:
+        padding = _expand(padding, n)
+        spatial = self.shape[self.ndim - n :]
+        # positions counted: inside the padded input, or inside the input itself
+        counted = [
+            (t >= -p) & (t < size + p) if count_include_pad else (t >= 0) & (t < size)
+            for t, size, p in zip(taps, spatial, padding)
+        ]
+        divisor = math.prod(c.sum(axis=1).reshape((1,) * d + (-1,) + (1,) * (n - d - 1)) for d, c in enumerate(counted))
+    return jax.lax.div(total, jnp.broadcast_to(jnp.asarray(divisor, total.dtype), total.shape))
+
+
+@lowering(aten.avg_pool2d.default)
+def avg_pool2d(self, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
+    return _avg_pool(self, 2, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+
+
+@lowering(aten.avg_pool3d.default)
+def avg_pool3d(self, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
+    return _avg_pool(self, 3, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+
+
+@lowering(aten.avg_pool2d_backward.default)
+def avg_pool2d_backward(grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    args = (kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+    return _vjp(lambda x: _avg_pool(x, 2, *args), grad_output, self)
+
+
+@lowering(aten.avg_pool3d_backward.default)
+def avg_pool3d_backward(grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    args = (kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+    return _vjp(lambda x: _avg_pool(x, 3, *args), grad_output, self)
+
+
+def _adaptive_windows(self, output_size, fill):
+    n = len(output_size)
+    taps = [_adaptive_taps(size, out) for size, out in zip(self.shape[self.ndim - n :], output_size)]
+    return _windows(self, taps, fill)
+
+
+def _adaptive_avg_pool(self, output_size):
+    values, inside, _ = _adaptive_windows(self.astype(accumulation_dtype(self.dtype)), output_size, 0)
+    return jnp.sum(values, axis=-1) / inside.sum(axis=-1)
+
+
+def _adaptive_max_pool(self, output_size):
+    values, _, flat = _adaptive_windows(self, output_size, _lowest(self.dtype))
+    return _max_with_index(values, flat)
+
+
+@lowering(aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool3d.default)
+def adaptive_avg_pool(self, output_size):
+    return _adaptive_avg_pool(self, output_size)
+
+
+@lowering(aten._adaptive_avg_pool2d_backward.default)
+def adaptive_avg_pool2d_backward(grad_output, self):
+    return _vjp(lambda x: _adaptive_avg_pool(x, grad_output.shape[-2:]), grad_output, self)
+
+
+@lowering(aten._adaptive_avg_pool3d_backward.default)
+def adaptive_avg_pool3d_backward(grad_output, self):
+    return _vjp(lambda x: _adaptive_avg_pool(x, grad_output.shape[-3:]), grad_output, self)
+
+
+@lowering(aten.adaptive_max_pool2d.default, aten.adaptive_max_pool3d.default)
+def adaptive_max_pool(self, output_size):
+    return _adaptive_max_pool(self, output_size)
+
+
+@lowering(aten.adaptive_max_pool2d_backward.default)
+def adaptive_max_pool2d_backward(grad_output, self, indices):
+    return _scatter_to_input(grad_output, self, indices, 2)
+
+
+@lowering(aten.adaptive_max_pool3d_backward.default)
+def adaptive_max_pool3d_backward(grad_output, self, indices):
+    return _scatter_to_input(grad_output, self, indices, 3)
+
+
+def _im2col(self, kernel_size, dilation, padding, stride):
+    taps = [
+        _window_taps(_pooled_size(size, k, s, p, d, False), k, s, p, d)
+        for size, k, s, p, d in zip(self.shape[-2:], kernel_size, stride, padding, dilation)
+    ]
+    values, _, _ = _windows(self, taps, 0)  # (..., C, oh, ow, K)
+    values = jnp.moveaxis(values, -1, -3)  # (..., C, K, oh, ow)
+    return values.reshape(values.shape[:-4] + (values.shape[-4] * values.shape[-3], values.shape[-2] * values.shape[-1]))
+
+
+@lowering(aten.im2col.default)
+def im2col(self, kernel_size, dilation, padding, stride):
+    return _im2col(self, kernel_size, dilation, padding, stride)
+
+
+@lowering(aten.col2im.default)
+def col2im(self, output_size, kernel_size, dilation, padding, stride):
+    """The adjoint of im2col: overlapping window elements add up."""
+    channels = self.shape[-2] // math.prod(kernel_size)
+    image = jnp.zeros(self.shape[:-2] + (channels, *output_size), self.dtype)
+    return _vjp(lambda x: _im2col(x, kernel_size, dilation, padding, stride), self, image)
+
+
+# --- Upsampling: separable along each spatial dim, as taps (input positions and weights) per output
+# position, computed with numpy in float32 (PyTorch's arithmetic for the source positions).
+
+
+def _scale(in_size, out_size, scale):
+    """Input positions per output position (PyTorch's `compute_scales_value`)."""
+    return np.float32(1.0 / scale if scale is not None and scale > 0 else in_size / out_size)
+
+
+def _nearest_taps(in_size, out_size, scale):
+    source = np.floor(np.arange(out_size, dtype=np.float32) * _scale(in_size, out_size, scale))
+    return np.minimum(source.astype(np.int64), in_size - 1)[:, None], None
+
+
+def _nearest_exact_taps(in_size, out_size, scale):
+    source = np.floor((np.arange(out_size, dtype=np.float32) + 0.5) * _scale(in_size, out_size, scale))
+    return np.minimum(source.astype(np.int64), in_size - 1)[:, None], None
+
+
+def _source_positions(in_size, out_size, scale, align_corners, cubic):
+    """PyTorch's `area_pixel_compute_source_index`."""
+    out = np.arange(out_size, dtype=np.float32)
+    if align_corners:
+        return out * np.float32((in_size - 1) / (out_size - 1) if out_size > 1 else 0)
+    source = _scale(in_size, out_size, scale) * (out + np.float32(0.5)) - np.float32(0.5)
+    return source if cubic else np.maximum(source, 0)
+
+
+def _linear_taps(in_size, out_size, scale, align_corners):
+    source = _source_positions(in_size, out_size, scale, align_corners, cubic=False)
+    low = np.minimum(source.astype(np.int64), in_size - 1)
+    weight = np.clip(source - low, 0, 1).astype(np.float32)
+    high = np.minimum(low + 1, in_size - 1)
+    return np.stack([low, high], 1), np.stack([1 - weight, weight], 1)
+
+
+def _cubic_taps(in_size, out_size, scale, align_corners):
+    """Keys' cubic convolution with A = -0.75 over 4 neighbours clamped to the edge."""
+    source = _source_positions(in_size, out_size, scale, align_corners, cubic=True)
+    low = np.floor(source)
+    t = (source - low).astype(np.float32)
+    a = np.float32(-0.75)
+
+    def near(x):  # |x| <= 1
+        return ((a + 2) * x - (a + 3)) * x * x + 1
+
+    def far(x):  # 1 < |x| < 2
+        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+
+    taps = np.clip(low.astype(np.int64)[:, None] + np.arange(-1, 3), 0, in_size - 1)
+    return taps, np.stack([far(t + 1), near(t), near(1 - t), far(2 - t)], 1)
+
+
+def _upsample(self, output_size, taps_of):
+    """`taps_of(in_size, out_size, d)` gives dim d's taps; weighted taps sum in float32 for
+    low-precision floats, unweighted (nearest) ones copy."""
+    n = len(output_size)
+    x = self
+    for d, out_size in enumerate(output_size):
+        axis = x.ndim - n + d
+        taps, weights = taps_of(x.shape[axis], out_size, d)
+        x = jnp.take(x, taps, axis=axis)  # (..., out, T, ...)
+        if weights is None:
+            x = jnp.squeeze(x, axis + 1)
+        else:
+            x = x.astype(accumulation_dtype(x.dtype))
+            weights = weights.reshape(weights.shape + (1,) * (x.ndim - axis - 2))
+            x = jnp.sum(x * weights.astype(x.dtype), axis=axis + 1)
+    return x
+
+
+def _upsample_nearest(self, output_size, scales, taps):
+    return _upsample(self, output_size, lambda size, out, d: taps(size, out, scales[d]))
+
+
+def _upsample_interpolated(self, output_size, align_corners, scales, taps):
+    return _upsample(self, output_size, lambda size, out, d: taps(size, out, scales[d], align_corners))
+
+
+@lowering(aten.upsample_nearest1d.default, aten.upsample_nearest2d.default, aten.upsample_nearest3d.default)
+def upsample_nearest(self, output_size, *scales):
+    return _upsample_nearest(self, output_size, scales, _nearest_taps)
+
+
+@lowering(
+    aten._upsample_nearest_exact1d.default, aten._upsample_nearest_exact2d.default, aten._upsample_nearest_exact3d.default
+)
+def upsample_nearest_exact(self, output_size, *scales):
+    return _upsample_nearest(self, output_size, scales, _nearest_exact_taps)
+
+
+@lowering(aten.upsample_linear1d.default, aten.upsample_bilinear2d.default, aten.upsample_trilinear3d.default)
+def upsample_linear(self, output_size, align_corners, *scales):
+    return _upsample_interpolated(self, output_size, align_corners, scales, _linear_taps)
+
+
+@lowering(aten.upsample_bicubic2d.default)
+def upsample_bicubic2d(self, output_size, align_corners, *scales):
+    return _upsample_interpolated(self, output_size, align_corners, scales, _cubic_taps)
+
+
+def _zeros_input(grad_output, input_size):
+    return jnp.zeros(input_size, accumulation_dtype(grad_output.dtype))
+
+
+@lowering(
+    aten.upsample_nearest1d_backward.default,
+    aten.upsample_nearest2d_backward.default,
+    aten.upsample_nearest3d_backward.default,
+)
+def upsample_nearest_backward(grad_output, output_size, input_size, *scales):
+    forward = functools.partial(_upsample_nearest, output_size=output_size, scales=scales, taps=_nearest_taps)
+    return _vjp(forward, grad_output, _zeros_input(grad_output, input_size))
+
+
+@lowering(
+    aten._upsample_nearest_exact1d_backward.default,
+    aten._upsample_nearest_exact2d_backward.default,
+    aten._upsample_nearest_exact3d_backward.default,
+)
+def upsample_nearest_exact_backward(grad_output, output_size, input_size, *scales):
+    forward = functools.partial(_upsample_nearest, output_size=output_size, scales=scales, taps=_nearest_exact_taps)
+    return _vjp(forward, grad_output, _zeros_input(grad_output, input_size))
+
+
+@lowering(
+    aten.upsample_linear1d_backward.default,
+    aten.upsample_bilinear2d_backward.default,
+    aten.upsample_trilinear3d_backward.default,
+)
+def upsample_linear_backward(grad_output, output_size, input_size, align_corners, *scales):
+    forward = functools.partial(
+        _upsample_interpolated, output_size=output_size, align_corners=align_corners, scales=scales, taps=_linear_taps
+    )
+    return _vjp(forward, grad_output, _zeros_input(grad_output, input_size))
+
+
+@lowering(aten.upsample_bicubic2d_backward.default)
+def upsample_bicubic2d_backward(grad_output, output_size, input_size, align_corners, *scales):
+    forward = functools.partial(
+        _upsample_interpolated, output_size=output_size, align_corners=align_corners, scales=scales, taps=_cubic_taps
+    )
+    return _vjp(forward, grad_output, _zeros_input(grad_output, input_size))
