@@ -7,6 +7,8 @@ own lowering written after PyTorch's CPU kernel. Promotion kinds follow `torch/_
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import jax.scipy.special as jsp
@@ -220,9 +222,73 @@ def digamma(self):
     return jnp.where(self == 0, jnp.copysign(jnp.inf, -self), lax.digamma(self))
 
 
+def _trigamma(x):
+    """PyTorch's series with reflection below 1/2 (XLA's zeta-based polygamma is wrong for x < -8)."""
+    reflected = x < 0.5
+    sin_pi_x = jnp.sin(jnp.pi * x)
+    result = jnp.where(reflected, -(jnp.pi**2) / (sin_pi_x * sin_pi_x), 0)
+    x = jnp.where(reflected, 1 - x, x)
+    for _ in range(6):
+        result = result + 1 / (x * x)
+        x = x + 1
+    ixx = 1 / (x * x)
+    result = result + (1 + 1 / (2 * x) + ixx * (1 / 6 - ixx * (1 / 30 - ixx * (1 / 42)))) / x
+    return jnp.where(reflected, -result, result)
+
+
+_ZETA_TAIL = (12.0, -720.0, 30240.0, -1209600.0, 47900160.0, -1.8924375803183791606e9, 7.47242496e10,
+              -2.950130727918164224e12, 1.1646782814350067249e14, -4.5979787224074726105e15,
+              1.8152105401943546773e17, -7.1661652561756670113e18)
+_CEPHES_MACHEP = 1.11022302462515654042e-16
+
+
+def _zeta(x, q):
+    """Hurwitz zeta as PyTorch's Cephes port: the direct sum until q + i > 9 (at least 9 terms),
+    then an Euler-Maclaurin tail. XLA's zeta sums a fixed number of terms: wrong for q < -8."""
+    x, q = jnp.broadcast_arrays(x, q)
+    nonpositive_q = q <= 0
+    pole = nonpositive_q & (q == jnp.floor(q))
+    undefined = nonpositive_q & (x != jnp.floor(x))  # a negative base to a fractional power
+    summing = ~(pole | undefined | (x <= 1))
+
+    def more_terms(state):
+        return jnp.any(state[4])
+
+    def next_term(state):
+        i, a, b, s, summing, converged = state
+        a = jnp.where(summing, a + 1, a)
+        b = jnp.where(summing, a**-x, b)
+        s = jnp.where(summing, s + b, s)
+        converged = converged | (summing & (jnp.abs(b) < _CEPHES_MACHEP * s))
+        i = i + 1
+        return i, a, b, s, summing & ~converged & ((i < 9) | (a <= 9)), converged
+
+    zero = jnp.zeros_like(q)
+    _, a, b, s, _, done = lax.while_loop(
+        more_terms, next_term, (0, q, zero, jnp.where(summing, q**-x, zero), summing, ~summing))
+    w = a
+    s = jnp.where(done, s, s + b * w / (x - 1) - 0.5 * b)
+    factor, k = jnp.ones_like(q), 0
+    for coefficient in _ZETA_TAIL:
+        factor = factor * (x + k)
+        b = b / w
+        term = factor * b / coefficient
+        s = jnp.where(done, s, s + term)
+        done = done | (jnp.abs(term / s) < _CEPHES_MACHEP)
+        factor = factor * (x + k + 1)
+        b = b / w
+        k += 2
+    s = jnp.where(undefined, jnp.nan, jnp.where(pole, jnp.inf, s))
+    return jnp.where(x == 1, jnp.inf, jnp.where(x < 1, jnp.nan, s))
+
+
 @lowering(aten.polygamma.default, promote=Promote.INT_TO_FLOAT)
 def polygamma(n, self):
-    return digamma(self) if n == 0 else jsp.polygamma(n, self)
+    if n == 0:
+        return digamma(self)
+    if n == 1:
+        return _trigamma(self)
+    return (1 if n % 2 else -1) * math.exp(math.lgamma(n + 1)) * _zeta(jnp.asarray(n + 1, self.dtype), self)
 
 
 @lowering(aten.mvlgamma.default, promote=Promote.INT_TO_FLOAT)
@@ -239,7 +305,7 @@ def special_spherical_bessel_j0(x):
 @lowering(aten.special_zeta.default, aten.special_zeta.self_scalar, aten.special_zeta.other_scalar,
           promote=Promote.INT_TO_FLOAT)
 def special_zeta(self, other):
-    return jsp.zeta(self, other)
+    return _zeta(jnp.asarray(self), jnp.asarray(other))
 
 
 def _x_times_log(log):
