@@ -1,0 +1,126 @@
+"""The `torch.compile` backend named `tpu`.
+
+Dynamo captures a graph, AOT autograd turns it into functional ATen graphs (forward, and backward
+when training; input mutations such as a static KV cache written by `index_copy_` become outputs
+that are copied back, which on `tpu` only rebinds a buffer to the new array). Each ATen graph is then
+traced once into a `jax.jit` function by running it on `tpu` tensors whose buffers hold JAX tracers:
+every node goes through the same dispatch and lowering table as eager execution. A graph that
+cannot be traced (an op without a lowering, a host read) runs in the eager mode in force instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from . import buffer, counters, dispatch, modes, random
+
+log = logging.getLogger("hf_tpu.compile")
+_counters = counters.counters
+
+
+class _Tracing:
+    """The execution mode inside a trace: programs run on tracers, randomness comes from an input."""
+
+    name = "TRACE"
+
+    def __init__(self, rng_base):
+        self.mode = None
+        self.rng_base = rng_base
+        self.rng_count = 0
+
+    def execute(self, program, key, arrays, scalars, rng, device_index):
+        if rng is not None:
+            self.rng_count += 1
+            rng = self.rng_base.at[2].add(jnp.uint32(self.rng_count))
+        return program.fn(arrays, scalars, rng)
+
+    def sync(self, reason: str) -> None:
+        raise _Untraceable(reason)
+
+
+class _Untraceable(Exception):
+    pass
+
+
+def _array_of(t: torch.Tensor):
+    buf = buffer.buffer_of(t)
+    view = buffer.view_of(t, buf)
+    value = buf.value()
+    return value if view is None else buffer.read(value, view)
+
+
+class _CompiledGraph:
+    """One ATen graph as one jitted JAX function over its tensor inputs."""
+
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs):
+        self.gm = gm
+        self.jitted = jax.jit(self._trace)
+        self.eager = False
+        self.out_meta = None
+
+    def _trace(self, arrays, rng_base):
+        _counters["compiles"] += 1
+        _counters["compiles_by_mode"]["COMPILE"] += 1
+        inputs = []
+        for spec, array in zip(self.in_specs, arrays):
+            if spec is None:
+                inputs.append(array)
+            else:
+                inputs.append(buffer.new_tensor(array.shape, spec[0], spec[1], array))
+        saved = modes._current[0]
+        tracer = _Tracing(rng_base)
+        modes._current[0] = tracer
+        try:
+            with torch.no_grad():
+                outputs = self.gm(*inputs)
+        finally:
+            modes._current[0] = saved
+        if not isinstance(outputs, (list, tuple)):
+            outputs = (outputs,)
+        self.out_meta = [(o.dtype, o.device.index) if isinstance(o, torch.Tensor) else o for o in outputs]
+        return [_array_of(o) if isinstance(o, torch.Tensor) else None for o in outputs]
+
+    def __call__(self, *args):
+        if self.eager:
+            return self.gm(*args)
+        modes.current().sync("a compiled graph runs")
+        self.in_specs = [(a.dtype, a.device.index) if isinstance(a, torch.Tensor) else None for a in args]
+        arrays = [_array_of(a) if isinstance(a, torch.Tensor) else a for a in args]
+        device_index = next((a.device.index for a in args if isinstance(a, torch.Tensor)), dispatch.current_device_index())
+        try:
+            results = self.jitted(arrays, random.next_key(device_index))
+        except (_Untraceable, NotImplementedError, jax.errors.JAXTypeError, TypeError) as e:
+            self.eager = True
+            log.warning("hf_tpu: a compiled graph runs in the eager mode instead (%s: %s)", type(e).__name__, e)
+            return self.gm(*args)
+        outs = []
+        for meta, array in zip(self.out_meta, results):
+            if array is None:
+                outs.append(meta)
+            else:
+                outs.append(buffer.new_tensor(array.shape, meta[0], meta[1], array))
+        return outs
+
+
+def _compile_graph(gm: torch.fx.GraphModule, example_inputs):
+    if os.environ.get("HF_TPU_LOG_COMPILES") == "1":
+        log.warning("hf_tpu: compiling a torch.compile graph of %d nodes", len(gm.graph.nodes))
+    return _CompiledGraph(gm, example_inputs)
+
+
+def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
+    """`torch.compile(model, backend="tpu")`."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def compiler(graph, inputs):
+        return make_boxed_func(_compile_graph(graph, inputs))
+
+    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler)(gm, example_inputs)
+
+
