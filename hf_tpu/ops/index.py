@@ -1,10 +1,13 @@
-"""Indexing, gather/scatter and embedding ops.
+"""Indexing, gather/scatter, embedding, search and histogram ops, and those whose output shape
+depends on the data (nonzero, masked_select, unique, bincount: the core runs them on concrete arrays).
 
 Index tensors are used as they are: XLA clamps (gathers) or drops (scatters) out-of-range indices
 where PyTorch raises an IndexError, so checking them needs a host sync (left to the core).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -67,7 +70,7 @@ def _values_for_padded_masks(self, index_tuple, values, padded_to):
         k = d - lead
         if 0 <= k < values.ndim and values.shape[k] not in (1, indexed[d]):
             pad[k] = (0, indexed[d] - values.shape[k])
-    return jnp.broadcast_to(jnp.pad(values, pad), indexed)
+    return jnp.broadcast_to(jnp.pad(values, pad) if values.ndim else values, indexed)
 
 
 @lowering(aten.index_put.default)
@@ -329,3 +332,84 @@ def histc(self, bins=100, min=0, max=0):
     position = ((self - low) * bins / (high - low)).astype(jnp.int64)
     position = jnp.clip(position, 0, bins - 1)
     return jnp.zeros(bins, self.dtype).at[position.reshape(-1)].add(inside.reshape(-1).astype(self.dtype))
+
+
+# --- Data-dependent output shapes: traced, these raise a concretization error and the core runs
+# them again on concrete arrays (a host sync).
+
+
+@lowering(aten.nonzero.default)
+def nonzero(self):
+    return jnp.stack(jnp.nonzero(self), axis=1) if self.ndim else jnp.zeros((int(self != 0), 0), jnp.int64)
+
+
+@lowering(aten.nonzero_static.default)
+def nonzero_static(self, *, size, fill_value=-1):
+    if self.size == 0:  # jnp.nonzero does not pad an empty array with fill_value
+        return jnp.full((size, self.ndim), fill_value, jnp.int64)
+    if self.ndim == 0:
+        return jnp.zeros((size, 0), jnp.int64)
+    return jnp.stack(jnp.nonzero(self, size=size, fill_value=fill_value), axis=1)
+
+
+@lowering(aten.masked_select.default)
+def masked_select(self, mask):
+    shape = jnp.broadcast_shapes(self.shape, mask.shape)
+    return jnp.broadcast_to(self, shape)[jnp.broadcast_to(mask, shape)]
+
+
+@lowering(aten.bincount.default)
+def bincount(self, weights=None, minlength=0):
+    length = max(int(self.max()) + 1 if self.size else 0, minlength)
+    if weights is None:
+        return jnp.bincount(self, length=length).astype(jnp.int64)
+    dtype = jnp.float32 if weights.dtype == jnp.float32 else jnp.float64  # as ATen's CPU kernel
+    return jnp.zeros(length, dtype).at[self].add(weights.astype(dtype))
+
+
+_NOT_REQUESTED = jnp.zeros((0,), jnp.int64)  # what ATen returns for an inverse/counts not asked for
+
+
+def _unique(self, axis):
+    """Sorted unique values (each NaN distinct, as in PyTorch), inverse indices and counts."""
+    values, inverse, counts = jnp.unique(
+        self, return_inverse=True, return_counts=True, axis=axis, equal_nan=False
+    )
+    return values, inverse.astype(jnp.int64), counts.astype(jnp.int64)
+
+
+@lowering(aten._unique2.default)
+def unique2(self, sorted=True, return_inverse=False, return_counts=False):
+    values, inverse, counts = _unique(self.reshape(-1), None)
+    return (
+        values,
+        inverse.reshape(self.shape) if return_inverse else _NOT_REQUESTED,
+        counts if return_counts else _NOT_REQUESTED,
+    )
+
+
+@lowering(aten._unique.default)
+def unique(self, sorted=True, return_inverse=False):
+    values, inverse, _ = _unique(self.reshape(-1), None)
+    return values, inverse.reshape(self.shape) if return_inverse else _NOT_REQUESTED
+
+
+@lowering(aten.unique_dim.default)
+def unique_dim(self, dim, sorted=True, return_inverse=False, return_counts=False):
+    return _unique(self, dim % self.ndim)  # ATen returns the inverse and counts even unasked
+
+
+@lowering(aten.unique_consecutive.default)
+def unique_consecutive(self, return_inverse=False, return_counts=False, dim=None):
+    x = self.reshape(-1) if dim is None else jnp.moveaxis(self, dim, 0)
+    changed = (x[1:] != x[:-1]).reshape(max(x.shape[0] - 1, 0), math.prod(x.shape[1:])).any(axis=1)
+    starts = jnp.concatenate([jnp.ones(min(x.shape[0], 1), bool), changed])
+    inverse = jnp.cumsum(starts) - 1
+    values = x[starts] if dim is None else jnp.moveaxis(x[starts], 0, dim)
+    counts = jnp.bincount(inverse, length=int(starts.sum())).astype(jnp.int64)
+    inverse = inverse.reshape(self.shape) if dim is None else inverse
+    return (
+        values,
+        inverse.astype(jnp.int64) if return_inverse else _NOT_REQUESTED,
+        counts if return_counts else _NOT_REQUESTED,
+    )

@@ -69,12 +69,20 @@ def constant_pad_nd(self, pad, value=0):
     return jax.lax.pad(self, jnp.asarray(value).astype(self.dtype), config)
 
 
+def _pad(self, padding, mode):
+    """jnp.pad, after cropping where `padding` is negative (PyTorch crops, jnp.pad rejects it)."""
+    pairs = _pairs(padding, self.ndim)
+    crop = [(min(lo, 0), min(hi, 0), 0) for lo, hi in pairs]
+    cropped = jax.lax.pad(self, jnp.zeros((), self.dtype), crop)
+    return jnp.pad(cropped, [(max(lo, 0), max(hi, 0)) for lo, hi in pairs], mode=mode)
+
+
 def _reflect(self, padding):
-    return jnp.pad(self, _pairs(padding, self.ndim), mode="reflect")
+    return _pad(self, padding, "reflect")
 
 
 def _replicate(self, padding):
-    return jnp.pad(self, _pairs(padding, self.ndim), mode="edge")
+    return _pad(self, padding, "edge")
 
 
 def _pad_backward(pad):
