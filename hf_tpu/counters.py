@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import copy
 
-_COUNTERS = ("ops_dispatched", "compiles", "compile_cache_hits", "host_syncs")
+_COUNTERS = ("ops_dispatched", "compiles", "compile_cache_hits", "host_syncs", "xla_compiles", "disk_cache_hits")
 
 counters: dict = {}
 
@@ -20,8 +20,9 @@ def reset_metrics() -> None:
 
 
 def metrics() -> dict:
-    """A snapshot of the counters: ops_dispatched, compiles, compile_cache_hits, host_syncs,
-    cpu_fallbacks (per op name) and the compile counts per execution mode."""
+    """A snapshot of the counters: ops_dispatched, compiles (programs traced), compile_cache_hits,
+    host_syncs, cpu_fallbacks (per op name), the compile counts per execution mode, xla_compiles
+    (XLA backend compilations) and disk_cache_hits (executables loaded from HF_TPU_CACHE_DIR)."""
     snap = copy.deepcopy(counters)
     for key in ("cpu_fallbacks", "compiles_by_mode", "compile_cache_hits_by_mode"):
         snap[key] = dict(snap[key])
@@ -29,3 +30,24 @@ def metrics() -> dict:
 
 
 reset_metrics()
+
+
+def _on_jax_event(event: str, *args, **kwargs) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        counters["disk_cache_hits"] += 1
+        counters["xla_compiles"] -= 1  # counted as a backend compile below, but nothing compiled
+
+
+def _on_jax_duration(event: str, duration: float, *args, **kwargs) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        counters["xla_compiles"] += 1
+
+
+def _listen_to_jax() -> None:
+    from jax._src import monitoring
+
+    monitoring.register_event_listener(_on_jax_event)
+    monitoring.register_event_duration_secs_listener(_on_jax_duration)
+
+
+_listen_to_jax()

@@ -87,19 +87,21 @@ def _functional_counterpart(op):
         if cand is not None and not cand._schema.is_mutable:
             return cand
         return None
-    inputs = [a.name for a in schema.arguments if a.name not in out_names]
+    factory_args = {"dtype", "layout", "device", "pin_memory", "memory_format"}
+
+    def signature_of(arguments):
+        return [(a.name, str(a.type)) for a in arguments if a.name not in out_names and a.name not in factory_args]
+
+    inputs = signature_of(schema.arguments)
     packet = getattr(aten, packet_name, None)
     if packet is None:
         return None
-    factory_args = {"dtype", "layout", "device", "pin_memory", "memory_format"}
     for name in packet.overloads():
         cand = getattr(packet, name)
         if cand._schema.is_mutable:
             continue
-        cand_inputs = [a.name for a in cand._schema.arguments]
-        if [n for n in cand_inputs if n not in factory_args] == [n for n in inputs if n not in factory_args]:
-            if len(cand._schema.returns) == len(out_names):
-                return cand
+        if signature_of(cand._schema.arguments) == inputs and len(cand._schema.returns) == len(out_names):
+            return cand
     return None
 
 
@@ -180,9 +182,12 @@ class _Call:
         key = [sig.op]
         device_index = None
         rng = False
-        for kind, v in zip(sig.kinds, values):
-            if kind == STATIC:
+        static = sig.lowering.static if sig.lowering is not None else ()
+        for name, kind, v in zip(sig.names, sig.kinds, values):
+            if kind == STATIC or (name in static and not isinstance(v, torch.Tensor)):
                 key.append(_hashable(v))
+                if kind != STATIC:
+                    scalars.append(v)  # keeps the scalar numbering of the template
             elif kind == TENSOR or kind == OPT_TENSOR:
                 if v is None:
                     key.append(None)
@@ -243,18 +248,25 @@ def _is_number(v) -> bool:
     return isinstance(v, (bool, int, float, complex))
 
 
-def _number_as_tensor(v, device) -> torch.Tensor:
-    """A Python number that PyTorch unwrapped from a Tensor argument, as a 0-dim tensor again, with
-    the dtype a wrapped number promotes like."""
-    if isinstance(v, bool):
-        dtype = torch.bool
-    elif isinstance(v, int):
-        dtype = torch.int64
-    elif isinstance(v, float):
-        dtype = torch.get_default_dtype()
-    else:
-        dtype = torch.complex64 if torch.get_default_dtype() != torch.float64 else torch.complex128
-    return torch.scalar_tensor(v, dtype=dtype, device=device)
+def _wrapped_numbers(values, sig: Signature, device):
+    """Python numbers that PyTorch unwrapped from Tensor arguments, made acceptable to an OpOverload
+    call again while promoting like wrapped numbers: floats and complex pass as they are (PyTorch
+    wraps them), an int or bool becomes a 0-dim tensor of a dtype that does not change the result."""
+    int_dtype = next(
+        (v.dtype for kind, v in zip(sig.kinds, values)
+         if kind in (TENSOR, OPT_TENSOR) and isinstance(v, torch.Tensor) and not v.dtype.is_floating_point
+         and not v.dtype.is_complex and v.dtype != torch.bool),
+        torch.int64,
+    )
+    out = []
+    for kind, v in zip(sig.kinds, values):
+        if kind in (TENSOR, OPT_TENSOR) and isinstance(v, bool):
+            out.append(torch.tensor(v, device=device))
+        elif kind in (TENSOR, OPT_TENSOR) and isinstance(v, int):
+            out.append(torch.tensor(v, dtype=int_dtype, device=device))
+        else:
+            out.append(v)
+    return out
 
 
 def _hashable(v):
@@ -289,6 +301,8 @@ class Program:
     # output shapes depend on the data (nonzero, masked_select, unique): run on concrete arrays,
     # a sync point, and take the specs from the results
     data_dependent: bool = False
+    # per schema return: False where PyTorch returns an undefined tensor (None)
+    defined: tuple = ()
 
 
 def _to_meta(values, sig: Signature):
@@ -300,9 +314,9 @@ def _to_meta(values, sig: Signature):
         return torch.empty_strided(tuple(t.shape), t.stride(), dtype=t.dtype, device="meta")
 
     out = []
-    for kind, v in zip(sig.kinds, values):
+    for kind, v in zip(sig.kinds, _wrapped_numbers(values, sig, "meta")):
         if kind in (TENSOR, OPT_TENSOR):
-            out.append(_number_as_tensor(v, "meta") if _is_number(v) else meta(v))
+            out.append(meta(v))
         elif kind == TENSOR_LIST:
             out.append([meta(t) for t in v])
         elif kind == GENERATOR:
@@ -342,7 +356,7 @@ def _out_specs(call: _Call):
         result = _call_with(sig, sig.op, meta_values)
     except NotImplementedError:
         return None  # no meta kernel: the lowering's own shapes are used
-    return [(tuple(r.shape), r.dtype) for r in _flatten_returns(result)]
+    return [None if r is None else (tuple(r.shape), r.dtype) for r in _flatten_returns(result)]
 
 
 def _promotion(call: _Call, low: Lowering):
@@ -442,6 +456,8 @@ def _build(call: _Call) -> Program:
         result = _flatten_returns(low.fn(*args, **kwargs))
         outs = []
         for j, r in enumerate(result):
+            if specs is not None and specs[j] is None:  # an undefined result (e.g. a masked-off gradient)
+                continue
             r = jnp.asarray(r)
             if specs is not None:
                 shape, dtype = specs[j]
@@ -463,8 +479,10 @@ def _build(call: _Call) -> Program:
     out_specs = []
     for j, spec in enumerate(specs):
         target = returns_mutated[j] if j < len(returns_mutated) else None
-        out_specs.append(("mutated", slot_of_arg[target]) if target is not None else spec)
-    return Program(fn=fn, out_specs=tuple(out_specs), device_index=call.device_index)
+        if spec is not None or target is not None:
+            out_specs.append(("mutated", slot_of_arg[target]) if target is not None else spec)
+    program_returns = tuple(spec is not None or returns_mutated[j] is not None for j, spec in enumerate(specs))
+    return Program(fn=fn, out_specs=tuple(out_specs), device_index=call.device_index, defined=program_returns)
 
 
 _DATA_DEPENDENT_ERRORS = (
@@ -525,9 +543,6 @@ def run_lowered(sig: Signature, values: list):
     if program is None:
         program = _build(call)
         _PROGRAMS[call.key] = program
-    else:
-        _counters["compile_cache_hits"] += 1
-        _counters["compile_cache_hits_by_mode"][modes.current().name] += 1
     _counters["ops_dispatched"] += 1
     device_index = call.device_index
     if device_index is None:
@@ -535,6 +550,7 @@ def run_lowered(sig: Signature, values: list):
     rng_key = random.next_key(device_index, _generator_arg(sig, values)) if call.rng else None
     mode = modes.current()
     if program.data_dependent:
+        modes.log_sync(f"{sig.name} has a data-dependent output shape")
         mode.sync(f"{sig.name} has a data-dependent output shape")
         _counters["host_syncs"] += 1
         concrete = [op.buf.value() if op.buf is not None else op.view for op in call.operands]
@@ -551,6 +567,9 @@ def run_lowered(sig: Signature, values: list):
             outputs.append(operand.tensor)
         else:
             outputs.append(buffer.new_tensor(spec[0], spec[1], device_index, array))
+    if program.defined and not all(program.defined):
+        produced = iter(outputs)
+        outputs = [next(produced) if defined else None for defined in program.defined]
     if len(sig.op._schema.returns) == 1:
         return outputs[0]
     return tuple(outputs)
@@ -659,10 +678,7 @@ def cpu_fallback(sig: Signature, values):
             return torch.device("cpu")
         return v
 
-    cpu_values = [
-        _number_as_tensor(v, "cpu") if kind in (TENSOR, OPT_TENSOR) and _is_number(v) else to_cpu(v)
-        for kind, v in zip(sig.kinds, values)
-    ]
+    cpu_values = [to_cpu(v) for v in _wrapped_numbers(values, sig, "cpu")]
     if device_index is None:
         device_index = current_device_index()
     result = _call_with(sig, sig.op, cpu_values)

@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import logging
 import os
+import traceback
 
 import jax
+import torch
 
 from .. import buffer, counters, platform
 from .deferred import Deferred
 
 _counters = counters.counters
+log = logging.getLogger("hf_tpu.compile")
 
 
 class EagerMode(enum.Enum):
@@ -49,18 +53,51 @@ class _Eager:
         return jitted
 
     def execute(self, program, key, arrays, scalars, rng, device_index):
+        if program.jitted is not None:
+            _counters["compile_cache_hits"] += 1
+            _counters["compile_cache_hits_by_mode"][self.name] += 1
         jitted = self._compiled(program)
-        if arrays:
-            out = jitted(arrays, scalars, rng)
-        else:
-            with jax.default_device(platform.jax_device(device_index)):
+        with out_of_memory_as_torch_error(device_index, f"an op ({key[0]})"):
+            if arrays:
                 out = jitted(arrays, scalars, rng)
-        if self.blocking:
-            jax.block_until_ready(out)
+            else:
+                with jax.default_device(platform.jax_device(device_index)):
+                    out = jitted(arrays, scalars, rng)
+            if self.blocking:
+                jax.block_until_ready(out)
         return out
 
     def sync(self, reason: str) -> None:
         """Nothing is pending in an eager mode."""
+
+
+@contextlib.contextmanager
+def out_of_memory_as_torch_error(device_index: int, what: str):
+    """XLA's RESOURCE_EXHAUSTED becomes `torch.OutOfMemoryError`, with the sizes involved."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e) and "Out of memory" not in str(e):
+            raise
+        from .. import device
+
+        free, total = device.mem_get_info(device_index)
+        raise torch.OutOfMemoryError(
+            f"tpu:{device_index} ran out of memory running {what}. Live tpu tensors hold "
+            f"{device.memory_allocated(device_index) / 2**30:.2f} GiB of {total / 2**30:.2f} GiB "
+            f"({free / 2**30:.2f} GiB free). XLA said: {str(e).splitlines()[0]}"
+        ) from None
+
+
+def log_sync(reason: str) -> None:
+    """With HF_TPU_LOG_COMPILES=1, say where the user's code forced a sync and why."""
+    if os.environ.get("HF_TPU_LOG_COMPILES") != "1":
+        return
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if not any(part in frame.filename for part in ("/torch/", "/hf_tpu/", "/jax/")):
+            log.warning("hf_tpu: sync (%s) at %s:%d", reason, frame.filename, frame.lineno)
+            return
+    log.warning("hf_tpu: sync (%s)", reason)
 
 
 _MODES = {

@@ -40,6 +40,7 @@ for _op in (
 def _sync(reason: str):
     from .. import modes
 
+    modes.log_sync(reason)
     modes.current().sync(reason)
     _counters["host_syncs"] += 1
 

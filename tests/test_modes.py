@@ -1,0 +1,192 @@
+"""Execution modes: the API, deferred fusion and its sync points, the disk cache, torch.compile."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import hf_tpu
+from hf_tpu import modes
+
+Mode = torch.tpu.EagerMode
+
+
+def test_mode_api():
+    assert torch.tpu.eager_mode == Mode.DEFER_NEVER
+    with torch.tpu.use_eager_mode(Mode.DEFER_AND_FUSE):
+        assert torch.tpu.eager_mode == Mode.DEFER_AND_FUSE
+    torch.tpu.set_eager_mode("DEFER_NEVER_AND_LAUNCH_BLOCKING")
+    assert torch.tpu.eager_mode == Mode.DEFER_NEVER_AND_LAUNCH_BLOCKING
+    torch.tpu.eager_mode = Mode.DEFER_NEVER
+    assert torch.tpu.eager_mode == Mode.DEFER_NEVER
+    with pytest.raises(ValueError):
+        torch.tpu.set_eager_mode("SOMETIMES")
+
+
+def _chain(x, w, n=10):
+    for _ in range(n):
+        x = torch.tanh(x @ w) * 0.5 + x
+    return x
+
+
+def test_deferred_fuses_a_chain_into_one_cached_program():
+    x = torch.randn(16, 16, device="tpu")
+    w = torch.randn(16, 16, device="tpu") * 0.1
+    expected = _chain(x, w).cpu()
+    with torch.tpu.use_eager_mode(Mode.DEFER_AND_FUSE):
+        _chain(x, w).cpu()  # warm-up: the fused graph compiles once
+        hf_tpu.reset_metrics()
+        for _ in range(20):
+            actual = _chain(x, w).cpu()
+        m = hf_tpu.metrics()
+    assert torch.allclose(actual, expected, atol=1e-6)
+    assert m["compiles"] == 0 and m["compile_cache_hits_by_mode"]["DEFER_AND_FUSE"] == 20
+    assert m["host_syncs"] == 20
+
+
+@pytest.mark.parametrize(
+    "sync",
+    [
+        lambda t: t.sum().item(),
+        lambda t: t.tolist(),
+        lambda t: t.cpu(),
+        lambda t: print(t),
+        lambda t: bool(t.sum() > 0),
+        lambda t: torch.nonzero(t > 0),
+        lambda t: t[t > 0],
+        lambda t: torch.tpu.synchronize(),
+    ],
+)
+def test_sync_points_compute_pending_work_and_are_counted(sync, capsys):
+    with torch.tpu.use_eager_mode(Mode.DEFER_AND_FUSE):
+        t = torch.arange(-3.0, 5.0, device="tpu") * 2
+        from hf_tpu import buffer
+
+        assert type(buffer.buffer_of(t).array) is buffer.Lazy
+        hf_tpu.reset_metrics()
+        sync(t)
+        assert type(buffer.buffer_of(t).array) is not buffer.Lazy
+        if sync.__code__.co_names[-1:] != ("synchronize",):
+            assert hf_tpu.metrics()["host_syncs"] >= 1
+
+
+def test_dead_intermediates_never_take_device_memory():
+    def step(x):
+        for _ in range(8):
+            x = x * 1.5 + 1.0  # each intermediate: 4 MiB
+        return x
+
+    peaks = {}
+    for mode in (Mode.DEFER_NEVER, Mode.DEFER_AND_FUSE):
+        with torch.tpu.use_eager_mode(mode):
+            x = torch.ones(1024, 1024, device="tpu")
+            torch.tpu.synchronize()
+            torch.tpu.reset_peak_memory_stats()
+            y = step(x)
+            torch.tpu.synchronize()
+            peaks[mode] = torch.tpu.max_memory_allocated() - torch.tpu.memory_allocated() + y.numel() * 4
+            del x, y
+    assert peaks[Mode.DEFER_AND_FUSE] < peaks[Mode.DEFER_NEVER]
+
+
+def test_launch_blocking_completes_each_op():
+    with torch.tpu.use_eager_mode(Mode.DEFER_NEVER_AND_LAUNCH_BLOCKING):
+        y = torch.ones(4, device="tpu") + 1
+        from hf_tpu import buffer
+
+        assert buffer.buffer_of(y).array.is_ready()
+
+
+def test_data_dependent_python_control_flow_syncs_and_logs_where(caplog, monkeypatch):
+    monkeypatch.setenv("HF_TPU_LOG_COMPILES", "1")
+    with torch.tpu.use_eager_mode(Mode.DEFER_AND_FUSE):
+        x = torch.arange(5.0, device="tpu")
+        if (x.sum() > 3).item():  # a host read decides the control flow
+            x = x * 2
+        assert x.cpu().tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]
+    assert any("sync" in r.message and "test_modes.py" in r.message for r in caplog.records)
+
+
+def test_out_of_memory_becomes_torch_error():
+    import jax
+
+    with pytest.raises(torch.OutOfMemoryError, match="tpu:0 ran out of memory"):
+        with modes.out_of_memory_as_torch_error(0, "a test"):
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 1099511627776 bytes")
+
+
+def _run(code, cache_dir, **env):
+    full_env = dict(os.environ, HF_TPU_CACHE_DIR=str(cache_dir), **env)
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                       env=full_env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout
+
+
+_DISK_CACHE_WORK = """
+    import torch, hf_tpu
+    x = torch.arange(64.0).reshape(8, 8).to("tpu")
+    with torch.tpu.use_eager_mode("DEFER_AND_FUSE"):
+        y = (torch.tanh(x @ x) + 1).sum()
+        value = y.item()
+    m = hf_tpu.metrics()
+    print(value, m["xla_compiles"], m["disk_cache_hits"])
+"""
+
+
+def test_second_process_starts_warm_from_the_disk_cache(tmp_path):
+    first = _run(_DISK_CACHE_WORK, tmp_path).split()
+    second = _run(_DISK_CACHE_WORK, tmp_path).split()
+    assert first[0] == second[0]
+    assert int(first[1]) > 0 and int(second[1]) == 0 and int(second[2]) > 0
+
+
+def test_corrupt_cache_entries_are_rebuilt(tmp_path):
+    _run(_DISK_CACHE_WORK, tmp_path)
+    for root, _, files in os.walk(tmp_path):
+        for name in files:
+            with open(os.path.join(root, name), "wb") as f:
+                f.write(b"not an executable")
+    out = _run(_DISK_CACHE_WORK, tmp_path).split()
+    assert int(out[1]) > 0
+
+
+def test_torch_compile_matches_eager_and_stops_compiling():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 2))
+    x = torch.randn(4, 8)
+    expected = model(x)
+    expected.sum().backward()
+    grad = model[0].weight.grad.clone()
+    model.zero_grad()
+    model.to("tpu")
+    compiled = torch.compile(model, backend="tpu")
+    out = compiled(x.to("tpu"))
+    out.sum().backward()
+    assert torch.allclose(out.cpu(), expected, atol=1e-5)
+    assert torch.allclose(model[0].weight.grad.cpu(), grad, atol=1e-5)
+    for _ in range(2):
+        model.zero_grad()
+        compiled(x.to("tpu")).sum().backward()
+    hf_tpu.reset_metrics()
+    for _ in range(5):
+        model.zero_grad()
+        compiled(x.to("tpu")).sum().backward()
+    assert hf_tpu.metrics()["compiles"] == 0
+
+
+def test_torch_compile_updates_a_mutated_input_in_place():
+    cache = torch.zeros(4, 8, device="tpu")
+
+    @torch.compile(backend="tpu")
+    def write(cache, pos, val):
+        cache.index_copy_(0, pos, val)
+        return cache.sum()
+
+    with torch.no_grad():
+        total = write(cache, torch.tensor([2], device="tpu"), torch.ones(1, 8, device="tpu"))
+    assert total.item() == 8.0
+    assert cache[2].sum().item() == 8.0 and cache.sum().item() == 8.0
