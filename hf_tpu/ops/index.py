@@ -283,6 +283,16 @@ def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=
     return weight[indices]
 
 
+@lowering(aten.embedding_renorm.default)
+def embedding_renorm(self, indices, max_norm, norm_type):
+    """Rows named in `indices` whose `norm_type`-norm exceeds `max_norm` are scaled down to it."""
+    rows = self.astype(jnp.promote_types(self.dtype, jnp.float32))
+    norm = jnp.linalg.norm(rows, ord=norm_type, axis=1)
+    named = jnp.zeros(self.shape[0], bool).at[indices.reshape(-1)].set(True)
+    scale = jnp.where(named & (norm > max_norm), max_norm / (norm + 1e-7), 1)
+    return rows * scale[:, None]
+
+
 @lowering(aten.embedding_dense_backward.default)
 def embedding_dense_backward(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
     indices = indices.reshape(-1)
