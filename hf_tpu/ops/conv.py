@@ -85,6 +85,8 @@ def convolution_backward(
     out, pullback = jax.vjp(conv, input, weight)
     grad_input, grad_weight = pullback(grad_output.astype(out.dtype))
     grad_bias = jnp.sum(grad_output.astype(out.dtype), axis=(0, *range(2, grad_output.ndim)))
+    if bias_sizes is not None and math.prod(bias_sizes) == 0:  # no bias: its gradient is empty
+        grad_bias = jnp.zeros(bias_sizes, out.dtype)
     return grad_input, grad_weight, grad_bias
 
 
