@@ -18,6 +18,13 @@ from .registry import lowering
 aten = torch.ops.aten
 
 
+def _update(target, where, values, method):
+    """`target.at[where].<method>(values)`; bools reduce as 0/1 integers (add is `or`, multiply `and`)."""
+    if target.dtype == jnp.bool_:
+        return _update(target.astype(jnp.int32), where, values.astype(jnp.int32), method).astype(jnp.bool_)
+    return getattr(target.at[where], method)(values.astype(target.dtype), mode="drop")
+
+
 # --- Advanced indexing: `self[indices]` with PyTorch's List[Optional[Tensor]] of indices.
 
 
@@ -118,29 +125,26 @@ def gather(self, dim, index, sparse_grad=False):
     return self[_coordinates(_dim(dim, self.ndim), index)]
 
 
+def _lowest(dtype):
+    if dtype == jnp.bool_:
+        return False
+    return -jnp.inf if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).min
+
+
+def _highest(dtype):
+    if dtype == jnp.bool_:
+        return True
+    return jnp.inf if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).max
+
+
 # The reductions of scatter_reduce/index_reduce, with the value that leaves an element unchanged.
 _REDUCTIONS = {
     "sum": ("add", lambda dtype: 0),
     "mean": ("add", lambda dtype: 0),
     "prod": ("multiply", lambda dtype: 1),
-    "amax": ("max", lambda dtype: _lowest(dtype)),
-    "amin": ("min", lambda dtype: _highest(dtype)),
+    "amax": ("max", _lowest),
+    "amin": ("min", _highest),
 }
-
-
-def _lowest(dtype):
-    return -jnp.inf if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).min if dtype != jnp.bool_ else False
-
-
-def _highest(dtype):
-    return jnp.inf if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).max if dtype != jnp.bool_ else True
-
-
-def _update(target, where, values, method):
-    """`target.at[where].<method>(values)`; bools reduce as 0/1 integers (add is `or`, multiply `and`)."""
-    if target.dtype == jnp.bool_:
-        return _update(target.astype(jnp.int32), where, values.astype(jnp.int32), method).astype(jnp.bool_)
-    return getattr(target.at[where], method)(values.astype(target.dtype), mode="drop")
 
 
 def _reduce_into(self, where, src, reduce, include_self=True):
@@ -228,13 +232,13 @@ def index_add(self, dim, index, source, alpha=1):
 @lowering(aten.index_copy.default)
 @_along_dim
 def index_copy(self, dim, index, source):
-    return self.at[_slices_at(dim, index)].set(source.astype(self.dtype), mode="drop")
+    return _update(self, _slices_at(dim, index), source, "set")
 
 
 @lowering(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor)
 @_along_dim
 def index_fill(self, dim, index, value):
-    return self.at[_slices_at(dim, index)].set(jnp.asarray(value).astype(self.dtype), mode="drop")
+    return _update(self, _slices_at(dim, index), jnp.asarray(value), "set")
 
 
 @lowering(aten.index_reduce.default)

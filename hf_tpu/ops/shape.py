@@ -154,7 +154,7 @@ def slice_scatter(self, src, dim=0, start=None, end=None, step=1):
 def as_strided_scatter(self, src, size, stride, storage_offset=None):
     """`src` written through `as_strided(size, stride, storage_offset)` of a contiguous copy of self."""
     flat_index = jnp.asarray(storage_offset or 0)
-    for d, (n, s) in enumerate(zip(size, stride)):
+    for d, s in enumerate(stride):
         flat_index = flat_index + jax.lax.broadcasted_iota(jnp.int64, tuple(size), d) * s
     flat = self.reshape(-1).at[flat_index].set(src.astype(self.dtype))
     return flat.reshape(self.shape)
