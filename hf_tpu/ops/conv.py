@@ -13,9 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from .. import dispatch
 from .linalg import accumulation_dtype, matmul_precision
-from .registry import kernel, lowering
+from .registry import lowering
 
 aten = torch.ops.aten
 
@@ -87,16 +86,8 @@ def convolution_backward(
     grad_bias = jnp.sum(grad_output.astype(out.dtype), axis=(0, *range(2, grad_output.ndim)))
     if bias_sizes is not None and math.prod(bias_sizes) == 0:  # no bias: its gradient is empty
         grad_bias = jnp.zeros(bias_sizes, out.dtype)
-    return grad_input, grad_weight, grad_bias
-
-
-@kernel(aten.convolution_backward.default)
-def convolution_backward_all_grads(sig, values):
-    """Core workaround: the meta kernel returns None for a gradient left out of `output_mask`, which
-    dispatch cannot describe; compute all three and drop the unwanted ones."""
-    output_mask = values[-1]
-    grads = dispatch.run_lowered(sig, [*values[:-1], [True, True, True]])
-    return tuple(g if wanted else None for g, wanted in zip(grads, output_mask))
+    # a gradient left out of output_mask is undefined; XLA drops its computation
+    return tuple(g if wanted else None for g, wanted in zip((grad_input, grad_weight, grad_bias), output_mask))
 
 
 # --- Windows: pooling and im2col gather each output position's window over the last n dims.
