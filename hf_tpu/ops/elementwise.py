@@ -363,16 +363,29 @@ def div(self, other):
     return self / other
 
 
+def _opmath(x):
+    """bfloat16 and float16 computed in float32, as PyTorch's CPU kernels do."""
+    return x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x
+
+
 def _trunc_divide(a, b):
-    if _is_float(a) or _is_float(b):
-        return jnp.trunc(a / b)
-    quotient = jnp.floor_divide(a, b)
-    return quotient + ((a % b != 0) & ((a < 0) != (b < 0)))
+    if not _is_float(a):
+        quotient = jnp.floor_divide(a, b)
+        return quotient + ((a % b != 0) & ((a < 0) != (b < 0)))
+    if a.dtype == jnp.bfloat16:  # PyTorch truncates the quotient rounded to bfloat16
+        return jnp.trunc((_opmath(a) / _opmath(b)).astype(jnp.bfloat16))
+    a, b = _opmath(a), _opmath(b)
+    # Not trunc(a / b): XLA rewrites a / broadcast(b) as a * (1 / b), an ulp off, and 5.0 / 5.0
+    # would truncate to 0. a - fmod(a, b) is a whole multiple of b, so its quotient rounds exactly.
+    quotient = a / b
+    whole = jnp.round((a - jnp.fmod(a, b)) / b)
+    return jnp.where(jnp.isfinite(whole), jnp.copysign(whole, quotient), jnp.trunc(quotient))
 
 
 def _floor_divide(a, b):
-    """PyTorch's div_floor: integers as Python; floats by fmod, like CPython's float floordiv."""
-    if not (_is_float(a) or _is_float(b)):
+    """PyTorch's div_floor: integers as Python; floats by fmod, like CPython's float floordiv (which
+    also absorbs XLA's inexact division)."""
+    if not _is_float(a):
         return jnp.floor_divide(a, b)
     mod = jnp.fmod(a, b)
     quotient = (a - mod) / b
@@ -384,13 +397,19 @@ def _floor_divide(a, b):
     return jnp.where(b == 0, true_quotient, floor)
 
 
-_ROUNDED_DIVISIONS = {None: lambda a, b: _default_float(a) / _default_float(b), "trunc": _trunc_divide,
-                      "floor": _floor_divide}
+_ROUNDED_DIVISIONS = {
+    None: lambda a, b: _default_float(a) / _default_float(b),
+    "trunc": _trunc_divide,
+    "floor": lambda a, b: _floor_divide(_opmath(a), _opmath(b)),
+}
 
 
-@lowering(aten.div.Tensor_mode, aten.div.Scalar_mode, promote=Promote.DEFAULT)
+@lowering(aten.div.Tensor_mode, aten.div.Scalar_mode, promote=Promote.NO_OPMATH)
 def div_mode(self, other, *, rounding_mode=None):
-    return _ROUNDED_DIVISIONS[rounding_mode](self, other)
+    """Promoted without opmath, and a Scalar divisor taken in the promoted dtype, as PyTorch does:
+    its bfloat16 truncation sees the rounded quotient."""
+    dtype = jnp.result_type(self, other)
+    return _ROUNDED_DIVISIONS[rounding_mode](jnp.asarray(self, dtype), jnp.asarray(other, dtype))
 
 
 @lowering(aten.floor_divide.default, aten.floor_divide.Scalar, promote=Promote.DEFAULT)
@@ -402,6 +421,17 @@ def floor_divide(self, other):
 def power(self, exponent):
     # integer powers follow PyTorch: x**-n is 0 except for x = 1 and x = -1
     return jnp.power(self, exponent)
+
+
+# In-place overloads dispatch cannot pair with their functional overload (another overload name, or
+# the arguments in another order), lowered directly.
+lowering(aten.pow_.Tensor, promote=Promote.BOOL_TO_LONG)(power)
+lowering(aten.floor_divide_.Tensor, promote=Promote.DEFAULT)(floor_divide)
+
+
+@lowering(aten.polygamma_.default, promote=Promote.INT_TO_FLOAT)
+def polygamma_(self, n):
+    return polygamma(n, self)
 
 
 def _shift_width(a, b) -> int:
