@@ -179,7 +179,8 @@ class _Call:
         self.values = values
         operands = []
         scalars = []
-        key = [sig.op]
+        # the float32 matmul precision is read while a program is traced, so it decides the program
+        key = [sig.op, torch.get_float32_matmul_precision()]
         device_index = None
         rng = False
         static = sig.lowering.static if sig.lowering is not None else ()
@@ -229,19 +230,13 @@ class _Call:
             raise _device_mismatch(self.sig, f"tpu:{device_index}", f"tpu:{buf.device_index}")
         view = buffer.view_of(t, buf)
         operands.append(_Operand(t, buf, view))
-        key.append((buf.shape, buf.dtype, view))
+        key.append((buf.shape, buf.dtype, view, buf.array is None))
         return buf.device_index
 
     def arrays(self):
-        """The operands' arrays as they are: concrete, or Lazy results of deferred ops."""
-        out = []
-        for op in self.operands:
-            if op.buf is None:
-                out.append(op.view)  # a CPU scalar's host array
-            else:
-                array = op.buf.array
-                out.append(array if array is not None else op.buf.value())
-        return out
+        """The operands' arrays as they are: concrete, Lazy results of deferred ops, or None for an
+        uninitialised buffer (the program makes its zeros, which XLA drops when they are overwritten)."""
+        return [op.buf.array if op.buf is not None else op.view for op in self.operands]
 
 
 def _is_number(v) -> bool:
@@ -295,7 +290,7 @@ class Program:
     """The pure function computing one op call's results from its operands' buffers."""
 
     fn: object  # (arrays, scalars, rng_key) -> list of arrays
-    out_specs: tuple | None  # per return: (shape, torch dtype) or ("mutated", operand index)
+    out_specs: tuple | None  # per return: (shape, torch dtype) or ("mutated", operand, shape, jax dtype)
     device_index: int | None
     jitted: object = None
     # output shapes depend on the data (nonzero, masked_select, unique): run on concrete arrays,
@@ -415,6 +410,7 @@ def _build(call: _Call) -> Program:
     compute_dtype = _promotion(call, low)
     template = _template(call)
     views = [op.view if op.buf is not None else None for op in call.operands]
+    blank = [(op.buf.shape, dtypes.to_jax(op.buf.dtype)) if op.buf is not None else None for op in call.operands]
     names, kwarg_only = sig.names, sig.kwarg_only
     slot_of_arg = {}
     t_index = 0
@@ -430,6 +426,7 @@ def _build(call: _Call) -> Program:
 
     def fn(arrays, scalars, rng_data):
         rng_key = random.key_from_data(rng_data) if rng_data is not None else None
+        arrays = [jnp.zeros(*blank[i]) if a is None else a for i, a in enumerate(arrays)]
         vals = [buffer.read(a, v) for a, v in zip(arrays, views)]
         if jax_compute is not None:
             vals = [v.astype(jax_compute) if _promotable(v) else v for v in vals]
@@ -480,7 +477,10 @@ def _build(call: _Call) -> Program:
     for j, spec in enumerate(specs):
         target = returns_mutated[j] if j < len(returns_mutated) else None
         if spec is not None or target is not None:
-            out_specs.append(("mutated", slot_of_arg[target]) if target is not None else spec)
+            if target is None:
+                out_specs.append(spec)
+            else:  # the written buffer's whole array comes back
+                out_specs.append(("mutated", slot_of_arg[target], *blank[slot_of_arg[target]]))
     program_returns = tuple(spec is not None or returns_mutated[j] is not None for j, spec in enumerate(specs))
     return Program(fn=fn, out_specs=tuple(out_specs), device_index=call.device_index, defined=program_returns)
 

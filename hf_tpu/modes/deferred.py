@@ -33,6 +33,8 @@ class _Graph:
         self.input_ids = {}  # id(array) -> input position
 
     def wire(self, array):
+        if array is None:  # an uninitialised buffer: the program makes it
+            return ("u",)
         if type(array) is buffer.Lazy and array.graph is self:
             return ("n", array.node, array.index)
         if type(array) is buffer.Lazy:  # a result pending on another device's graph
@@ -65,7 +67,7 @@ class _Fused:
         inputs = dict(zip(self.donated, donated)) | dict(zip(self.kept, kept))
         env = {}
         for n, (program, wiring) in enumerate(zip(self.programs, self.wirings)):
-            args = [inputs[w[1]] if w[0] == "i" else env[(w[1], w[2])] for w in wiring]
+            args = [inputs[w[1]] if w[0] == "i" else env[(w[1], w[2])] if w[0] == "n" else None for w in wiring]
             for j, out in enumerate(program.fn(args, scalars[n], rngs[n])):
                 env[(n, j)] = out
         return [env[o] for o in self.outputs]
@@ -95,8 +97,7 @@ class Deferred:
         results = []
         for j, spec in enumerate(program.out_specs):
             if spec[0] == "mutated":
-                source = arrays[spec[1]]
-                shape, dtype = source.shape, source.dtype
+                shape, dtype = spec[2], spec[3]
             else:
                 shape, dtype = spec[0], dtypes.to_jax(spec[1])
             results.append(buffer.Lazy(shape, dtype, graph, n, j))
