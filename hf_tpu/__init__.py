@@ -33,7 +33,7 @@ def _check_privateuse1_is_free() -> None:
 _check_privateuse1_is_free()
 
 from . import device as _device_module  # noqa: E402
-from . import accelerator, dispatch, ops, storage  # noqa: E402,F401
+from . import accelerator, autocast, dispatch, ops, storage  # noqa: E402,F401
 from .counters import metrics, reset_metrics  # noqa: E402,F401
 from .modes import EagerMode  # noqa: E402,F401
 
@@ -65,6 +65,7 @@ def _register_backend() -> None:
     dispatch.register_kernels()
     accelerator.install()
     storage.install()
+    autocast.install()
 
 
 _register_backend()

@@ -1,0 +1,122 @@
+"""Autograd and training on tpu, against the same steps on CPU."""
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import hf_tpu
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def _train(model, device, steps, mode="DEFER_NEVER"):
+    torch.manual_seed(1)
+    data = torch.randint(0, 128, (steps, 2, 16))
+    model = model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    losses = []
+    with torch.tpu.use_eager_mode(mode):
+        for batch in data:
+            batch = batch.to(device)
+            loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return torch.tensor(losses)
+
+
+@pytest.mark.parametrize("mode", ["DEFER_NEVER", "DEFER_AND_FUSE"])
+def test_tiny_llama_trains_with_the_cpu_loss_curve(mode):
+    import copy
+
+    model = _tiny_llama()
+    cpu = _train(copy.deepcopy(model), "cpu", 20)
+    tpu = _train(model, "tpu", 20, mode)
+    assert ((tpu - cpu).abs() / cpu.abs()).max().item() < 1e-4, (tpu, cpu)
+    assert not hf_tpu.metrics()["cpu_fallbacks"]
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
+        lambda p: torch.optim.Adam(p, lr=1e-2, foreach=True),
+        lambda p: torch.optim.Adam(p, lr=1e-2, foreach=False, amsgrad=True),
+        lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=True),
+        lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=False),
+    ],
+)
+def test_optimizers_match_cpu(make_opt):
+    def run(device):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).to(device)
+        opt = make_opt(model.parameters())
+        x = torch.randn(5, 6).to(device)
+        for _ in range(4):
+            model(x).square().mean().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().cpu() for p in model.parameters()]
+
+    for a, b in zip(run("tpu"), run("cpu")):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_autograd_api():
+    def run(device):
+        x = torch.tensor([1.0, 2.0, 3.0], device=device, requires_grad=True)
+        seen = []
+        x.register_hook(lambda g: seen.append(g.detach().cpu()))
+        y = (x ** 3).sum()
+        (g,) = torch.autograd.grad(y, x, create_graph=True)
+        (gg,) = torch.autograd.grad(g.sum(), x, retain_graph=True)
+        z = (x * 2).sum()
+        z.backward(retain_graph=True)
+        z.backward()
+        with torch.no_grad():
+            assert not (x * 2).requires_grad
+        with torch.inference_mode():
+            assert not (x * 2).requires_grad
+        d = x.detach().requires_grad_()
+        return g.detach().cpu(), gg.cpu(), x.grad.cpu(), len(seen), d.requires_grad
+
+    cpu, tpu = run("cpu"), run("tpu")
+    for a, b in zip(tpu, cpu):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+def test_gradient_checkpointing_matches():
+    def run(device):
+        torch.manual_seed(0)
+        block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU(), torch.nn.Linear(4, 4)).to(device)
+        x = torch.randn(3, 4).to(device).requires_grad_()
+        checkpoint(block, x, use_reentrant=False).sum().backward()
+        return x.grad.cpu(), block[0].weight.grad.cpu()
+
+    for a, b in zip(run("tpu"), run("cpu")):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_autocast_bfloat16():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        expected = model(x)
+    model.to("tpu")
+    with torch.autocast(device_type="tpu", dtype=torch.bfloat16):
+        actual = model(x.to("tpu"))
+        assert actual.dtype == torch.bfloat16
+        assert torch.softmax(actual, -1).dtype == torch.float32
+    assert torch.allclose(actual.cpu().float(), expected.float(), atol=2e-2)
+    actual.float().sum().backward()
+    assert model[0].weight.grad.dtype == torch.float32
