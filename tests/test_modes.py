@@ -113,9 +113,10 @@ def test_data_dependent_python_control_flow_syncs_and_logs_where(caplog, monkeyp
 def test_out_of_memory_becomes_torch_error():
     import jax
 
-    with pytest.raises(torch.OutOfMemoryError, match="tpu:0 ran out of memory"):
-        with modes.out_of_memory_as_torch_error(0, "a test"):
-            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 1099511627776 bytes")
+    error = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 1099511627776 bytes")
+    with pytest.raises(torch.OutOfMemoryError, match="tpu:0 ran out of memory running a test"):
+        modes.raise_out_of_memory(error, 0, "a test")
+    modes.raise_out_of_memory(jax.errors.JaxRuntimeError("INTERNAL: something else"), 0, "a test")
 
 
 def _run(code, cache_dir, **env):

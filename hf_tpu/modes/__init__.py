@@ -57,7 +57,7 @@ class _Eager:
             _counters["compile_cache_hits"] += 1
             _counters["compile_cache_hits_by_mode"][self.name] += 1
         jitted = self._compiled(program)
-        with out_of_memory_as_torch_error(device_index, f"an op ({key[0]})"):
+        try:
             if arrays:
                 out = jitted(arrays, scalars, rng)
             else:
@@ -65,28 +65,28 @@ class _Eager:
                     out = jitted(arrays, scalars, rng)
             if self.blocking:
                 jax.block_until_ready(out)
+        except jax.errors.JaxRuntimeError as e:
+            raise_out_of_memory(e, device_index, f"an op ({key[0]})")
+            raise
         return out
 
     def sync(self, reason: str) -> None:
         """Nothing is pending in an eager mode."""
 
 
-@contextlib.contextmanager
-def out_of_memory_as_torch_error(device_index: int, what: str):
-    """XLA's RESOURCE_EXHAUSTED becomes `torch.OutOfMemoryError`, with the sizes involved."""
-    try:
-        yield
-    except jax.errors.JaxRuntimeError as e:
-        if "RESOURCE_EXHAUSTED" not in str(e) and "Out of memory" not in str(e):
-            raise
-        from .. import device
+def raise_out_of_memory(error, device_index: int, what: str) -> None:
+    """XLA's RESOURCE_EXHAUSTED becomes `torch.OutOfMemoryError`, with the sizes involved; any other
+    error is left to the caller to re-raise."""
+    if "RESOURCE_EXHAUSTED" not in str(error) and "Out of memory" not in str(error):
+        return
+    from .. import device
 
-        free, total = device.mem_get_info(device_index)
-        raise torch.OutOfMemoryError(
-            f"tpu:{device_index} ran out of memory running {what}. Live tpu tensors hold "
-            f"{device.memory_allocated(device_index) / 2**30:.2f} GiB of {total / 2**30:.2f} GiB "
-            f"({free / 2**30:.2f} GiB free). XLA said: {str(e).splitlines()[0]}"
-        ) from None
+    free, total = device.mem_get_info(device_index)
+    raise torch.OutOfMemoryError(
+        f"tpu:{device_index} ran out of memory running {what}. Live tpu tensors hold "
+        f"{device.memory_allocated(device_index) / 2**30:.2f} GiB of {total / 2**30:.2f} GiB "
+        f"({free / 2**30:.2f} GiB free). XLA said: {str(error).splitlines()[0]}"
+    ) from None
 
 
 def log_sync(reason: str) -> None:

@@ -135,14 +135,17 @@ class Deferred:
             _counters["compile_cache_hits_by_mode"][self.name] += 1
         scalars = [node[3] for node in graph.nodes]
         rngs = [node[4] for node in graph.nodes]
-        from . import out_of_memory_as_torch_error
-
-        with out_of_memory_as_torch_error(graph.device_index, f"a fused graph of {len(graph.nodes)} ops"):
+        try:
             if graph.inputs:
                 results = fused(graph.inputs, scalars, rngs)
             else:
                 with jax.default_device(platform.jax_device(graph.device_index)):
                     results = fused(graph.inputs, scalars, rngs)
+        except jax.errors.JaxRuntimeError as e:
+            from . import raise_out_of_memory
+
+            raise_out_of_memory(e, graph.device_index, f"a fused graph of {len(graph.nodes)} ops")
+            raise
         for (value, bufs), array in zip(holders, results):
             for buf in bufs:
                 buf.array = array

@@ -1,0 +1,119 @@
+"""The same work in every execution mode beside PyTorch on CPU: time per iteration, compiles after
+warm-up, and peak device memory.
+
+(a) tiny Llama forward (4 layers, hidden 256, batch 2x64); (b) its AdamW training step; (c) a 128-layer
+MLP stack of small matmuls (launch-bound); (d) `generate()` of 32 tokens with the default dynamic cache.
+
+Run: python -m benchmarks.modes [--iters 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+import torch
+
+import hf_tpu
+from benchmarks.common import table, timeit, tiny_llama
+
+MODES = ["DEFER_NEVER", "DEFER_AND_FUSE", "DEFER_NEVER_AND_LAUNCH_BLOCKING", "compile"]
+
+
+def _sync(t):
+    return t.cpu() if t.device.type == "tpu" else t
+
+
+def workloads():
+    llama = tiny_llama().eval()
+    ids = torch.randint(0, 1000, (2, 64))
+    mlp = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU()) for _ in range(128)])
+    x = torch.randn(8, 64)
+
+    def forward(model, device, compiled):
+        run = torch.compile(model, backend="tpu") if compiled else model
+        inp = ids.to(device)
+
+        def step():
+            with torch.no_grad():
+                return _sync(run(inp).logits.sum())
+
+        return step
+
+    def train(model, device, compiled):
+        model = model.train()
+        run = torch.compile(model, backend="tpu") if compiled else model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        inp = ids.to(device)
+
+        def step():
+            loss = run(input_ids=inp, labels=inp).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return _sync(loss.detach())
+
+        return step
+
+    def stack(model, device, compiled):
+        run = torch.compile(model, backend="tpu") if compiled else model
+        inp = x.to(device)
+
+        def step():
+            with torch.no_grad():
+                return _sync(run(inp).sum())
+
+        return step
+
+    def generate(model, device, compiled):
+        if compiled:
+            return None  # compiled decoding with a static cache belongs to the Transformers adapter
+        inp = ids[:1, :16].to(device)
+
+        def step():
+            return _sync(model.generate(inp, max_new_tokens=32, do_sample=False, min_new_tokens=32))
+
+        return step
+
+    return [("(a) llama forward", llama, forward), ("(b) llama train step", llama, train),
+            ("(c) 128-layer MLP", mlp, stack), ("(d) generate 32 tokens", llama, generate)]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--only", default="", help="comma-separated workload letters, e.g. a,c")
+    args = p.parse_args(argv)
+    rows = []
+    for name, model, make in workloads():
+        if args.only and name[1] not in args.only.split(","):
+            continue
+        cpu_step = make(copy.deepcopy(model), "cpu", False)
+        cpu = timeit(cpu_step, warmup=2, iters=args.iters)
+        results = {}
+        for mode in MODES:
+            device_model = copy.deepcopy(model).to("tpu")
+            step = make(device_model, "tpu", mode == "compile")
+            if step is None:
+                continue
+            eager = "DEFER_NEVER" if mode == "compile" else mode
+            with torch.tpu.use_eager_mode(eager):
+                for _ in range(3):
+                    step()
+                torch.tpu.synchronize()
+                torch.tpu.reset_peak_memory_stats()
+                hf_tpu.reset_metrics()
+                seconds = timeit(step, warmup=0, iters=args.iters)
+                compiles = hf_tpu.metrics()["compiles"]
+                peak = torch.tpu.max_memory_allocated()
+            results[mode] = seconds
+            del device_model, step
+            rows.append([name, mode, f"{seconds * 1e3:.1f}", f"{cpu / seconds:.2f}x",
+                         f"{results['DEFER_NEVER'] / seconds:.2f}x", str(compiles), f"{peak / 2**20:.1f}"])
+        rows.append([name, "torch cpu eager", f"{cpu * 1e3:.1f}", "1.00x", "", "", ""])
+    print(table(["workload", "mode", "ms/iter", "vs cpu", "vs strict", f"compiles in {args.iters} iters",
+                 "peak MiB"], rows))
+
+
+if __name__ == "__main__":
+    main()
