@@ -3,7 +3,8 @@
 PyTorch's conventions, read once here: a `dim` of None or [] means every dim (except for
 `all.dims`/`any.dims`, where [] reduces nothing); a 0-dim tensor accepts dim 0 and -1; integer and
 bool sums and products accumulate in int64; low-precision floats accumulate in float32 (the CPU's
-opmath). Result dtypes and empty-input errors come from the meta kernels.
+opmath). Result dtypes and most bad-input errors come from the meta kernels; `require_nonempty`
+raises the ones they miss.
 """
 
 from __future__ import annotations
