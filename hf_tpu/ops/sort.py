@@ -111,7 +111,8 @@ def nanmedian_dim(self, dim, keepdim=False):
 @scalar_as_vector
 def mode(self, dim=-1, keepdim=False):
     """The most frequent value (the smallest among equally frequent ones) and the index of its last
-    occurrence, as PyTorch's CPU kernel returns them."""
+    occurrence: what PyTorch's CPU kernel returns while its unstable sort keeps equal values in order
+    (beyond a few dozen elements its index among ties is arbitrary)."""
     axis = dim % self.ndim
     require_nonempty("mode", self, (axis,))
     values, indices = _sort(self, axis)
