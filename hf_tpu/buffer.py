@@ -132,7 +132,8 @@ class _Allocator:
     """Hands out address ranges, keeps the buffer of each live storage, and counts memory per device."""
 
     def __init__(self):
-        self.lock = threading.Lock()
+        # re-entrant: allocating can run the garbage collector, which releases dead buffers
+        self.lock = threading.RLock()
         self.next_address = _FIRST_ADDRESS
         self.live: dict[int, tuple] = {}  # address -> (Buffer, weakref to the DLPack owner)
         self.allocated: dict[int, int] = {}

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import torch
 from torch._prims_common import elementwise_dtypes
 
-from . import buffer, counters, dtypes, platform, random
+from . import buffer, counters, dtypes, index_checks, platform, random
 from .ops.registry import KERNELS, LOWERINGS, Lowering
 
 aten = torch.ops.aten
@@ -63,7 +63,9 @@ class Signature:
     returns_mutated: tuple  # per return: index of the argument it aliases, or None
     lowering: Lowering | None
     kernel: object  # a storage kernel taking the bound values, or None
+    index_check: object  # raises PyTorch's error for out-of-range indices (when checks are on), or None
     functional: torch._ops.OpOverload | None  # for in-place/out= overloads: the op that computes
+    returns_list: bool  # the op returns Tensor[] (its one return is a list)
 
     @property
     def name(self) -> str:
@@ -134,7 +136,9 @@ def signature(op) -> Signature:
         returns_mutated=tuple(returns_mutated),
         lowering=low,
         kernel=KERNELS.get(op),
+        index_check=index_checks.check_for(op),
         functional=functional,
+        returns_list=len(schema.returns) == 1 and str(schema.returns[0].type) == "List[Tensor]",
     )
 
 
@@ -535,6 +539,8 @@ def run_lowered(sig: Signature, values: list):
     """Run an op that has a lowering (directly or through its functional overload)."""
     from . import modes
 
+    if sig.index_check is not None and index_checks.enabled():
+        sig.index_check(values)
     call = _Call(sig, values)
     if sig.mutated:
         _check_writable(call)
@@ -542,6 +548,9 @@ def run_lowered(sig: Signature, values: list):
     program = _PROGRAMS.get(call.key)
     if program is None:
         program = _build(call)
+        if not program.data_dependent and modes.current().name == "DEFER_AND_FUSE":
+            # trace once now, so a lowering's error surfaces at the user's op, not at a later flush
+            _eval_specs(program.fn, call)
         _PROGRAMS[call.key] = program
     _counters["ops_dispatched"] += 1
     device_index = call.device_index
@@ -570,6 +579,8 @@ def run_lowered(sig: Signature, values: list):
     if program.defined and not all(program.defined):
         produced = iter(outputs)
         outputs = [next(produced) if defined else None for defined in program.defined]
+    if sig.returns_list:
+        return outputs
     if len(sig.op._schema.returns) == 1:
         return outputs[0]
     return tuple(outputs)

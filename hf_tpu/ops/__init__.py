@@ -1,7 +1,16 @@
 """ATen -> JAX lowerings, one module per op family; importing this package fills the registry."""
 
-from . import elementwise, storage  # noqa: F401
-from . import index, shape  # noqa: F401
-from . import conv, linalg  # noqa: F401
-from . import attention, factory, nn, random_ops  # noqa: F401
-from . import reduce, sort  # noqa: F401
+from . import (  # noqa: F401
+    attention,
+    conv,
+    elementwise,
+    factory,
+    index,
+    linalg,
+    nn,
+    random_ops,
+    reduce,
+    shape,
+    sort,
+    storage,
+)

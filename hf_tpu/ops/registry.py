@@ -9,6 +9,10 @@ has to get the values right.
 
 Only functional overloads are written; their in-place (`add_`) and `out=` (`add.out`) variants are
 derived by `dispatch.py`, once, for every lowering.
+
+Ops whose output shapes depend on the data (`nonzero`, `masked_select`, `unique`) have no meta
+kernel; their lowerings cannot be traced, so dispatch runs them on concrete arrays (a sync point)
+and takes the results as they are: such a lowering must return PyTorch's exact dtypes.
 """
 
 from __future__ import annotations

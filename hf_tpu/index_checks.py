@@ -1,0 +1,95 @@
+"""Out-of-range indices: XLA clamps gathers and drops scatters silently; PyTorch on CPU raises.
+
+Checking needs the indices on the host (a sync per indexing op), so it is off by default and on under
+`DEFER_NEVER_AND_LAUNCH_BLOCKING` or with `HF_TPU_CHECK_INDICES=1`. Each check raises the exception
+type and message PyTorch's CPU kernel raises for the same call.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+aten = torch.ops.aten
+
+
+def enabled() -> bool:
+    from . import modes
+
+    if os.environ.get("HF_TPU_CHECK_INDICES") == "1":
+        return True
+    return modes.get_eager_mode().name == "DEFER_NEVER_AND_LAUNCH_BLOCKING"
+
+
+def _bounds(index: torch.Tensor):
+    if index.numel() == 0:
+        return None
+    both = torch.stack([index.min(), index.max()]).cpu().tolist()
+    return both
+
+
+def _check_dim(index, size, dim, error, message=None):
+    bounds = _bounds(index)
+    if bounds is None:
+        return
+    for value in bounds:
+        if value >= size or value < -size:
+            raise error(message or f"index {value} is out of bounds for dimension {dim} with size {size}")
+
+
+def _index_select(values):
+    self, dim, index = values[0], values[1], values[2]
+    dim = dim % max(self.dim(), 1)
+    _check_dim(index, self.shape[dim] if self.dim() else 1, dim, IndexError, "index out of range in self")
+
+
+def _embedding(values):
+    weight, indices = values[0], values[1]
+    _check_dim(indices, weight.shape[0], 0, IndexError, "index out of range in self")
+
+
+def _along_dim(values):  # gather, scatter*, index_add, index_copy, index_fill, index_reduce
+    self, dim, index = values[0], values[1], values[2]
+    dim = dim % max(self.dim(), 1)
+    _check_dim(index, self.shape[dim] if self.dim() else 1, dim, RuntimeError)
+
+
+def _advanced(values):  # index.Tensor, index_put
+    self, indices = values[0], values[1]
+    for dim, index in enumerate(indices):
+        if index is not None and index.dtype not in (torch.bool, torch.uint8):
+            _check_dim(index, self.shape[dim], dim, IndexError)
+
+
+def _take(values):
+    self, index = values[0], values[1]
+    bounds = _bounds(index)
+    if bounds is None:
+        return
+    for value in bounds:
+        if value >= self.numel() or value < -self.numel():
+            raise IndexError(f"out of range: tried to access index {value} on a tensor of {self.numel()} elements.")
+
+
+CHECKS = {
+    "index_select": _index_select,
+    "embedding": _embedding,
+    "gather": _along_dim,
+    "scatter": _along_dim,
+    "scatter_add": _along_dim,
+    "scatter_reduce": _along_dim,
+    "index_add": _along_dim,
+    "index_copy": _along_dim,
+    "index_fill": _along_dim,
+    "index_reduce": _along_dim,
+    "index": _advanced,
+    "index_put": _advanced,
+    "_index_put_impl": _advanced,
+    "take": _take,
+}
+
+
+def check_for(op):
+    """The check for `op` (an indexing op), or None."""
+    return CHECKS.get(op._schema.name.split("::")[1].rstrip("_"))
