@@ -115,7 +115,10 @@ class Deferred:
         buffer.pending.clear()
         for graph in graphs.values():
             if graph.nodes:
-                self._run(graph, [h for h in holders.values() if h[0].graph is graph], reason)
+                # a deterministic output order, so the same work finds the same cached program
+                mine = sorted((h for h in holders.values() if h[0].graph is graph),
+                              key=lambda h: (h[0].node, h[0].index))
+                self._run(graph, mine, reason)
 
     def _run(self, graph: _Graph, holders, reason: str):
         outputs = tuple((value.node, value.index) for value, _ in holders)
