@@ -120,3 +120,13 @@ def test_another_owner_of_privateuse1_is_reported():
     r = _python("import torch\ntorch.utils.rename_privateuse1_backend('jax')\nimport hf_tpu")
     assert r.returncode != 0
     assert "already taken as 'jax'" in r.stderr and "torchax" in r.stderr
+
+
+def test_hf_tpu_env_reports_platform_devices_versions_and_mode(capsys):
+    from hf_tpu import cli
+
+    assert cli.main(["env"]) == 0
+    out = capsys.readouterr().out
+    for needle in ("platform      cpu", "devices       2", "torch ", "jax ", "transformers ", "diffusers ",
+                   "accelerate ", "eager mode"):
+        assert needle in out, needle
