@@ -66,7 +66,7 @@ _from_dlpack = torch._C._from_dlpack
 _OWNER_SHAPES = [(1,) * n for n in range(65)]
 
 _ALIGN = 256
-_FIRST_ADDRESS = 1 << 40
+_FIRST_ADDRESS = 1 << 48  # above every user-space address: never a real pointer, 2**63 bytes of room
 
 
 class Lazy:
