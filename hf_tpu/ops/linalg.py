@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from .registry import lowering
+from .registry import Promote, kernel, lowering
 
 aten = torch.ops.aten
 
@@ -149,3 +149,247 @@ def grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
         return _ragged_dot(self, mat2, group_sizes, 1, [], ((1,), (0,)))
     # (g, m, k) x (k, N) -> (m, N): as the transposed (N, k) x (g, k, m) -> (N, m)
     return _ragged_dot(mat2.T, jnp.swapaxes(self, 1, 2), group_sizes, 0, [0], ((1,), (1,))).T
+
+
+# --- Decompositions and solvers.
+#
+# Conventions follow PyTorch's: pivots are 1-based int32 (LAPACK's), `info` is LAPACK's (0 on
+# success), and `check_errors` is honoured by `_linalg_check_errors`, which reads `info` on the host.
+# Like PyTorch's CPU kernels, `_linalg_solve_ex`, `_linalg_det` and `_linalg_slogdet` factor a real
+# `A` transposed (PyTorch does so when `A` is contiguous): their derivatives solve with the returned
+# LU and assume so. A lowering cannot see strides, so a non-contiguous real `A` gets the transposed
+# LU too; only the backward of those three ops, which reads `A.is_contiguous()`, notices.
+
+
+def _mH(x):
+    return jnp.conj(jnp.swapaxes(x, -1, -2))
+
+
+def _broadcast_batch(a, b):
+    """Broadcast the batch dimensions (all but the last two) of two matrices."""
+    batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    return jnp.broadcast_to(a, batch + a.shape[-2:]), jnp.broadcast_to(b, batch + b.shape[-2:])
+
+
+def _triangular_solve(a, b, lower, left=True, adjoint=False, unit_diagonal=False):
+    """op(a) X = b (left) or X op(a) = b (right), op the conjugate transpose when `adjoint`."""
+    a, b = _broadcast_batch(a, b)
+    return jax.lax.linalg.triangular_solve(
+        a, b, left_side=left, lower=lower, transpose_a=adjoint, conjugate_a=adjoint, unit_diagonal=unit_diagonal
+    )
+
+
+def _first_failure(failed):
+    """LAPACK's `info`: the 1-based position of the first failure along the last axis, else 0."""
+    return jnp.where(failed.any(-1), jnp.argmax(failed, axis=-1) + 1, 0).astype(jnp.int32)
+
+
+def _cholesky(a, upper):
+    """Reads only the triangle named by `upper`, like LAPACK's potrf."""
+    if upper:
+        return _mH(jax.lax.linalg.cholesky(_mH(a), symmetrize_input=False))
+    return jax.lax.linalg.cholesky(a, symmetrize_input=False)
+
+
+@lowering(aten.linalg_cholesky_ex.default)
+def linalg_cholesky_ex(self, upper=False, check_errors=False):
+    """JAX turns a failed factorization into NaNs, so `info` is the first non-finite diagonal entry
+    (not always the order of the first non-positive-definite minor, as LAPACK's)."""
+    factor = _cholesky(self, upper)
+    return factor, _first_failure(~jnp.isfinite(jnp.diagonal(factor, axis1=-2, axis2=-1)))
+
+
+@lowering(aten.cholesky.default)
+def cholesky(self, upper=False):
+    return _cholesky(self, upper)
+
+
+def _cholesky_solve(b, factor, upper):
+    """A X = b with A = L L^H (or U^H U)."""
+    lower = not upper
+    y = _triangular_solve(factor, b, lower=lower, adjoint=upper)
+    return _triangular_solve(factor, y, lower=lower, adjoint=lower)
+
+
+@lowering(aten.cholesky_solve.default, aten._cholesky_solve_helper.default)
+def cholesky_solve(self, input2, upper=False):
+    return _cholesky_solve(self, input2, upper)
+
+
+@lowering(aten.cholesky_inverse.default)
+def cholesky_inverse(self, upper=False):
+    eye = jnp.broadcast_to(jnp.eye(self.shape[-1], dtype=self.dtype), self.shape)
+    return _cholesky_solve(eye, self, upper)
+
+
+def _lu_factor(a):
+    """(LU, 1-based int32 pivots, info) of a (..., m, n) matrix, with partial pivoting."""
+    lu, pivots, _ = jax.lax.linalg.lu(a)
+    return lu, pivots + 1, _first_failure(jnp.diagonal(lu, axis1=-2, axis2=-1) == 0)
+
+
+def _permutation(pivots, m):
+    """The row order `perm` with A[perm] = L U, from 1-based LAPACK pivots."""
+    return jax.lax.linalg.lu_pivots_to_permutation(pivots - 1, m)
+
+
+def _lu_solve(lu, pivots, b, adjoint=False):
+    """A X = b (or A^H X = b) with P^T A = L U, for A (..., n, n) and b (..., n, k)."""
+    lu, b = _broadcast_batch(lu, b)
+    perm = jnp.broadcast_to(_permutation(pivots, lu.shape[-1])[..., None], b.shape)
+    if not adjoint:
+        b = jnp.take_along_axis(b, perm, axis=-2)
+        y = _triangular_solve(lu, b, lower=True, unit_diagonal=True)
+        return _triangular_solve(lu, y, lower=False)
+    y = _triangular_solve(lu, b, lower=False, adjoint=True)
+    x = _triangular_solve(lu, y, lower=True, adjoint=True, unit_diagonal=True)
+    return jnp.take_along_axis(x, jnp.argsort(perm, axis=-2), axis=-2)  # P x, the inverse of x[perm]
+
+
+def _lu_solve_sided(lu, pivots, b, left, adjoint):
+    """Right-sided X A = B is A^H X^H = B^H."""
+    if left:
+        return _lu_solve(lu, pivots, b, adjoint)
+    return _mH(_lu_solve(lu, pivots, _mH(b), not adjoint))
+
+
+@lowering(aten.linalg_lu_factor_ex.default)
+def linalg_lu_factor_ex(A, pivot=True, check_errors=False):
+    if not pivot:
+        raise NotImplementedError("linalg.lu_factor: LU without pivoting is not implemented on tpu")
+    return _lu_factor(A)
+
+
+def _lu_unpack(lu, pivots, unpack_data=True, unpack_pivots=True):
+    m, n = lu.shape[-2:]
+    k = min(m, n)
+    empty = jnp.zeros((0,), lu.dtype)
+    P = L = U = empty
+    if unpack_pivots:
+        perm = _permutation(pivots, m)
+        P = jnp.swapaxes(jax.nn.one_hot(perm, m, dtype=lu.dtype), -1, -2)  # A = P L U
+    if unpack_data:
+        L = jnp.tril(lu[..., :, :k], -1) + jnp.eye(m, k, dtype=lu.dtype)
+        U = jnp.triu(lu[..., :k, :])
+    return P, L, U
+
+
+@lowering(aten.lu_unpack.default)
+def lu_unpack(LU_data, LU_pivots, unpack_data=True, unpack_pivots=True):
+    return _lu_unpack(LU_data, LU_pivots, unpack_data, unpack_pivots)
+
+
+@lowering(aten.linalg_lu.default)
+def linalg_lu(A, pivot=True):
+    lu, pivots, _ = linalg_lu_factor_ex(A, pivot)
+    return _lu_unpack(lu, pivots)
+
+
+@lowering(aten.linalg_lu_solve.default)
+def linalg_lu_solve(LU, pivots, B, left=True, adjoint=False):
+    return _lu_solve_sided(LU, pivots, B, left, adjoint)
+
+
+def _factor_for_solve(A):
+    """(LU, pivots, info, adjoint): see the section comment for why a real `A` is factored
+    transposed."""
+    transposed = not jnp.iscomplexobj(A)
+    return *_lu_factor(jnp.swapaxes(A, -1, -2) if transposed else A), transposed
+
+
+def _is_vector_rhs(A, B):
+    return B.ndim == 1 or (B.ndim == A.ndim - 1 and B.shape == A.shape[:-1])
+
+
+@lowering(aten._linalg_solve_ex.default)
+def linalg_solve_ex(A, B, left=True, check_errors=False):
+    lu, pivots, info, transposed = _factor_for_solve(A)
+    if _is_vector_rhs(A, B):
+        return _lu_solve_sided(lu, pivots, B[..., None], left, transposed)[..., 0], lu, pivots, info
+    return _lu_solve_sided(lu, pivots, B, left, transposed), lu, pivots, info
+
+
+@lowering(aten.linalg_inv_ex.default)
+def linalg_inv_ex(A, check_errors=False):
+    lu, pivots, info = _lu_factor(A)
+    eye = jnp.broadcast_to(jnp.eye(A.shape[-1], dtype=A.dtype), A.shape)
+    return _lu_solve(lu, pivots, eye), info
+
+
+def _lu_sign_and_diagonal(lu, pivots):
+    """det(A) = sign * prod(diagonal) with sign the parity of the row exchanges."""
+    swaps = jnp.count_nonzero(pivots != jnp.arange(1, pivots.shape[-1] + 1, dtype=pivots.dtype), axis=-1)
+    return jnp.where(swaps % 2 == 1, -1, 1).astype(lu.dtype), jnp.diagonal(lu, axis1=-2, axis2=-1)
+
+
+@lowering(aten._linalg_det.default)
+def linalg_det(A):
+    lu, pivots, _, _ = _factor_for_solve(A)
+    sign, diagonal = _lu_sign_and_diagonal(lu, pivots)
+    return sign * jnp.prod(diagonal, axis=-1), lu, pivots
+
+
+@lowering(aten._linalg_slogdet.default)
+def linalg_slogdet(A):
+    lu, pivots, _, _ = _factor_for_solve(A)
+    sign, diagonal = _lu_sign_and_diagonal(lu, pivots)
+    magnitude = jnp.abs(diagonal)
+    unit = jnp.where(magnitude == 0, 0, diagonal / jnp.where(magnitude == 0, 1, magnitude))
+    return sign * jnp.prod(unit, axis=-1), jnp.sum(jnp.log(magnitude), axis=-1), lu, pivots
+
+
+@lowering(aten.triangular_solve.default)
+def triangular_solve(self, A, upper=True, transpose=False, unitriangular=False):
+    """`transpose` is a plain transpose, also for complex A."""
+    a = jnp.swapaxes(A, -1, -2) if transpose else A
+    return _triangular_solve(a, self, lower=upper == transpose, unit_diagonal=unitriangular), A
+
+
+@lowering(aten.linalg_solve_triangular.default)
+def linalg_solve_triangular(self, B, upper, left=True, unitriangular=False):
+    return _triangular_solve(self, B, lower=not upper, left=left, unit_diagonal=unitriangular)
+
+
+@lowering(aten.linalg_qr.default)
+def linalg_qr(A, mode="reduced"):
+    if mode == "r":
+        return jnp.zeros((0,), A.dtype), jnp.linalg.qr(A, mode="r")
+    return jnp.linalg.qr(A, mode=mode)
+
+
+@lowering(aten.linalg_householder_product.default)
+def linalg_householder_product(input, tau):
+    return jax.lax.linalg.householder_product(input, tau)
+
+
+@lowering(aten._linalg_svd.default)
+def linalg_svd(A, full_matrices=False, compute_uv=True, driver=None):
+    if not compute_uv:
+        empty = jnp.zeros((0,), A.dtype)
+        return empty, jnp.linalg.svd(A, compute_uv=False), empty
+    return tuple(jnp.linalg.svd(A, full_matrices=full_matrices))
+
+
+@lowering(aten._linalg_eigh.default)
+def linalg_eigh(A, UPLO="L", compute_v=True):
+    """Reads only the triangle named by UPLO, like LAPACK's syevd."""
+    eigenvalues, eigenvectors = jnp.linalg.eigh(A, UPLO=UPLO, symmetrize_input=False)
+    return eigenvalues, eigenvectors if compute_v else jnp.zeros((0,), A.dtype)
+
+
+@lowering(aten.linalg_cross.default, promote=Promote.DEFAULT)
+def linalg_cross(self, other, dim=-1):
+    self, other = jnp.broadcast_arrays(self, other)
+    return jnp.cross(self, other, axis=dim)
+
+
+@lowering(aten.linalg_matrix_exp.default)
+def linalg_matrix_exp(self):
+    return jax.scipy.linalg.expm(self)
+
+
+@kernel(aten._linalg_check_errors.default)
+def linalg_check_errors(sig, values):
+    """Reads `info` on the host (a sync, as on CUDA) and lets PyTorch raise its own error."""
+    info, api_name, is_matrix = values
+    aten._linalg_check_errors(info.cpu(), api_name, is_matrix=is_matrix)
