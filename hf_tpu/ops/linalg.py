@@ -155,10 +155,10 @@ def grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
 #
 # Conventions follow PyTorch's: pivots are 1-based int32 (LAPACK's), `info` is LAPACK's (0 on
 # success), and `check_errors` is honoured by `_linalg_check_errors`, which reads `info` on the host.
-# Like PyTorch's CPU kernels, `_linalg_solve_ex`, `_linalg_det` and `_linalg_slogdet` factor a real
-# `A` transposed (PyTorch does so when `A` is contiguous): their derivatives solve with the returned
-# LU and assume so. A lowering cannot see strides, so a non-contiguous real `A` gets the transposed
-# LU too; only the backward of those three ops, which reads `A.is_contiguous()`, notices.
+# Like PyTorch's CPU kernels, `_linalg_det` and `_linalg_slogdet` factor a real `A` transposed
+# (PyTorch does so when `A` is contiguous): their derivatives solve with the returned LU and assume
+# so. A lowering cannot see strides, so a non-contiguous real `A` gets the transposed LU too; only
+# the backward of those two ops, which reads `A.is_contiguous()`, notices.
 
 
 def _mH(x):
@@ -181,6 +181,8 @@ def _triangular_solve(a, b, lower, left=True, adjoint=False, unit_diagonal=False
 
 def _first_failure(failed):
     """LAPACK's `info`: the 1-based position of the first failure along the last axis, else 0."""
+    if failed.shape[-1] == 0:
+        return jnp.zeros(failed.shape[:-1], jnp.int32)
     return jnp.where(failed.any(-1), jnp.argmax(failed, axis=-1) + 1, 0).astype(jnp.int32)
 
 
@@ -290,11 +292,10 @@ def linalg_lu_solve(LU, pivots, B, left=True, adjoint=False):
     return _lu_solve_sided(LU, pivots, B, left, adjoint)
 
 
-def _factor_for_solve(A):
-    """(LU, pivots, info, adjoint): see the section comment for why a real `A` is factored
-    transposed."""
-    transposed = not jnp.iscomplexobj(A)
-    return *_lu_factor(jnp.swapaxes(A, -1, -2) if transposed else A), transposed
+def _factor_for_det(A):
+    """(LU, pivots): see the section comment for why a real `A` is factored transposed."""
+    lu, pivots, _ = _lu_factor(A if jnp.iscomplexobj(A) else jnp.swapaxes(A, -1, -2))
+    return lu, pivots
 
 
 def _is_vector_rhs(A, B):
@@ -303,10 +304,10 @@ def _is_vector_rhs(A, B):
 
 @lowering(aten._linalg_solve_ex.default)
 def linalg_solve_ex(A, B, left=True, check_errors=False):
-    lu, pivots, info, transposed = _factor_for_solve(A)
+    lu, pivots, info = _lu_factor(A)
     if _is_vector_rhs(A, B):
-        return _lu_solve_sided(lu, pivots, B[..., None], left, transposed)[..., 0], lu, pivots, info
-    return _lu_solve_sided(lu, pivots, B, left, transposed), lu, pivots, info
+        return _lu_solve_sided(lu, pivots, B[..., None], left, False)[..., 0], lu, pivots, info
+    return _lu_solve_sided(lu, pivots, B, left, False), lu, pivots, info
 
 
 @lowering(aten.linalg_inv_ex.default)
@@ -324,14 +325,14 @@ def _lu_sign_and_diagonal(lu, pivots):
 
 @lowering(aten._linalg_det.default)
 def linalg_det(A):
-    lu, pivots, _, _ = _factor_for_solve(A)
+    lu, pivots = _factor_for_det(A)
     sign, diagonal = _lu_sign_and_diagonal(lu, pivots)
     return sign * jnp.prod(diagonal, axis=-1), lu, pivots
 
 
 @lowering(aten._linalg_slogdet.default)
 def linalg_slogdet(A):
-    lu, pivots, _, _ = _factor_for_solve(A)
+    lu, pivots = _factor_for_det(A)
     sign, diagonal = _lu_sign_and_diagonal(lu, pivots)
     magnitude = jnp.abs(diagonal)
     unit = jnp.where(magnitude == 0, 0, diagonal / jnp.where(magnitude == 0, 1, magnitude))
@@ -377,14 +378,17 @@ def linalg_eigh(A, UPLO="L", compute_v=True):
     return eigenvalues, eigenvectors if compute_v else jnp.zeros((0,), A.dtype)
 
 
-@lowering(aten.linalg_cross.default, promote=Promote.DEFAULT)
+@lowering(aten.linalg_cross.default)
 def linalg_cross(self, other, dim=-1):
+    """In the inputs' (equal) dtype, rounding each product like PyTorch's kernel."""
     self, other = jnp.broadcast_arrays(self, other)
     return jnp.cross(self, other, axis=dim)
 
 
-@lowering(aten.linalg_matrix_exp.default)
+@lowering(aten.linalg_matrix_exp.default, promote=Promote.DEFAULT)
 def linalg_matrix_exp(self):
+    """Pade approximation (JAX) where PyTorch uses a Taylor polynomial: the two differ by a few
+    ulps for large norms. bfloat16 is computed in float32 and rounded once."""
     return jax.scipy.linalg.expm(self)
 
 
