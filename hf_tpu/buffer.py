@@ -224,12 +224,16 @@ class View(NamedTuple):
     strides: tuple
     offset: int
     dtype: torch.dtype
+    conj: bool = False  # PyTorch's lazy conjugate / negative bits on complex views
+    neg: bool = False
 
 
 def view_of(t: torch.Tensor, buf: Buffer):
     """None when `t` is exactly its buffer (the common case, read for free), else its `View`."""
     shape = tuple(t.shape)
     offset = t.storage_offset()
+    if t.dtype.is_complex and (t.is_conj() or t.is_neg()):
+        return View(shape, tuple(t.stride()), offset, t.dtype, t.is_conj(), t.is_neg())
     if offset == 0 and t.is_contiguous():
         if shape == buf.shape and t.dtype == buf.dtype:
             return None
@@ -349,6 +353,10 @@ def read(array, view: View | None):
     """The value of a tensor given its buffer's array (inside or outside jit)."""
     if view is None:
         return array
+    if view.conj or view.neg:
+        value = read(array, view._replace(conj=False, neg=False))
+        value = jnp.conj(value) if view.conj else value
+        return -value if view.neg else value
     flat = _flat(array, view.dtype)
     numel = math.prod(view.shape)
     if numel == 0:
@@ -374,6 +382,10 @@ def write(array, view: View | None, value):
     """The buffer's new array after writing `value` (of the view's shape and dtype) through `view`."""
     if view is None:
         return value.reshape(array.shape).astype(array.dtype)
+    if view.conj or view.neg:  # what is stored is the conjugate / negation of what the view shows
+        value = -value if view.neg else value
+        value = jnp.conj(value) if view.conj else value
+        view = view._replace(conj=False, neg=False)
     flat = _flat(array, view.dtype)
     numel = math.prod(view.shape)
     if numel == 0:

@@ -92,3 +92,16 @@ def test_reading_a_view_after_the_base_is_gone():
     v = x.t()[1]
     del x
     assert v.cpu().tolist() == [1.0, 5.0, 9.0]
+
+
+def test_conjugate_views_read_and_write_like_cpu():
+    def run(device):
+        z = torch.tensor([1 + 2j, -3 + 0.5j, 4j], dtype=torch.complex64, device=device)
+        c = z.conj()
+        assert c.is_conj()
+        read = (c * 2, c.resolve_conj(), torch.view_as_real(c.resolve_conj()))
+        c.mul_(3)  # writes through the conjugate view
+        return read, z
+
+    expected, actual = run("cpu"), run("tpu")
+    assert_same(actual, expected)
