@@ -419,8 +419,12 @@ def floor_divide(self, other):
 
 @lowering(aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar, promote=Promote.BOOL_TO_LONG)
 def power(self, exponent):
-    # integer powers follow PyTorch: x**-n is 0 except for x = 1 and x = -1
-    return jnp.power(self, exponent)
+    if _is_float(self) or _is_float(exponent):
+        return jnp.power(self, exponent)
+    # integers to negative powers: 0, except 1 for a base of 1 and +-1 for a base of -1
+    negative = exponent < 0
+    reciprocal = jnp.where(self == 1, 1, jnp.where(self == -1, 1 - 2 * (exponent & 1), 0))
+    return jnp.where(negative, reciprocal, jnp.power(self, jnp.where(negative, 0, exponent)))
 
 
 # In-place overloads dispatch cannot pair with their functional overload (another overload name, or
