@@ -415,7 +415,7 @@ def _build(call: _Call) -> Program:
     template = _template(call)
     views = [op.view if op.buf is not None else None for op in call.operands]
     blank = [(op.buf.shape, dtypes.to_jax(op.buf.dtype)) if op.buf is not None else None for op in call.operands]
-    names, kwarg_only = sig.names, sig.kwarg_only
+    names = sig.names
     slot_of_arg = {}
     t_index = 0
     for i, (kind, v) in enumerate(zip(sig.kinds, call.values)):
@@ -426,6 +426,8 @@ def _build(call: _Call) -> Program:
             t_index += sum(t is not None for t in v)
     returns_mutated = sig.returns_mutated
     is_out_variant = sig.functional is not None and not sig.op._schema.name.endswith("_")
+    lowered_schema = (sig.functional or sig.op)._schema
+    lowered_params = [(a.name, a.kwarg_only) for a in lowered_schema.arguments]
     jax_compute = dtypes.to_jax(compute_dtype) if compute_dtype is not None else None
 
     def fn(arrays, scalars, rng_data):
@@ -446,14 +448,12 @@ def _build(call: _Call) -> Program:
                 return rng_key
             return x
 
-        args, kwargs = [], {}
-        for i, (name, kw, x) in enumerate(zip(names, kwarg_only, template)):
-            if is_out_variant and i in sig.mutated:
-                continue
-            if kw:
-                kwargs[name] = fill(x)
-            else:
-                args.append(fill(x))
+        by_name = {name: fill(x) for i, (name, x) in enumerate(zip(names, template))
+                   if not (is_out_variant and i in sig.mutated)}
+        # the lowering is written against the schema it was registered for: bind by name, since an
+        # in-place variant may order its arguments differently (polygamma_(self, n) / polygamma(n, self))
+        args = [by_name[name] for name, kw in lowered_params if not kw and name in by_name]
+        kwargs = {name: by_name[name] for name, kw in lowered_params if kw and name in by_name}
         result = _flatten_returns(low.fn(*args, **kwargs))
         outs = []
         for j, r in enumerate(result):
