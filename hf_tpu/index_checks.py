@@ -19,7 +19,7 @@ def enabled() -> bool:
 
     if os.environ.get("HF_TPU_CHECK_INDICES") == "1":
         return True
-    return modes.get_eager_mode().name == "DEFER_NEVER_AND_LAUNCH_BLOCKING"
+    return modes.current().name == "DEFER_NEVER_AND_LAUNCH_BLOCKING"
 
 
 def _bounds(index: torch.Tensor):
