@@ -503,7 +503,13 @@ def _promotable(v) -> bool:
 
 
 def _eval_specs(fn, call):
-    arrays = [op.buf.value() if op.buf is not None else op.view for op in call.operands]
+    """Trace `fn` on the operands' shapes and dtypes only: no value is read, nothing is flushed."""
+    arrays = [
+        None if op.buf is None or op.buf.array is None
+        else jax.ShapeDtypeStruct(op.buf.shape, dtypes.to_jax(op.buf.dtype))
+        for op in call.operands
+    ]
+    arrays = [op.view if op.buf is None else a for op, a in zip(call.operands, arrays)]
     scalars = call.scalars
     key = random.example_key() if call.rng else None
     shapes = jax.eval_shape(fn, arrays, scalars, key)
