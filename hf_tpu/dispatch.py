@@ -187,12 +187,9 @@ class _Call:
         key = [sig.op, torch.get_float32_matmul_precision()]
         device_index = None
         rng = False
-        static = sig.lowering.static if sig.lowering is not None else ()
-        for name, kind, v in zip(sig.names, sig.kinds, values):
-            if kind == STATIC or (name in static and not isinstance(v, torch.Tensor)):
+        for i, (kind, v) in enumerate(zip(sig.kinds, values)):
+            if kind == STATIC or (kind != TENSOR_LIST and _is_static_scalar(sig, i, v)):
                 key.append(_hashable(v))
-                if kind != STATIC:
-                    scalars.append(v)  # keeps the scalar numbering of the template
             elif kind == TENSOR or kind == OPT_TENSOR:
                 if v is None:
                     key.append(None)
@@ -245,6 +242,18 @@ class _Call:
 
 def _is_number(v) -> bool:
     return isinstance(v, (bool, int, float, complex))
+
+
+def _is_static_scalar(sig: Signature, i: int, v) -> bool:
+    """A scalar that is compiled into the program rather than passed to it: one the lowering asked for
+    as a Python value, or one equal to the schema's default (`alpha=1`), which is cheaper to bake in
+    than to transfer on every call and does not vary in practice."""
+    if not _is_number(v):
+        return False
+    if sig.lowering is not None and sig.names[i] in sig.lowering.static:
+        return True
+    default = sig.defaults[i]
+    return default is not None and type(v) is type(default) and v == default
 
 
 def _wrapped_numbers(values, sig: Signature, device):
@@ -380,8 +389,7 @@ def _template(call: _Call):
     t_index = 0
     s_index = 0
     template = []
-    static_scalars = call.sig.lowering.static
-    for name, kind, v in zip(sig.names, sig.kinds, call.values):
+    for i, (kind, v) in enumerate(zip(sig.kinds, call.values)):
         if kind in (TENSOR, OPT_TENSOR) and not _is_number(v):
             if v is None:
                 template.append(None)
@@ -398,8 +406,11 @@ def _template(call: _Call):
                     t_index += 1
             template.append(items)
         elif kind in (SCALAR, TENSOR, OPT_TENSOR):  # a Scalar, or a number in a Tensor argument
-            template.append(v if name in static_scalars else ("scalar", s_index))
-            s_index += 1
+            if _is_static_scalar(sig, i, v):
+                template.append(v)
+            else:
+                template.append(("scalar", s_index))
+                s_index += 1
         elif kind == GENERATOR:
             template.append(_RNG)
         else:

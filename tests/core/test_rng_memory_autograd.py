@@ -44,6 +44,9 @@ def test_seed_gives_a_new_initial_seed():
 
 
 def test_memory_counts_live_buffers_and_peak():
+    import gc
+
+    gc.collect()  # tensors held by earlier tests' reference cycles would be freed mid-measurement
     torch.tpu.synchronize()
     base = torch.tpu.memory_allocated()
     torch.tpu.reset_peak_memory_stats()
