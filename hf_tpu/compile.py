@@ -57,7 +57,7 @@ def _array_of(t: torch.Tensor):
 class _CompiledGraph:
     """One ATen graph as one jitted JAX function over its tensor inputs."""
 
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs):
+    def __init__(self, gm: torch.fx.GraphModule):
         self.gm = gm
         self.jitted = jax.jit(self._trace)
         self.eager = False
@@ -110,7 +110,7 @@ class _CompiledGraph:
 def _compile_graph(gm: torch.fx.GraphModule, example_inputs):
     if os.environ.get("HF_TPU_LOG_COMPILES") == "1":
         log.warning("hf_tpu: compiling a torch.compile graph of %d nodes", len(gm.graph.nodes))
-    return _CompiledGraph(gm, example_inputs)
+    return _CompiledGraph(gm)
 
 
 def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):

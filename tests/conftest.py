@@ -8,7 +8,6 @@ os.environ.setdefault("HF_TPU_NUM_DEVICES", "2")
 os.environ.setdefault("HF_TPU_PLATFORM", "cpu")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 import hf_tpu  # noqa: E402,F401
 

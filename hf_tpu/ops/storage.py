@@ -12,7 +12,7 @@ import math
 import jax
 import torch
 
-from .. import buffer, counters, dispatch, dtypes, platform
+from .. import buffer, counters, dispatch, platform
 from .registry import kernel, lowering
 
 aten = torch.ops.aten

@@ -3,8 +3,6 @@
 import pytest
 import torch
 
-import hf_tpu
-
 
 @pytest.fixture(autouse=True, params=["DEFER_NEVER", "DEFER_AND_FUSE"])
 def eager_mode(request):
