@@ -810,11 +810,14 @@ def register_kernels() -> None:
         if not _is_composite_implicit(functional):
             ops.add(functional)
         ops.update(_derived_variants(functional))
-    lib = torch.library.Library("aten", "IMPL")
+    libraries = {}  # namespace -> Library: aten, and hf_tpu's own custom ops
     for op in sorted(ops, key=str):
         if op in LOWERINGS and op not in KERNELS and _is_composite_implicit(op):
             continue
-        lib.impl(op, _kernel(signature(op)), "PrivateUse1")
+        namespace = op.namespace
+        if namespace not in libraries:
+            libraries[namespace] = torch.library.Library(namespace, "IMPL")
+        libraries[namespace].impl(op, _kernel(signature(op)), "PrivateUse1")
     fallback = torch.library.Library("_", "IMPL")
     fallback.fallback(_fallback, "PrivateUse1")
-    _libraries.extend([lib, fallback])
+    _libraries.extend([*libraries.values(), fallback])
