@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import struct
 import threading
 import warnings
 import weakref
@@ -38,32 +39,26 @@ from . import dtypes, platform
 # the user's error into a SystemError.
 
 
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int), ("device_id", ctypes.c_int)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device", _DLDevice),
-        ("ndim", ctypes.c_int),
-        ("dtype", _DLDataType),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
-
+# DLTensor's leading fields (data, device type and id, ndim, dtype code/bits/lanes), then at byte 24
+# the shape pointer (NumPy's copy, which we overwrite), the strides pointer and byte_offset (zeroed:
+# compact row-major). Written with two memmoves: field-by-field ctypes assignment cost more than the
+# whole op's launch.
+_DL_HEADER = struct.Struct("<QiiiBBH")
+_DL_SHAPE_FIELD = 24
+_DL_STRIDES_FIELD = 32
+_SHAPE_FORMATS = [struct.Struct(f"<{n}q") for n in range(65)]
 _DL_EXT_DEV = 12  # kDLExtDev: PyTorch maps it to PrivateUse1, i.e. `tpu`
 _capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
 _capsule_pointer.restype = ctypes.c_void_p
 _capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 _from_dlpack = torch._C._from_dlpack
 _OWNER_SHAPES = [(1,) * n for n in range(65)]
+_DLPACK_CODES: dict = {}
+
+
+def _dlpack_code(dtype: torch.dtype) -> tuple:
+    code = _DLPACK_CODES[dtype] = dtypes.dlpack_code(dtype)
+    return code
 
 _ALIGN = 256
 _FIRST_ADDRESS = 1 << 48  # above every user-space address: never a real pointer, 2**63 bytes of room
@@ -140,13 +135,13 @@ class _Allocator:
         self.peak: dict[int, int] = {}
         self.num_allocs: dict[int, int] = {}
 
-    def new_tensor(self, shape, dtype: torch.dtype, device_index: int):
-        """A new contiguous tpu tensor and its (uninitialised) buffer."""
-        shape = tuple(int(s) for s in shape)
+    def new_tensor(self, shape: tuple, dtype: torch.dtype, device_index: int):
+        """A new contiguous tpu tensor and its (uninitialised) buffer; `shape` a tuple of ints."""
+        ndim = len(shape)
         nbytes = math.prod(shape) * dtype.itemsize
-        owner = np.empty(_OWNER_SHAPES[len(shape)], np.uint8)
+        owner = np.empty(_OWNER_SHAPES[ndim], np.uint8)
         capsule = owner.__dlpack__()
-        dl = _DLTensor.from_address(_capsule_pointer(capsule, b"dltensor"))
+        dl = _capsule_pointer(capsule, b"dltensor")
         with self.lock:
             address = self.next_address
             self.next_address += (nbytes + 2 * _ALIGN - 1) // _ALIGN * _ALIGN
@@ -154,18 +149,10 @@ class _Allocator:
             self.live[address] = (buf, weakref.KeyedRef(owner, self._release, address))
             self.num_allocs[device_index] = self.num_allocs.get(device_index, 0) + 1
         del owner  # the capsule holds it now; it dies with the storage
-        dl.data = address
-        dl.device.device_type = _DL_EXT_DEV
-        dl.device.device_id = device_index
-        dl.ndim = len(shape)
-        code, bits = dtypes.dlpack_code(dtype)
-        dl.dtype.code = code
-        dl.dtype.bits = bits
-        dl.dtype.lanes = 1
-        for i, n in enumerate(shape):
-            dl.shape[i] = n
-        dl.strides = None  # compact row-major
-        dl.byte_offset = 0
+        code, bits = _DLPACK_CODES.get(dtype) or _dlpack_code(dtype)
+        ctypes.memmove(dl, _DL_HEADER.pack(address, _DL_EXT_DEV, device_index, ndim, code, bits, 1), _DL_HEADER.size)
+        ctypes.memmove(ctypes.c_void_p.from_address(dl + _DL_SHAPE_FIELD).value, _SHAPE_FORMATS[ndim].pack(*shape), 8 * ndim)
+        ctypes.memset(dl + _DL_STRIDES_FIELD, 0, 16)
         return _from_dlpack(capsule), buf
 
     def _release(self, ref):
@@ -195,6 +182,8 @@ allocator = _Allocator()
 
 def new_tensor(shape, dtype: torch.dtype, device_index: int, array=None) -> torch.Tensor:
     """A contiguous `tpu` tensor with a fresh storage whose buffer holds `array` (None: uninitialised)."""
+    if type(shape) is not tuple:  # torch.Size, a list of ints from a schema
+        shape = tuple(map(int, shape))
     t, buf = allocator.new_tensor(shape, dtype, device_index)
     if array is None:
         allocator.count(buf)  # PyTorch counts an uninitialised tensor's memory

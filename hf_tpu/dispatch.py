@@ -25,6 +25,7 @@ import torch
 from torch._prims_common import elementwise_dtypes
 
 from . import buffer, counters, dtypes, index_checks, platform, random
+from . import modes as _modes
 from .ops.registry import KERNELS, LOWERINGS, Lowering
 
 aten = torch.ops.aten
@@ -66,6 +67,9 @@ class Signature:
     index_check: object  # raises PyTorch's error for out-of-range indices (when checks are on), or None
     functional: torch._ops.OpOverload | None  # for in-place/out= overloads: the op that computes
     returns_list: bool  # the op returns Tensor[] (its one return is a list)
+    num_returns: int
+    static_args: tuple  # per argument: True where the lowering asked for the Python value
+
 
     @property
     def name(self) -> str:
@@ -139,6 +143,8 @@ def signature(op) -> Signature:
         index_check=index_checks.check_for(op),
         functional=functional,
         returns_list=len(schema.returns) == 1 and str(schema.returns[0].type) == "List[Tensor]",
+        num_returns=len(schema.returns),
+        static_args=tuple(low is not None and a.name in low.static for a in args),
     )
 
 
@@ -187,20 +193,27 @@ class _Call:
         key = [sig.op, torch.get_float32_matmul_precision()]
         device_index = None
         rng = False
-        for i, (kind, v) in enumerate(zip(sig.kinds, values)):
-            if kind == STATIC or (kind != TENSOR_LIST and _is_static_scalar(sig, i, v)):
-                key.append(_hashable(v))
-            elif kind == TENSOR or kind == OPT_TENSOR:
-                if v is None:
-                    key.append(None)
-                elif isinstance(v, torch.Tensor):
+        i = 0
+        for kind in sig.kinds:
+            v = values[i]
+            if kind == TENSOR or kind == OPT_TENSOR:
+                if type(v) is torch.Tensor or isinstance(v, torch.Tensor):
                     device_index = self._operand(v, operands, key, device_index)
+                elif v is None:
+                    key.append(None)
+                elif _is_static_scalar(sig, i, v):
+                    key.append(_hashable(v))
                 else:  # a Python number PyTorch wrapped as a tensor: a scalar here
                     scalars.append(v)
                     key.append(type(v))
+            elif kind == STATIC:
+                key.append(_hashable(v))
             elif kind == SCALAR:
-                scalars.append(v)
-                key.append(type(v))
+                if _is_static_scalar(sig, i, v):
+                    key.append(_hashable(v))
+                else:
+                    scalars.append(v)
+                    key.append(type(v))
             elif kind == TENSOR_LIST:
                 key.append(len(v))
                 for t in v:
@@ -211,6 +224,7 @@ class _Call:
             else:  # GENERATOR
                 rng = True
                 key.append(GENERATOR)
+            i += 1
         self.operands = operands
         self.scalars = scalars
         self.key = tuple(key)
@@ -218,20 +232,19 @@ class _Call:
         self.rng = rng
 
     def _operand(self, t, operands, key, device_index):
-        dev = t.device
-        if dev.type != "tpu":
-            if dev.type == "cpu" and t.dim() == 0:
+        if t.device.type != "tpu":
+            if t.device.type == "cpu" and t.dim() == 0:
                 # PyTorch lets a CPU scalar tensor join an op on an accelerator
                 operands.append(_Operand(t, None, buffer.host_array(t)))
                 key.append(("cpu-scalar", t.dtype))
                 return device_index
-            raise _device_mismatch(self.sig, f"tpu:{device_index or 0}", dev)
+            raise _device_mismatch(self.sig, f"tpu:{device_index or 0}", t.device)
         buf = buffer.buffer_of(t)
         if device_index is not None and buf.device_index != device_index:
             raise _device_mismatch(self.sig, f"tpu:{device_index}", f"tpu:{buf.device_index}")
         view = buffer.view_of(t, buf)
         operands.append(_Operand(t, buf, view))
-        key.append((buf.shape, buf.dtype, view, buf.array is None))
+        key.append((buf.shape, buf.dtype, view, buf._array is None))
         return buf.device_index
 
     def arrays(self):
@@ -250,7 +263,7 @@ def _is_static_scalar(sig: Signature, i: int, v) -> bool:
     than to transfer on every call and does not vary in practice."""
     if not _is_number(v):
         return False
-    if sig.lowering is not None and sig.names[i] in sig.lowering.static:
+    if sig.static_args[i]:
         return True
     default = sig.defaults[i]
     return default is not None and type(v) is type(default) and v == default
@@ -554,18 +567,17 @@ def _check_writable(call: _Call):
 
 def run_lowered(sig: Signature, values: list):
     """Run an op that has a lowering (directly or through its functional overload)."""
-    from . import modes
-
     if sig.index_check is not None and index_checks.enabled():
         sig.index_check(values)
     call = _Call(sig, values)
     if sig.mutated:
         _check_writable(call)
         _resize_outs(call)
+    mode = _modes.current()
     program = _PROGRAMS.get(call.key)
     if program is None:
         program = _build(call)
-        if not program.data_dependent and modes.current().name == "DEFER_AND_FUSE":
+        if not program.data_dependent and mode.name == "DEFER_AND_FUSE":
             # trace once now, so a lowering's error surfaces at the user's op, not at a later flush
             _eval_specs(program.fn, call)
         _PROGRAMS[call.key] = program
@@ -574,9 +586,8 @@ def run_lowered(sig: Signature, values: list):
     if device_index is None:
         device_index = _factory_device(sig, values)
     rng_key = random.next_key(device_index, _generator_arg(sig, values)) if call.rng else None
-    mode = modes.current()
     if program.data_dependent:
-        modes.log_sync(f"{sig.name} has a data-dependent output shape")
+        _modes.log_sync(f"{sig.name} has a data-dependent output shape")
         mode.sync(f"{sig.name} has a data-dependent output shape")
         _counters["host_syncs"] += 1
         concrete = [op.buf.value() if op.buf is not None else op.view for op in call.operands]
@@ -598,7 +609,7 @@ def run_lowered(sig: Signature, values: list):
         outputs = [next(produced) if defined else None for defined in program.defined]
     if sig.returns_list:
         return outputs
-    if len(sig.op._schema.returns) == 1:
+    if sig.num_returns == 1:
         return outputs[0]
     return tuple(outputs)
 
@@ -680,9 +691,7 @@ _warned_fallbacks: set = set()
 
 def cpu_fallback(sig: Signature, values):
     """Run the op on the CPU: operands to the host, results (and in-place writes) back to `tpu`."""
-    from . import modes
-
-    modes.current().sync("cpu fallback " + sig.name)
+    _modes.current().sync("cpu fallback " + sig.name)
     name = sig.name
     _counters["cpu_fallbacks"][name] += 1
     if name not in _warned_fallbacks:

@@ -40,23 +40,23 @@ class _Eager:
         self.blocking = blocking
 
     def _compiled(self, program):
-        jitted = program.jitted
-        if jitted is None:
-            fn = program.fn
+        fn = program.fn
 
-            def traced(arrays, scalars, rng):
-                _counters["compiles"] += 1
-                _counters["compiles_by_mode"][self.name] += 1
-                return fn(arrays, scalars, rng)
+        def traced(arrays, scalars, rng):
+            _counters["compiles"] += 1
+            _counters["compiles_by_mode"][self.name] += 1
+            return fn(arrays, scalars, rng)
 
-            jitted = program.jitted = jax.jit(traced)
-        return jitted
+        program.jitted = jax.jit(traced)
+        return program.jitted
 
     def execute(self, program, key, arrays, scalars, rng, device_index):
-        if program.jitted is not None:
+        jitted = program.jitted
+        if jitted is None:
+            jitted = self._compiled(program)
+        else:
             _counters["compile_cache_hits"] += 1
             _counters["compile_cache_hits_by_mode"][self.name] += 1
-        jitted = self._compiled(program)
         try:
             if arrays:
                 out = jitted(arrays, scalars, rng)
