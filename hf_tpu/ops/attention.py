@@ -1,6 +1,7 @@
-"""Scaled dot-product attention as one XLA program, forward and backward.
+"""Attention: PyTorch's fused SDPA op, and hf_tpu's own blocked attention op.
 
-`F.scaled_dot_product_attention` picks its backend through a C++ DispatchStub that a Python
+`torch.ops.hf_tpu.flash_attention` (below) is the op to call for long sequences: its tpu lowering
+never holds the (query, key) score matrix. `F.scaled_dot_product_attention` picks its backend through a C++ DispatchStub that a Python
 backend cannot register, so on `tpu` it takes the math path (`_scaled_dot_product_attention_math`,
 composite: matmuls and `_safe_softmax`). The fused CPU op lowered here serves graphs that call it
 directly (export, compile) and is the same computation.
@@ -14,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
+from .linalg import matmul_precision
 from .nn import _opmath, _safe_softmax_along
 from .registry import lowering
 
@@ -64,3 +66,287 @@ def _scaled_dot_product_flash_attention_for_cpu_backward(grad_out, query, key, v
 
     _, pullback = jax.vjp(forward, _opmath(query), _opmath(key), _opmath(value))
     return pullback(_opmath(grad_out))
+
+
+# --- hf_tpu::flash_attention: blocked attention with an online softmax.
+#
+# One public op for attention as models use it: grouped-query heads without repeating keys, an
+# optional mask, causal and sliding-window patterns computed from positions (never materialised),
+# logit soft-capping. On tpu it scans over blocks of keys, keeping a running max and sum per query
+# (the FlashAttention recurrence), so the scores held at once are (query, KV_BLOCK) rather than
+# (query, key). The CPU kernel is the plain reference computation the lowering is checked against.
+
+KV_BLOCK = 512
+
+_SCHEMA = (
+    "(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, float? scale=None, bool is_causal=False, "
+    "int sliding_window=0, float softcap=0.0)"
+)
+_library = torch.library.Library("hf_tpu", "FRAGMENT")
+_library.define("flash_attention" + _SCHEMA + " -> Tensor")
+_library.define(
+    "flash_attention_backward(Tensor grad_out, " + _SCHEMA[1:] + " -> (Tensor, Tensor, Tensor)"
+)
+
+
+def _check_inputs(query, key, value, attn_mask):
+    """PyTorch-style errors for shapes the op cannot take, raised on every device (the meta kernel)."""
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ValueError(
+            "hf_tpu.flash_attention expects query, key and value as (batch, heads, seq, head_dim); got "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
+    if key.shape != value.shape[:3] + key.shape[3:] or key.shape[0] != query.shape[0]:
+        raise ValueError(
+            f"hf_tpu.flash_attention: key {tuple(key.shape)} and value {tuple(value.shape)} must share batch, "
+            f"heads and length, with query's batch {query.shape[0]}"
+        )
+    if query.shape[-1] != key.shape[-1] or query.shape[1] % key.shape[1]:
+        raise ValueError(
+            f"hf_tpu.flash_attention: query {tuple(query.shape)} and key {tuple(key.shape)} need the same head_dim "
+            "and a number of query heads that is a multiple of the key/value heads"
+        )
+    if attn_mask is not None:
+        full = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+        mask_shape = attn_mask.shape
+        if attn_mask.dim() > 4 or any(m not in (1, f) for m, f in zip(reversed(mask_shape), reversed(full))):
+            raise ValueError(
+                f"hf_tpu.flash_attention: attn_mask {tuple(mask_shape)} does not broadcast to "
+                f"(batch, heads, query, key) = {full}"
+            )
+
+
+def _default_scale(query, scale):
+    return query.shape[-1] ** -0.5 if scale is None else scale
+
+
+# --- The reference computation, in torch (the CPU kernels).
+
+
+def _reference_visible(q_len, k_len, is_causal, sliding_window, device):
+    """Which (query, key) pairs the position rules allow; queries are aligned to the last keys."""
+    query_pos = torch.arange(q_len, device=device)[:, None] + (k_len - q_len)
+    key_pos = torch.arange(k_len, device=device)[None, :]
+    visible = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+    if is_causal:
+        visible &= key_pos <= query_pos
+    if sliding_window > 0:
+        visible &= query_pos - key_pos < sliding_window
+    return visible
+
+
+def _reference_probs(query, key, attn_mask, scale, is_causal, sliding_window, softcap):
+    """(probabilities, capped scores before masking), float32; keys already repeated per query head."""
+    raw = query.float() @ key.float().transpose(-1, -2) * _default_scale(query, scale)
+    scores = softcap * torch.tanh(raw / softcap) if softcap > 0 else raw
+    masked = scores.masked_fill(~_reference_visible(*scores.shape[-2:], is_causal, sliding_window, query.device), -math.inf)
+    if attn_mask is not None:
+        masked = masked.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool else masked + attn_mask.float()
+    return torch._safe_softmax(masked, -1), scores
+
+
+def _repeat_heads(x, groups):
+    return x.repeat_interleave(groups, dim=1)
+
+
+def _sum_heads(x, groups):
+    return x.unflatten(1, (-1, groups)).sum(2)
+
+
+@torch.library.impl("hf_tpu::flash_attention", "cpu", lib=_library)
+def _flash_attention_cpu(query, key, value, attn_mask=None, scale=None, is_causal=False, sliding_window=0, softcap=0.0):
+    _check_inputs(query, key, value, attn_mask)
+    groups = query.shape[1] // key.shape[1]
+    probs, _ = _reference_probs(query, _repeat_heads(key, groups), attn_mask, scale, is_causal, sliding_window, softcap)
+    return (probs @ _repeat_heads(value, groups).float()).to(query.dtype)
+
+
+@torch.library.impl("hf_tpu::flash_attention_backward", "cpu", lib=_library)
+def _flash_attention_backward_cpu(grad_out, query, key, value, attn_mask=None, scale=None, is_causal=False,
+                                  sliding_window=0, softcap=0.0):
+    groups = query.shape[1] // key.shape[1]
+    key_rep, value_rep = _repeat_heads(key, groups).float(), _repeat_heads(value, groups).float()
+    probs, capped = _reference_probs(query, key_rep, attn_mask, scale, is_causal, sliding_window, softcap)
+    grad_out = grad_out.float()
+    out = probs @ value_rep
+    grad_value = probs.transpose(-1, -2) @ grad_out
+    grad_probs = grad_out @ value_rep.transpose(-1, -2)
+    grad_scores = probs * (grad_probs - (grad_out * out).sum(-1, keepdim=True))
+    if softcap > 0:
+        grad_scores = grad_scores * (1 - (capped / softcap) ** 2)
+    grad_scores = grad_scores * _default_scale(query, scale)
+    grad_query = grad_scores @ key_rep
+    grad_key = grad_scores.transpose(-1, -2) @ query.float()
+    return (grad_query.to(query.dtype), _sum_heads(grad_key, groups).to(key.dtype),
+            _sum_heads(grad_value, groups).to(value.dtype))
+
+
+@torch.library.register_fake("hf_tpu::flash_attention", lib=_library)
+def _flash_attention_fake(query, key, value, attn_mask=None, scale=None, is_causal=False, sliding_window=0,
+                          softcap=0.0):
+    _check_inputs(query, key, value, attn_mask)
+    return query.new_empty(query.shape[:-1] + value.shape[-1:])
+
+
+@torch.library.register_fake("hf_tpu::flash_attention_backward", lib=_library)
+def _flash_attention_backward_fake(grad_out, query, key, value, attn_mask=None, scale=None, is_causal=False,
+                                   sliding_window=0, softcap=0.0):
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, attn_mask, *ctx.options = inputs
+    if attn_mask is not None and attn_mask.requires_grad:
+        raise NotImplementedError(
+            "hf_tpu.flash_attention gives no gradient to attn_mask; pass a mask that does not require grad "
+            "(or use F.scaled_dot_product_attention for a learned bias)"
+        )
+    ctx.save_for_backward(query, key, value, attn_mask)
+
+
+def _backward(ctx, grad_out):
+    query, key, value, attn_mask = ctx.saved_tensors
+    grads = torch.ops.hf_tpu.flash_attention_backward(grad_out, query, key, value, attn_mask, *ctx.options)
+    return *grads, None, None, None, None, None
+
+
+torch.library.register_autograd("hf_tpu::flash_attention", _backward, setup_context=_setup_context, lib=_library)
+
+
+# --- The blocked computation, in JAX (the tpu lowerings).
+
+
+class _Blocks:
+    """Keys, values and mask cut into KV_BLOCK-long blocks along the key axis, block index first, and
+    the queries grouped per key/value head: (batch, kv_heads, groups, query, head_dim)."""
+
+    def __init__(self, query, key, value, attn_mask):
+        batch, heads, q_len, head_dim = query.shape
+        kv_heads, self.k_len = key.shape[1], key.shape[2]
+        self.groups = heads // kv_heads
+        self.queries = query.reshape(batch, kv_heads, self.groups, q_len, head_dim)
+        self.block = min(KV_BLOCK, self.k_len)
+        count = -(-self.k_len // self.block)
+        self.pad = count * self.block - self.k_len
+        self.keys = self._cut(key, axis=2)
+        self.values = self._cut(value, axis=2)
+        self.mask = None if attn_mask is None else self._cut(self._grouped_mask(attn_mask), axis=-1)
+        self.starts = jnp.arange(count) * self.block
+
+    def _cut(self, x, axis):
+        """Pad `axis` (of length k_len) to whole blocks and split it: the block index goes first."""
+        axis = axis % x.ndim
+        x = jnp.pad(x, [(0, self.pad if i == axis else 0) for i in range(x.ndim)])
+        x = x.reshape(*x.shape[:axis], -1, self.block, *x.shape[axis + 1:])
+        return jnp.moveaxis(x, axis, 0)
+
+    def _grouped_mask(self, attn_mask):
+        mask = attn_mask if attn_mask.dtype == jnp.bool_ else _opmath(attn_mask)
+        mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+        mask = jnp.broadcast_to(mask, mask.shape[:3] + (self.k_len,))
+        if mask.shape[1] == 1:
+            return mask[:, :, None]
+        return mask.reshape(mask.shape[0], -1, self.groups, *mask.shape[2:])
+
+
+def _block_scores(queries, keys, mask, start, k_len, scale, is_causal, sliding_window, softcap):
+    """Float32 scores of every query against one block of keys; hidden pairs are -inf."""
+    scores = jnp.einsum("bhgqd,bhkd->bhgqk", queries, keys, precision=matmul_precision(),
+                        preferred_element_type=jnp.float32) * scale
+    if softcap > 0:
+        scores = softcap * jnp.tanh(scores / softcap)
+    q_len = queries.shape[-2]
+    query_pos = jnp.arange(q_len)[:, None] + (k_len - q_len)
+    key_pos = start + jnp.arange(keys.shape[-2])[None, :]
+    visible = key_pos < k_len
+    if is_causal:
+        visible &= key_pos <= query_pos
+    if sliding_window > 0:
+        visible &= query_pos - key_pos < sliding_window
+    if mask is not None:
+        if mask.dtype == jnp.bool_:
+            visible &= mask
+        else:
+            scores = scores + mask
+    return jnp.where(visible, scores, -jnp.inf)
+
+
+def _blocked_attention(query, key, value, attn_mask, scale, is_causal, sliding_window, softcap):
+    """(output float32 (batch, kv_heads, groups, query, head_dim), logsumexp); fully masked rows give
+    output 0 and logsumexp -inf."""
+    blocks = _Blocks(query, key, value, attn_mask)
+    scale = _default_scale(query, scale)
+    shape = blocks.queries.shape[:-1]
+
+    def step(carry, block):
+        running_max, running_sum, acc = carry
+        keys, values, mask, start = block
+        scores = _block_scores(blocks.queries, keys, mask, start, blocks.k_len, scale, is_causal, sliding_window,
+                               softcap)
+        new_max = jnp.maximum(running_max, scores.max(-1))
+        finite_max = jnp.where(jnp.isneginf(new_max), 0.0, new_max)  # all hidden so far: keep exp() at 0
+        probs = jnp.exp(scores - finite_max[..., None])
+        rescale = jnp.exp(running_max - finite_max)
+        acc = acc * rescale[..., None] + jnp.einsum("bhgqk,bhkd->bhgqd", probs, values,
+                                                    precision=matmul_precision(),
+                                                    preferred_element_type=jnp.float32)
+        return (new_max, running_sum * rescale + probs.sum(-1), acc), None
+
+    init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros(shape + value.shape[-1:], jnp.float32))
+    (running_max, running_sum, acc), _ = jax.lax.scan(step, init, (blocks.keys, blocks.values, blocks.mask,
+                                                                   blocks.starts))
+    seen = running_sum > 0
+    out = jnp.where(seen[..., None], acc / jnp.where(seen, running_sum, 1.0)[..., None], 0.0)
+    return out, jnp.where(seen, running_max + jnp.log(jnp.where(seen, running_sum, 1.0)), -jnp.inf)
+
+
+def _heads_first(grouped):
+    """(batch, kv_heads, groups, ...) -> (batch, heads, ...)."""
+    return grouped.reshape(grouped.shape[0], -1, *grouped.shape[3:])
+
+
+@lowering(torch.ops.hf_tpu.flash_attention.default)
+def flash_attention(query, key, value, attn_mask=None, scale=None, is_causal=False, sliding_window=0, softcap=0.0):
+    out, _ = _blocked_attention(query, key, value, attn_mask, scale, is_causal, sliding_window, softcap)
+    return _heads_first(out)
+
+
+@lowering(torch.ops.hf_tpu.flash_attention_backward.default)
+def flash_attention_backward(grad_out, query, key, value, attn_mask=None, scale=None, is_causal=False,
+                             sliding_window=0, softcap=0.0):
+    """FlashAttention's backward: the forward pass again for the logsumexp, then one scan over key
+    blocks in which each block's probabilities are rebuilt from it. The derivative of the scores
+    (scale, soft-cap) is `jax.vjp` of the same `_block_scores` the forward uses."""
+    out, logsumexp = _blocked_attention(query, key, value, attn_mask, scale, is_causal, sliding_window, softcap)
+    blocks = _Blocks(query, key, value, attn_mask)
+    scale = _default_scale(query, scale)
+    grad_out = _opmath(grad_out).reshape(out.shape)
+    row_dot = (grad_out * out).sum(-1)
+    hidden_row = jnp.isneginf(logsumexp)
+    finite_logsumexp = jnp.where(hidden_row, jnp.inf, logsumexp)  # exp(-inf - inf) = 0 for hidden rows
+
+    def step(grad_queries, block):
+        keys, values, mask, start = block
+
+        def scores_of(queries, keys):
+            return _block_scores(queries, keys, mask, start, blocks.k_len, scale, is_causal, sliding_window, softcap)
+
+        scores, pullback = jax.vjp(scores_of, _opmath(blocks.queries), _opmath(keys))
+        probs = jnp.exp(scores - finite_logsumexp[..., None])
+        grad_values = jnp.einsum("bhgqk,bhgqd->bhkd", probs, grad_out, precision=matmul_precision())
+        grad_probs = jnp.einsum("bhgqd,bhkd->bhgqk", grad_out, _opmath(values), precision=matmul_precision())
+        grad_scores = probs * (grad_probs - row_dot[..., None])
+        grad_q, grad_keys = pullback(grad_scores)
+        return grad_queries + grad_q, (grad_keys, grad_values)
+
+    grad_queries, (grad_keys, grad_values) = jax.lax.scan(
+        step, jnp.zeros(blocks.queries.shape, jnp.float32), (blocks.keys, blocks.values, blocks.mask, blocks.starts)
+    )
+
+    def join(per_block):
+        """(blocks, batch, kv_heads, block, head_dim) -> (batch, kv_heads, k_len, head_dim)."""
+        joined = jnp.moveaxis(per_block, 0, 2)
+        return joined.reshape(*joined.shape[:2], -1, joined.shape[-1])[:, :, : blocks.k_len]
+
+    return _heads_first(grad_queries), join(grad_keys), join(grad_values)
