@@ -5,6 +5,7 @@ from . import (  # noqa: F401
     conv,
     elementwise,
     factory,
+    fft,
     index,
     linalg,
     nn,

@@ -29,6 +29,8 @@ for _op in (
     aten.as_strided.default,
     aten._reshape_alias.default,
     aten.unfold.default,
+    aten.view_as_real.default,  # complex <-> real views reinterpret the buffer's bytes when read
+    aten.view_as_complex.default,
     aten.set_.source_Storage,
     aten.set_.source_Storage_storage_offset,
     aten.set_.source_Tensor,
