@@ -1,4 +1,5 @@
-"""`hf-tpu`: the command line. `hf-tpu env` describes the device; `hf-tpu demo` shows it working."""
+"""`hf-tpu`: the command line. `hf-tpu env` describes the device; `hf-tpu demo` shows it working;
+`hf-tpu compat` prints the per-architecture compatibility table; `hf-tpu sweep` checks architectures."""
 
 from __future__ import annotations
 
@@ -116,16 +117,97 @@ def demo(args) -> int:
     return 0
 
 
+GENERATED_BEGIN = "<!-- BEGIN ARCHITECTURES: generated from model_patches/table.json by `hf-tpu compat --write-docs` -->"
+GENERATED_END = "<!-- END ARCHITECTURES -->"
+
+
+def _docs_path():
+    from pathlib import Path
+
+    from hf_tpu import model_patches
+
+    return Path(model_patches.__file__).resolve().parents[1] / "docs" / "compatibility.md"
+
+
+def docs_with_table(text: str, table_markdown: str) -> str:
+    """The compatibility page with its generated section replaced by `table_markdown`."""
+    head, begin, rest = text.partition(GENERATED_BEGIN)
+    _, end, tail = rest.partition(GENERATED_END)
+    if not begin or not end:
+        raise SystemExit(f"the compatibility page lacks the markers {GENERATED_BEGIN!r} ... {GENERATED_END!r}")
+    return f"{head}{GENERATED_BEGIN}\n{table_markdown}{GENERATED_END}{tail}"
+
+
+def compat(args) -> int:
+    from hf_tpu import model_patches
+
+    table_markdown = model_patches.render_markdown()
+    if args.write_docs:
+        path = args.docs or _docs_path()
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(docs_with_table(text, table_markdown))
+        print(f"wrote the architecture table to {path}")
+    elif args.markdown:
+        print(table_markdown, end="")
+    else:
+        table = model_patches.load_table()
+        for model_type, entry in sorted(table["architectures"].items()):
+            patches = f" [patches: {', '.join(entry['patches'])}]" if entry["patches"] else ""
+            limits = f"  {entry['limits']}" if entry["limits"] else ""
+            print(f"{model_type:<28} {entry['status']:<19} {entry['checked']}{patches}{limits}")
+        print(f"({len(table['not_checked'])} not checked: their tiny config fails on CPU; see --markdown)")
+    return 0
+
+
+def sweep(args) -> int:
+    from hf_tpu.integrations import sweep as sweeping
+
+    only = args.only.split(",") if args.only else None
+    jobs = sweeping.architectures(only=only, limit=args.limit)
+    print(f"checking {len(jobs)} architectures on cpu and tpu ({args.jobs} worker(s), {args.timeout:.0f} s each)")
+    results = sweeping.run_sweep(jobs, jobs=args.jobs, timeout=args.timeout,
+                                 on_result=lambda r: print(sweeping.format_result(r), flush=True))
+    print(sweeping.summary(results))
+    if args.write:
+        sweeping.write_table(results)
+        print("updated model_patches/table.json; run `hf-tpu compat --write-docs` to regenerate the docs")
+    if args.json:
+        import dataclasses
+        import json
+
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump([dataclasses.asdict(r) for r in results], f, indent=1)
+    return 0 if all(r.outcome in ("passes", "skipped-cpu-fails") for r in results) else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="hf-tpu", description="A native tpu device for PyTorch, backed by JAX/XLA")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("env", help="print the platform, devices, versions and execution mode")
     demo_parser = sub.add_parser("demo", help="run the demo: tensors, a module and a causal LM on tpu against cpu")
     demo_parser.add_argument("--model", help="a local Transformers causal-LM checkpoint to use instead of a tiny Llama")
+    compat_parser = sub.add_parser("compat", help="print the per-architecture compatibility table")
+    compat_parser.add_argument("--markdown", action="store_true", help="print the table as the docs' markdown")
+    compat_parser.add_argument("--write-docs", action="store_true",
+                               help="regenerate the table section of docs/compatibility.md from the table")
+    compat_parser.add_argument("--docs", help="the page to write instead of the repository's docs/compatibility.md")
+    sweep_parser = sub.add_parser("sweep", help="run tiny models of every Transformers architecture on cpu and tpu")
+    sweep_parser.add_argument("--only", help="comma-separated model types, e.g. llama,mistral")
+    sweep_parser.add_argument("--limit", type=int, help="check only the first N architectures")
+    sweep_parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
+    sweep_parser.add_argument("--timeout", type=float, default=120.0, help="seconds per architecture (default 120)")
+    sweep_parser.add_argument("--write", action="store_true", help="record the results in model_patches/table.json")
+    sweep_parser.add_argument("--json", help="also write every result to this JSON file")
     args = parser.parse_args(argv)
     if args.command == "env":
         print(env_report())
         return 0
+    if args.command == "compat":
+        return compat(args)
+    if args.command == "sweep":
+        return sweep(args)
     return demo(args)
 
 

@@ -1,0 +1,506 @@
+"""`hf-tpu sweep`: every architecture in Transformers' auto-model mappings, built from a tiny config, run on
+CPU and on `tpu`, and compared.
+
+Per model type, one class is checked: the first task in `TASKS` whose mapping lists it. The model is built
+from a shrunk default config with a fixed seed, saved with `save_pretrained`, loaded back on CPU and with
+`device_map="tpu"` (so the real loading code runs), and both run the same forward; generative models also
+compare a few greedy tokens. Each architecture runs in a worker process with a timeout, so a hang or a crash
+costs one architecture, not the sweep.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib.metadata
+import inspect
+import json
+import multiprocessing
+import tempfile
+import threading
+import time
+import traceback
+from collections import Counter, defaultdict
+
+RTOL = 1e-4
+ATOL = 1e-4
+NEW_TOKENS = 4
+BATCH, SEQUENCE, DECODER_SEQUENCE = 2, 8, 4
+TINY_VOCAB = 256
+SPECIAL_TOKEN_BAND = 32  # the top ids of the tiny vocabulary hold the config's special tokens
+
+# (task, mapping name in transformers.models.auto.modeling_auto, generative), in the order a model type's
+# class is chosen.
+TASKS = (
+    ("causal-lm", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", True),
+    ("seq2seq-lm", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", True),
+    ("masked-lm", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", False),
+    ("sequence-classification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", False),
+    ("image-classification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", False),
+    ("speech-seq2seq", "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES", True),
+    ("ctc", "MODEL_FOR_CTC_MAPPING_NAMES", False),
+    ("audio-classification", "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES", False),
+    ("image-text-to-text", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", False),
+    ("multimodal-lm", "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES", False),
+)
+
+# Config attributes shrunk wherever they appear (also inside sub-configs), to these values.
+TINY_SIZES = {
+    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "hidden_dim", "word_embed_proj_dim",
+                     "projection_dim", "embedding_size"), 64),
+    **dict.fromkeys(("intermediate_size", "ffn_dim", "d_ff", "n_inner", "encoder_ffn_dim", "decoder_ffn_dim",
+                     "hidden_dim_ffn"), 128),
+    **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size"), 32),
+    **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "encoder_layers", "decoder_layers",
+                     "n_layers", "num_decoder_layers"), 2),
+    **dict.fromkeys(("num_attention_heads", "n_head", "encoder_attention_heads", "decoder_attention_heads",
+                     "num_heads", "n_heads"), 4),
+    **dict.fromkeys(("num_key_value_heads", "n_kv_heads", "num_kv_heads"), 2),
+    "head_dim": 16,
+    # multi-head latent attention (DeepSeek-style)
+    "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "qk_head_dim": 16,
+    "v_head_dim": 16,
+    **dict.fromkeys(("n_group", "topk_group", "first_k_dense_replace"), 1),
+    **dict.fromkeys(("vocab_size_per_layer_input",), 256),
+    "hidden_size_per_layer_input": 16,
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
+    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts", "moe_k", "top_k_experts"), 2),
+    **dict.fromkeys(("n_shared_experts", "moe_num_shared_experts"), 1),
+    **dict.fromkeys(("max_position_embeddings", "n_positions", "max_source_positions", "max_target_positions"), 128),
+    "image_size": 32,
+    "patch_size": 8,
+    "num_mel_bins": 16,
+}
+# Attributes that only ever get smaller (a default already below the tiny size stays).
+SHRINK_ONLY = {"max_position_embeddings", "n_positions", "max_source_positions", "max_target_positions",
+               "num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts", "moe_k", "top_k_experts",
+               "n_shared_experts", "moe_num_shared_experts", "n_group", "topk_group", "first_k_dense_replace"}
+
+# Per model type, attributes the generic shrinker gets wrong (set after it, at the top level).
+OVERRIDES: dict[str, dict] = {
+    "whisper": {"max_source_positions": 16},  # input_features must be exactly 2 * max_source_positions frames
+    # one attention layer and one MoE layer among the two
+    "jamba": {"attn_layer_offset": 1, "attn_layer_period": 2, "expert_layer_offset": 1, "expert_layer_period": 2},
+}
+
+
+@dataclasses.dataclass
+class Result:
+    model_type: str
+    task: str
+    class_name: str
+    outcome: str  # "passes" | "fails-on-tpu" | "skipped-cpu-fails" | "timeout"
+    detail: str = ""  # exception type and first line, or the max abs diff
+    seconds: float = 0.0
+    cpu_fallbacks: dict = dataclasses.field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------- choosing
+
+
+def architectures(only=None, limit=None) -> list[tuple[str, str, str, bool]]:
+    """(model_type, task, class name, generative) for each model type, in `TASKS` order."""
+    from transformers.models.auto import modeling_auto
+
+    chosen = {}
+    for task, mapping_name, generative in TASKS:
+        for model_type, class_name in getattr(modeling_auto, mapping_name).items():
+            if model_type not in chosen and (only is None or model_type in only):
+                chosen[model_type] = (model_type, task, class_name, generative)
+    found = list(chosen.values())
+    if only is not None:
+        missing = sorted(set(only) - set(chosen))
+        if missing:
+            raise SystemExit(f"not in Transformers' auto-model mappings: {', '.join(missing)}")
+    return found[:limit] if limit is not None else found
+
+
+# ---------------------------------------------------------------------------------------------- configs
+
+
+def _special_token_ids(values: dict) -> list[tuple[str, object]]:
+    return [(k, v) for k, v in values.items()
+            if (k.endswith("_token_id") or k.endswith("_token_index") or k.endswith("_token_ids")) and v is not None]
+
+
+def _shrink_dict(values: dict) -> dict:
+    """A config's to_dict() with sizes made tiny; sub-configs (nested dicts with a model_type) shrunk too."""
+    values = dict(values)
+    old_layers = next((values[k] for k in ("num_hidden_layers", "n_layer", "num_layers") if k in values), None)
+    for key, tiny in TINY_SIZES.items():
+        current = values.get(key)
+        if isinstance(current, int) and not isinstance(current, bool) and current > 0:
+            values[key] = min(current, tiny) if key in SHRINK_ONLY else tiny
+    if "qk_rope_head_dim" in values and values.get("head_dim") is not None:
+        values["head_dim"] = values["qk_rope_head_dim"]  # MLA models rotate only the rope part of each head
+    elif "head_dim" in values and values["head_dim"] is not None:
+        hidden = next((values[k] for k in ("hidden_size", "d_model") if k in values), 64)
+        heads = next((values[k] for k in ("num_attention_heads", "n_head") if k in values), 4)
+        values["head_dim"] = hidden // heads
+    new_layers = next((values[k] for k in ("num_hidden_layers", "n_layer", "num_layers") if k in values), None)
+    for key, value in values.items():  # per-layer lists (layer_types, ...) follow the new layer count
+        if isinstance(value, list) and old_layers and new_layers and len(value) == old_layers:
+            kinds = list(dict.fromkeys(value)) if all(isinstance(v, str) for v in value) else []
+            # keep one layer of each kind (a hybrid model's attention and linear-attention layers) where they fit
+            values[key] = kinds + value[: new_layers - len(kinds)] if 1 < len(kinds) <= new_layers else value[:new_layers]
+        elif isinstance(value, dict) and value and new_layers and all(str(k).isdigit() for k in value):
+            values[key] = {k: v for k, v in value.items() if int(k) < new_layers}  # per-layer settings
+    if isinstance(values.get("vocab_size"), int) and values["vocab_size"] > TINY_VOCAB:
+        values["vocab_size"] = TINY_VOCAB
+        band = iter(range(TINY_VOCAB - 1, TINY_VOCAB - SPECIAL_TOKEN_BAND - 1, -1))
+        remapped = {}
+        for key, value in _special_token_ids(values):
+            ids = value if isinstance(value, list) else [value]
+            if all(isinstance(i, int) for i in ids):
+                new = [i if i < TINY_VOCAB - SPECIAL_TOKEN_BAND else remapped.setdefault(i, next(band, 0)) for i in ids]
+                values[key] = new if isinstance(value, list) else new[0]
+    for key, value in values.items():
+        if isinstance(value, dict) and "model_type" in value:
+            values[key] = _shrink_dict(value)
+    return values
+
+
+def tiny_config(model_type: str, config_class=None):
+    """The model type's default config, shrunk; its text config where `config_class` (the model class's) is that."""
+    from transformers import AutoConfig
+
+    default = AutoConfig.for_model(model_type)
+    text_config = getattr(default, "text_config", None)
+    if config_class is not None and not isinstance(default, config_class) and isinstance(text_config, config_class):
+        default = text_config  # e.g. Llama4ForCausalLM is mapped from 'llama4' but takes a Llama4TextConfig
+    values = _shrink_dict(default.to_dict())
+    if values.get("is_encoder_decoder") and values.get("decoder_start_token_id") is None:
+        values["decoder_start_token_id"] = values.get("pad_token_id") or 0  # generation needs one; T5 uses pad
+    values.update(OVERRIDES.get(model_type, {}))
+    return type(default).from_dict(values)
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+
+
+def _all_configs(config):
+    yield config
+    for key in getattr(config, "sub_configs", {}):
+        sub = getattr(config, key, None)
+        if sub is not None and hasattr(sub, "to_dict"):
+            yield from _all_configs(sub)
+
+
+def _first(config, *names, default=None):
+    for c in _all_configs(config):
+        for name in names:
+            value = getattr(c, name, None)
+            if value is not None:
+                return value
+    return default
+
+
+def dummy_inputs(model, generator) -> dict:
+    """Inputs for the model's forward, by the names its signature takes: text, image or audio."""
+    import torch
+
+    config = model.config
+    parameters = inspect.signature(model.forward).parameters
+    main = model.main_input_name
+    inputs = {}
+    if main == "pixel_values" or ("pixel_values" in parameters and "input_ids" not in parameters):
+        channels = _first(config, "num_channels", default=3)
+        size = _first(config, "image_size", default=32)
+        size = size[0] if isinstance(size, (list, tuple)) else size
+        inputs["pixel_values"] = torch.randn(BATCH, channels, size, size, generator=generator)
+    elif main == "input_features":
+        if _first(config, "num_mel_bins") is not None:  # whisper-like: (batch, mel bins, frames)
+            frames = 2 * _first(config, "max_source_positions", default=16)
+            inputs["input_features"] = torch.randn(BATCH, _first(config, "num_mel_bins"), frames, generator=generator)
+        else:  # speech2text-like: (batch, frames, features)
+            features = _first(config, "input_feat_per_channel", "feature_size", default=80)
+            features *= _first(config, "input_channels", default=1)
+            inputs["input_features"] = torch.randn(BATCH, 64, features, generator=generator)
+    elif main == "input_values":
+        inputs["input_values"] = torch.randn(BATCH, 1600, generator=generator)
+    else:
+        embeddings = model.get_input_embeddings()
+        vocab = embeddings.num_embeddings if hasattr(embeddings, "num_embeddings") else TINY_VOCAB
+        high = vocab - SPECIAL_TOKEN_BAND if vocab > 2 * SPECIAL_TOKEN_BAND else vocab
+        inputs["input_ids"] = torch.randint(0, high, (BATCH, SEQUENCE), generator=generator)
+        if "attention_mask" in parameters:
+            inputs["attention_mask"] = torch.ones(BATCH, SEQUENCE, dtype=torch.long)
+    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in parameters:
+        start = getattr(config, "decoder_start_token_id", None) or 0
+        inputs["decoder_input_ids"] = torch.full((BATCH, DECODER_SEQUENCE), start, dtype=torch.long)
+    return inputs
+
+
+# ---------------------------------------------------------------------------------------------- comparing
+
+
+def _tensors(value, prefix="output"):
+    """(name, tensor) for every tensor in a model output, skipping caches."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        yield prefix, value
+    elif hasattr(value, "to_tuple") and hasattr(value, "keys"):  # ModelOutput
+        for key in value.keys():
+            yield from _tensors(value[key], f"{prefix}.{key}")
+    elif isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            yield from _tensors(item, f"{prefix}[{i}]")
+
+
+def compare(expected, actual) -> str | None:
+    """None when every tensor of `actual` matches `expected` (float: RTOL/ATOL; others exactly), else why."""
+    import torch
+
+    expected, actual = dict(_tensors(expected)), dict(_tensors(actual))
+    if expected.keys() != actual.keys():
+        return f"outputs differ in structure: {sorted(expected)} vs {sorted(actual)}"
+    for name, want in expected.items():
+        got = actual[name].cpu()
+        if got.shape != want.shape or got.dtype != want.dtype:
+            return f"{name}: {got.dtype}{tuple(got.shape)} on tpu vs {want.dtype}{tuple(want.shape)} on cpu"
+        if want.is_floating_point() or want.is_complex():
+            if not torch.allclose(got, want, rtol=RTOL, atol=ATOL, equal_nan=True):
+                diff = (got - want).abs().nan_to_num(float("inf")).max().item()
+                return f"numeric mismatch: {name} max abs diff {diff:.3g} (rtol {RTOL}, atol {ATOL})"
+        elif not torch.equal(got, want):
+            return f"{name}: values differ"
+    return None
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+# ---------------------------------------------------------------------------------------------- one run
+
+
+def check_architecture(model_type: str, task: str, class_name: str, generative: bool) -> Result:
+    """Builds, saves, loads and compares one architecture; runs in the worker process."""
+    import torch
+    import transformers
+
+    import hf_tpu
+    from hf_tpu import model_patches
+
+    result = Result(model_type, task, class_name, "skipped-cpu-fails")
+    start = time.perf_counter()
+    try:
+        model_class = getattr(transformers, class_name)
+        with tempfile.TemporaryDirectory(prefix=f"hf_tpu_sweep_{model_type}_") as path:
+            try:
+                torch.manual_seed(0)
+                model_class(tiny_config(model_type, model_class.config_class)).save_pretrained(path)
+                torch.manual_seed(0)
+                cpu_model = model_class.from_pretrained(path).eval()
+                inputs = dummy_inputs(cpu_model, torch.Generator().manual_seed(0))
+                with torch.no_grad():
+                    expected = cpu_model(**inputs)
+                    expected_tokens = _greedy_tokens(cpu_model, inputs) if generative else None
+            except Exception as error:  # noqa: BLE001 - every failure is a result to record
+                result.detail = _first_line(error)
+                return result
+            result.outcome = "fails-on-tpu"
+            hf_tpu.reset_metrics()
+            try:
+                torch.manual_seed(0)
+                tpu_model = model_class.from_pretrained(path, device_map="tpu").eval()
+                model_patches.apply(tpu_model)
+                tpu_inputs = {name: value.to("tpu") for name, value in inputs.items()}
+                with torch.no_grad():
+                    mismatch = compare(expected, tpu_model(**tpu_inputs))
+                    if mismatch is None and expected_tokens is not None:
+                        tokens = _greedy_tokens(tpu_model, tpu_inputs).cpu()
+                        if not torch.equal(tokens, expected_tokens):
+                            mismatch = f"greedy tokens differ: {tokens.tolist()} vs cpu {expected_tokens.tolist()}"
+            except Exception as error:  # noqa: BLE001
+                mismatch = _first_line(error)
+            result.cpu_fallbacks = dict(hf_tpu.metrics()["cpu_fallbacks"])
+            result.outcome, result.detail = ("passes", "") if mismatch is None else ("fails-on-tpu", mismatch)
+            return result
+    finally:
+        result.seconds = round(time.perf_counter() - start, 2)
+
+
+def _greedy_tokens(model, inputs):
+    generate_inputs = {k: v for k, v in inputs.items() if k != "decoder_input_ids"}
+    return model.generate(**generate_inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+
+
+# ---------------------------------------------------------------------------------------------- workers
+
+
+def _worker_main(connection) -> None:
+    import logging
+    import warnings
+
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    logging.disable(logging.WARNING)
+    warnings.simplefilter("ignore")
+    while True:
+        job = connection.recv()
+        if job is None:
+            return
+        try:
+            result = check_architecture(*job)
+        except BaseException as error:  # noqa: BLE001 - report it, keep the worker alive
+            result = Result(job[0], job[1], job[2], "fails-on-tpu", _first_line(error) + " (in the sweep itself: "
+                            + traceback.format_exc(limit=-1).strip().splitlines()[-1] + ")")
+        connection.send(dataclasses.asdict(result))
+
+
+class _Worker:
+    """A process that checks architectures one at a time; killed and replaced when one overruns its timeout."""
+
+    def __init__(self):
+        context = multiprocessing.get_context("spawn")
+        self.connection, child = context.Pipe()
+        self.process = context.Process(target=_worker_main, args=(child,), daemon=True)
+        self.process.start()
+
+    def run(self, job, timeout: float) -> Result | None:
+        self.connection.send(job)
+        if self.connection.poll(timeout):
+            try:
+                return Result(**self.connection.recv())
+            except EOFError:
+                return None
+        return None
+
+    def stop(self, kill: bool = False) -> None:
+        if kill or not self.process.is_alive():
+            self.process.kill()
+        else:
+            self.connection.send(None)
+        self.process.join(timeout=10)
+
+
+def run_sweep(jobs_list, jobs: int = 1, timeout: float = 120.0, on_result=None) -> list[Result]:
+    """Runs the architectures on `jobs` worker processes; a timeout or a crash costs one architecture."""
+    pending = list(reversed(jobs_list))
+    results = []
+    lock = threading.Lock()
+
+    def drive():
+        worker = None
+        while True:
+            with lock:
+                if not pending:
+                    break
+                job = pending.pop()
+            start = time.perf_counter()
+            worker = worker or _Worker()
+            result = worker.run(job, timeout)
+            if result is None:
+                alive = worker.process.is_alive()
+                worker.stop(kill=True)
+                worker = None
+                detail = f"no answer within {timeout:.0f} s" if alive else "the worker process died (crash)"
+                result = Result(job[0], job[1], job[2], "timeout" if alive else "fails-on-tpu", detail,
+                                round(time.perf_counter() - start, 2))
+            with lock:
+                results.append(result)
+                if on_result:
+                    on_result(result)
+        if worker:
+            worker.stop()
+
+    threads = [threading.Thread(target=drive) for _ in range(max(1, min(jobs, len(jobs_list))))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    order = {job[0]: i for i, job in enumerate(jobs_list)}
+    return sorted(results, key=lambda r: order[r.model_type])
+
+
+# ---------------------------------------------------------------------------------------------- reporting
+
+
+def failure_cause(result: Result) -> str:
+    """A grouping key for a failure: the op without a lowering, 'numeric mismatch', or the error's type and text."""
+    detail = result.detail
+    if detail.startswith("numeric mismatch") or detail.startswith("greedy tokens differ"):
+        return detail.split(":")[0]
+    return detail.split(" (")[0][:120]
+
+
+def summary(results: list[Result]) -> str:
+    counts = Counter(r.outcome for r in results)
+    ran_on_cpu = [r for r in results if r.outcome != "skipped-cpu-fails"]
+    passed = counts["passes"]
+    share = passed / len(ran_on_cpu) if ran_on_cpu else 0.0
+    lines = [
+        f"{len(results)} architectures: {passed} pass, {counts['fails-on-tpu']} fail on tpu, "
+        f"{counts['timeout']} time out, {counts['skipped-cpu-fails']} skipped (their tiny config fails on CPU)",
+        f"of those that run on CPU, {passed}/{len(ran_on_cpu)} = {share:.0%} pass on tpu (goal: 90%)",
+    ]
+    failures = defaultdict(list)
+    for r in results:
+        if r.outcome in ("fails-on-tpu", "timeout"):
+            failures[failure_cause(r)].append(r.model_type)
+    if failures:
+        lines.append("failures by cause:")
+        for cause, model_types in sorted(failures.items(), key=lambda item: -len(item[1])):
+            lines.append(f"  {len(model_types):3d}  {cause}: {', '.join(model_types)}")
+    fallbacks = Counter()
+    for r in results:
+        fallbacks.update(r.cpu_fallbacks.keys())
+    if fallbacks:
+        lines.append("ops run through the CPU fallback (architectures using each): "
+                     + ", ".join(f"{op} ({n})" for op, n in fallbacks.most_common()))
+    return "\n".join(lines)
+
+
+def versions() -> dict:
+    def version(name):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    import hf_tpu
+
+    return {"torch": version("torch"), "jax": version("jax"), "transformers": version("transformers"),
+            "hf_tpu": hf_tpu.__version__}
+
+
+def table_entry(result: Result, patches: list[str], checked_on: str, checked_with: dict) -> dict:
+    limits = "" if result.outcome == "passes" else result.detail
+    if result.cpu_fallbacks:
+        limits = "; ".join(filter(None, [limits, "ops on the CPU fallback: " + ", ".join(sorted(result.cpu_fallbacks))]))
+    status = "fails" if result.outcome != "passes" else ("works with patches" if patches else "works")
+    return {"status": status, "tested_class": result.class_name, "patches": patches, "limits": limits,
+            "checked": checked_on, "versions": checked_with}
+
+
+def write_table(results: list[Result]) -> None:
+    """Records the results in model_patches/table.json; architectures not in `results` keep their entries."""
+    from hf_tpu import model_patches
+
+    table = model_patches.load_table()
+    checked_on, checked_with = datetime.date.today().isoformat(), versions()
+    for result in results:
+        if result.outcome == "skipped-cpu-fails":
+            table["architectures"].pop(result.model_type, None)
+            table["not_checked"][result.model_type] = f"{result.class_name}: {result.detail}"
+        else:
+            table["not_checked"].pop(result.model_type, None)
+            patches = model_patches.patches_for(result.model_type)
+            table["architectures"][result.model_type] = table_entry(result, patches, checked_on, checked_with)
+    table = {"architectures": dict(sorted(table["architectures"].items())),
+             "not_checked": dict(sorted(table["not_checked"].items()))}
+    with open(model_patches.TABLE_PATH, "w", encoding="utf-8") as f:
+        json.dump(table, f, indent=1, sort_keys=False)
+        f.write("\n")
+    model_patches.load_table.cache_clear()
+
+
+def format_result(result: Result) -> str:
+    fallbacks = f"  cpu fallbacks: {', '.join(result.cpu_fallbacks)}" if result.cpu_fallbacks else ""
+    return (f"{result.model_type:<28} {result.outcome:<18} {result.seconds:6.1f}s  {result.class_name}"
+            f"{'  ' + result.detail if result.detail else ''}{fallbacks}")
