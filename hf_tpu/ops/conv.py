@@ -6,6 +6,7 @@ Backward ops are the VJP of their forward lowering, so the two can never disagre
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import jax
@@ -456,3 +457,103 @@ def upsample_bicubic2d_backward(grad_output, output_size, input_size, align_corn
         _upsample_interpolated, output_size=output_size, align_corners=align_corners, scales=scales, taps=_cubic_taps
     )
     return _vjp(forward, grad_output, _zeros_input(grad_output, input_size))
+
+
+# --- Grid sampling: `F.grid_sample` over NCHW input at (x, y) positions in [-1, 1]
+
+_BILINEAR, _NEAREST, _BICUBIC = range(3)
+_ZEROS, _BORDER, _REFLECTION = range(3)
+
+
+def _unnormalize(coord, size, align_corners):
+    if align_corners:
+        return (coord + 1) / 2 * (size - 1)
+    return ((coord + 1) * size - 1) / 2
+
+
+def _reflect(coord, twice_low, twice_high):
+    """Fold `coord` into [twice_low / 2, twice_high / 2] by reflecting at the edges."""
+    if twice_low == twice_high:
+        return jnp.zeros_like(coord)
+    low = twice_low / 2
+    span = (twice_high - twice_low) / 2
+    coord = jnp.abs(coord - low)
+    extra = jnp.fmod(coord, span)
+    flips = jnp.floor(coord / span)
+    return jnp.where(flips % 2 == 0, extra + low, span - extra + low)
+
+
+def _pad_coordinate(coord, size, padding_mode, align_corners):
+    """PyTorch's `compute_coordinates`: where `border`/`reflection` padding moves a position."""
+    if padding_mode == _BORDER:
+        return jnp.clip(coord, 0, size - 1)
+    if padding_mode == _REFLECTION:
+        twice = (0, 2 * (size - 1)) if align_corners else (-1, 2 * size - 1)
+        return jnp.clip(_reflect(coord, *twice), 0, size - 1)
+    return coord
+
+
+def _taps_sum(image, taps):
+    """Sum over taps `(position, weight)` of weight * image[position] (image N, *spatial, C; each
+    position one (N, *out) coordinate array per spatial dim); positions off the image contribute
+    nothing (zeros padding)."""
+    sizes = image.shape[1:-1]
+    batch = jnp.arange(image.shape[0]).reshape((-1,) + (1,) * len(sizes))
+    total = 0
+    for position, weight in taps:
+        inside = functools.reduce(jnp.logical_and, [(p >= 0) & (p <= n - 1) for p, n in zip(position, sizes)])
+        index = [jnp.clip(p, 0, n - 1).astype(jnp.int32) for p, n in zip(position, sizes)]
+        total = total + image[(batch, *index)] * jnp.where(inside, weight, 0)[..., None]
+    return total
+
+
+def _cubic_weights(t):
+    a = -0.75
+    near = lambda x: ((a + 2) * x - (a + 3)) * x * x + 1  # noqa: E731  |x| <= 1
+    far = lambda x: ((a * x - 5 * a) * x + 8 * a) * x - 4 * a  # noqa: E731  1 < |x| < 2
+    return [far(t + 1), near(t), near(1 - t), far(2 - t)]
+
+
+def _grid_sample(input, grid, interpolation_mode, padding_mode, align_corners):
+    """Shared by 2-d and 3-d sampling; the grid's last dim lists x (the last spatial dim) first."""
+    compute = accumulation_dtype(input.dtype)
+    image = jnp.moveaxis(input, 1, -1).astype(compute)
+    grid = grid.astype(compute)
+    sizes = input.shape[2:]
+    coords = [_unnormalize(grid[..., len(sizes) - 1 - d], n, align_corners) for d, n in enumerate(sizes)]
+    if interpolation_mode == _BICUBIC:
+        # taps around the unpadded position, each tap moved by the padding on its own
+        (y, x), (height, width) = coords, sizes
+        x0, y0 = jnp.floor(x), jnp.floor(y)
+        wx, wy = _cubic_weights(x - x0), _cubic_weights(y - y0)
+        taps = [((_pad_coordinate(y0 - 1 + j, height, padding_mode, align_corners),
+                  _pad_coordinate(x0 - 1 + i, width, padding_mode, align_corners)), wx[i] * wy[j])
+                for j in range(4) for i in range(4)]
+    else:
+        coords = [_pad_coordinate(c, n, padding_mode, align_corners) for c, n in zip(coords, sizes)]
+        if interpolation_mode == _NEAREST:
+            taps = [([jnp.round(c) for c in coords], jnp.ones_like(coords[0]))]
+        else:  # (bi/tri)linear: the 2**dims corners around the position
+            lows = [jnp.floor(c) for c in coords]
+            fractions = [c - low for c, low in zip(coords, lows)]
+            taps = []
+            for corner in itertools.product((0, 1), repeat=len(sizes)):
+                position = [low + k for low, k in zip(lows, corner)]
+                weight = functools.reduce(jnp.multiply, [f if k else 1 - f for f, k in zip(fractions, corner)])
+                taps.append((position, weight))
+    return jnp.moveaxis(_taps_sum(image, taps), -1, 1).astype(input.dtype)
+
+
+@lowering(aten.grid_sampler_2d.default, aten.grid_sampler_3d.default)
+def grid_sampler(input, grid, interpolation_mode, padding_mode, align_corners):
+    return _grid_sample(input, grid, interpolation_mode, padding_mode, align_corners)
+
+
+@lowering(aten.grid_sampler_2d_backward.default, aten.grid_sampler_3d_backward.default)
+def grid_sampler_backward(grad_output, input, grid, interpolation_mode, padding_mode, align_corners, output_mask):
+    def forward(input, grid):
+        return _grid_sample(input, grid, interpolation_mode, padding_mode, align_corners)
+
+    out, pullback = jax.vjp(forward, input, grid)
+    grad_input, grad_grid = pullback(grad_output.astype(out.dtype))
+    return (grad_input if output_mask[0] else None), grad_grid
