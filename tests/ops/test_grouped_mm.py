@@ -1,0 +1,60 @@
+"""aten::_grouped_mm on tpu (jax.lax.ragged_dot) against a per-group torch.mm loop, in the input
+shapes MoE layers use: tokens x experts' weights with offsets, the weight gradient's 2-D x 2-D, and
+batched 3-D x 3-D."""
+
+import pytest
+import torch
+
+import hf_tpu
+
+OFFSETS = torch.tensor([3, 3, 8, 13], dtype=torch.int32)  # an empty group, and rows past the last offset
+
+
+def per_group_mm(a, b, offs):
+    """The loop _grouped_mm replaces; rows (or groups) past the last offset stay zero."""
+    starts = [0, *offs.tolist()[:-1]]
+    if a.dim() == 2 and b.dim() == 3:
+        out = a.new_zeros(a.shape[0], b.shape[-1])
+        for group, (start, end) in enumerate(zip(starts, offs.tolist())):
+            out[start:end] = a[start:end] @ b[group]
+        return out
+    out = a.new_zeros(len(starts), a.shape[0], b.shape[-1])  # 2-D x 2-D: groups split the shared dimension
+    for group, (start, end) in enumerate(zip(starts, offs.tolist())):
+        out[group] = a[:, start:end] @ b[start:end]
+    return out
+
+
+def operands(*shapes):
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(*shape, generator=generator).to(torch.bfloat16) for shape in shapes]
+
+
+@pytest.mark.parametrize("shapes", [((16, 8), (4, 8, 16)), ((8, 16), (16, 8))], ids=["2dx3d", "2dx2d"])
+def test_grouped_matches_per_group_loop(shapes):
+    a, b = operands(*shapes)
+    actual = torch._grouped_mm(a.to("tpu"), b.to("tpu"), offs=OFFSETS.to("tpu")).cpu()
+    expected = per_group_mm(a.float(), b.float(), OFFSETS).to(torch.bfloat16)
+    used = slice(0, int(OFFSETS[-1])) if a.dim() == 2 and b.dim() == 3 else slice(None)
+    torch.testing.assert_close(actual[used], expected[used], atol=1e-2, rtol=1e-2)
+    assert hf_tpu.metrics()["cpu_fallbacks"] == {}
+
+
+def test_batched_matches_bmm():
+    a, b = operands((4, 8, 16), (4, 16, 8))
+    actual = torch.nn.functional.grouped_mm(a.to("tpu"), b.to("tpu")).cpu()
+    torch.testing.assert_close(actual, torch.bmm(a.float(), b.float()).to(torch.bfloat16), atol=1e-2, rtol=1e-2)
+
+
+def test_gradients_match_cpu():
+    a, b = operands((16, 8), (4, 8, 16))
+    grad_out = operands((16, 16))[0]
+    grad_out[int(OFFSETS[-1]):] = 0  # rows past the last offset are undefined on CPU
+    grads = {}
+    for device in ("cpu", "tpu"):
+        leaves = [a.to(device).detach().requires_grad_(), b.to(device).detach().requires_grad_()]
+        torch._grouped_mm(*leaves, offs=OFFSETS.to(device)).backward(grad_out.to(device))
+        grads[device] = [leaf.grad.cpu().float() for leaf in leaves]
+    used = int(OFFSETS[-1])
+    torch.testing.assert_close(grads["tpu"][0][:used], grads["cpu"][0][:used], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(grads["tpu"][1], grads["cpu"][1], atol=2e-2, rtol=2e-2)
+    assert hf_tpu.metrics()["cpu_fallbacks"] == {}
