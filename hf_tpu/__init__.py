@@ -74,3 +74,8 @@ _register_backend()
 def platform_name() -> str:
     """The JAX platform behind `tpu` in this process: 'tpu', 'gpu' or 'cpu'."""
     return platform.name()
+
+
+from .integrations import activate as _activate_integrations  # noqa: E402
+
+_activate_integrations()  # the Hugging Face adapters install when their library is imported

@@ -1,0 +1,378 @@
+"""The Transformers adapter: loading onto `tpu` and generation with a static KV cache and compiled decoding.
+
+Installed by `hf_tpu.integrations.activate()` when `transformers.modeling_utils` or
+`transformers.generation.utils` is first imported. What it changes, only for models on `tpu`:
+
+- `from_pretrained`: `device_map="auto"` means the current `tpu` (Accelerate cannot size a `tpu` yet and
+  would place everything on the CPU); a missing local checkpoint, an unreadable safetensors file or a
+  dtype `tpu` cannot hold is reported before any weight is read; the loaded model gets its
+  per-architecture patches (`hf_tpu.model_patches`).
+- `generate`: a static KV cache unless the caller chose a cache, so that Transformers decodes through
+  `torch.compile(backend="tpu")` (its `_default_compile_config` for `tpu`) with shapes that never change;
+  the cache length rounded up to a multiple of `cache_length_multiple` and the prompt left-padded (with
+  its attention mask) to the next of `prompt_buckets`, so that a new prompt length or `max_new_tokens`
+  rarely compiles anew. The padding is removed from the returned sequences.
+
+`configure(...)` or the environment variables `HF_TPU_PROMPT_BUCKETS` ("32,64,128"; "" turns bucketing
+off), `HF_TPU_CACHE_LENGTH_MULTIPLE` and `HF_TPU_STATIC_CACHE` ("0" keeps Transformers' dynamic cache)
+change these defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import os
+
+import torch
+
+DEFAULT_PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def _buckets_from_env() -> tuple[int, ...]:
+    text = os.environ.get("HF_TPU_PROMPT_BUCKETS")
+    if text is None:
+        return DEFAULT_PROMPT_BUCKETS
+    try:
+        return _valid_buckets(int(part) for part in text.replace(" ", "").split(",") if part)
+    except ValueError as e:
+        raise ValueError(f"HF_TPU_PROMPT_BUCKETS={text!r}: {e}") from None
+
+
+def _valid_buckets(buckets) -> tuple[int, ...]:
+    buckets = tuple(sorted(set(int(b) for b in buckets)))
+    if any(b <= 0 for b in buckets):
+        raise ValueError(f"prompt buckets must be positive lengths, got {buckets}")
+    return buckets
+
+
+@dataclasses.dataclass
+class Settings:
+    prompt_buckets: tuple[int, ...] = dataclasses.field(default_factory=_buckets_from_env)
+    cache_length_multiple: int = dataclasses.field(
+        default_factory=lambda: int(os.environ.get("HF_TPU_CACHE_LENGTH_MULTIPLE", "128"))
+    )
+    static_cache: bool = dataclasses.field(default_factory=lambda: os.environ.get("HF_TPU_STATIC_CACHE", "1") != "0")
+
+
+settings = Settings()
+
+
+def configure(*, prompt_buckets=None, cache_length_multiple: int | None = None, static_cache: bool | None = None):
+    """Change how `generate()` runs on `tpu`.
+
+    prompt_buckets: prompt lengths to left-pad to (a longer prompt goes to a multiple of the largest);
+        `()` turns bucketing off.
+    cache_length_multiple: the static cache length is rounded up to a multiple of this (1: exact).
+    static_cache: False keeps Transformers' default dynamic cache (eager decoding, no compilation).
+    """
+    if prompt_buckets is not None:
+        settings.prompt_buckets = _valid_buckets(prompt_buckets)
+    if cache_length_multiple is not None:
+        if cache_length_multiple < 1:
+            raise ValueError(f"cache_length_multiple must be at least 1, got {cache_length_multiple}")
+        settings.cache_length_multiple = int(cache_length_multiple)
+    if static_cache is not None:
+        settings.static_cache = bool(static_cache)
+
+
+def bucketed_length(length: int) -> int:
+    """The prompt length `generate()` pads a prompt of `length` tokens to."""
+    buckets = settings.prompt_buckets
+    if not buckets:
+        return length
+    for bucket in buckets:
+        if length <= bucket:
+            return bucket
+    return -(-length // buckets[-1]) * buckets[-1]
+
+
+def _on_tpu(model) -> bool:
+    try:
+        return model.device.type == "tpu"
+    except (AttributeError, StopIteration):
+        return False
+
+
+# --- Loading
+
+
+def _tpu_device() -> torch.device:
+    return torch.device("tpu", torch.tpu.current_device())
+
+
+def _targets_tpu(device_map) -> bool:
+    if isinstance(device_map, dict):
+        return any(_targets_tpu(d) for d in device_map.values())
+    if isinstance(device_map, int) and not isinstance(device_map, bool):
+        return torch.accelerator.current_accelerator().type == "tpu"
+    if device_map == "auto":
+        return torch.accelerator.current_accelerator().type == "tpu"
+    try:
+        return torch.device(device_map).type == "tpu"
+    except (TypeError, RuntimeError):
+        return False
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool, "C64": torch.complex64,
+}
+
+
+def _looks_like_local_path(path) -> bool:
+    if isinstance(path, os.PathLike):
+        return True
+    return isinstance(path, str) and (os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1)
+
+
+def _safetensors_dtypes(files) -> set:
+    """Check each file's header (cheap: no tensor is read) and return the dtypes the files hold."""
+    from safetensors import SafetensorError, safe_open
+
+    found = set()
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                names = list(f.keys())
+                found.update(f.get_slice(name).get_dtype() for name in names)
+        except (SafetensorError, OSError) as e:
+            raise OSError(
+                f"{file} is not a readable safetensors file ({e}). It is truncated or corrupt: download or "
+                "save the checkpoint again. Nothing was loaded."
+            ) from e
+    return {_SAFETENSORS_DTYPES.get(name, name) for name in found}
+
+
+def _check_dtype(dtype, where: str) -> None:
+    supported = torch.tpu.supported_dtypes()
+    if isinstance(dtype, torch.dtype) and dtype not in supported:
+        names = ", ".join(str(d).removeprefix("torch.") for d in supported)
+        raise TypeError(
+            f"{where} is {dtype}, which tpu tensors cannot hold on this platform "
+            f"({torch.tpu.get_device_name()}). Pass dtype= one of: {names}. Nothing was loaded."
+        )
+
+
+def check_before_loading(pretrained_model_name_or_path, dtype) -> None:
+    """The errors a `tpu` load should raise before anything is read: a missing local checkpoint, a
+    corrupt safetensors file, a dtype the platform lacks."""
+    if isinstance(dtype, str) and dtype != "auto":
+        dtype = getattr(torch, dtype, dtype)
+    if isinstance(dtype, torch.dtype):
+        _check_dtype(dtype, "The requested dtype")
+    if pretrained_model_name_or_path is None:
+        return
+    path = os.path.expanduser(os.fspath(pretrained_model_name_or_path))
+    if not os.path.exists(path):
+        if _looks_like_local_path(pretrained_model_name_or_path):
+            raise FileNotFoundError(
+                f"No checkpoint at {path}: the directory does not exist. Pass the directory that "
+                "save_pretrained wrote (it holds config.json and the weights). Nothing was loaded."
+            )
+        return  # a Hub id: Transformers resolves it
+    if not os.path.isdir(path):
+        return
+    files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+    checkpoint_dtypes = _safetensors_dtypes(files)
+    if dtype in (None, "auto"):
+        for stored in checkpoint_dtypes:
+            if isinstance(stored, torch.dtype) and stored.is_floating_point:
+                _check_dtype(stored, f"The checkpoint's weight dtype (dtype='auto' keeps it)")
+
+
+def _optional(module_name: str):
+    """An adapter module written separately, or None while it does not exist."""
+    if importlib.util.find_spec(module_name) is None:
+        return None
+    return importlib.import_module(module_name)
+
+
+def prepare_model(model) -> None:
+    """Per-architecture patches for a model on `tpu`, once per model."""
+    if getattr(model, "_hf_tpu_prepared", False):
+        return
+    model._hf_tpu_prepared = True
+    patches = _optional("hf_tpu.model_patches")
+    if patches is None:
+        return
+    if hasattr(patches, "warn_if_failing"):
+        patches.warn_if_failing(getattr(model.config, "model_type", ""))
+    if hasattr(patches, "apply"):
+        patches.apply(model)
+
+
+def _wrap_from_pretrained(original):
+    @functools.wraps(original.__func__)
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        device_map = kwargs.get("device_map")
+        if device_map is None or not _targets_tpu(device_map):
+            return original.__func__(cls, pretrained_model_name_or_path, *args, **kwargs)
+        check_before_loading(pretrained_model_name_or_path, kwargs.get("dtype", kwargs.get("torch_dtype")))
+        if device_map == "auto" and kwargs.get("max_memory") is None:
+            kwargs["device_map"] = {"": _tpu_device()}
+        model = original.__func__(cls, pretrained_model_name_or_path, *args, **kwargs)
+        if _on_tpu(model):
+            prepare_model(model)
+        return model
+
+    return classmethod(from_pretrained)
+
+
+# --- Generation
+
+
+def _wrap_prepare_generation_config(original):
+    @functools.wraps(original)
+    def _prepare_generation_config(self, generation_config=None, **kwargs):
+        generation_config, model_kwargs = original(self, generation_config, **kwargs)
+        if (
+            settings.static_cache
+            and _on_tpu(self)
+            and generation_config.cache_implementation is None
+            and model_kwargs.get("cache") is None
+            and model_kwargs.get("past_key_values") is None
+            and generation_config.use_cache is not False
+            and self._supports_default_dynamic_cache()
+            and getattr(self, "_can_compile_fullgraph", False)
+        ):
+            generation_config.cache_implementation = "static"
+        return generation_config, model_kwargs
+
+    return _prepare_generation_config
+
+
+def _wrap_prepare_cache_for_generation(original):
+    @functools.wraps(original)
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
+                                      max_cache_length, *args, **kwargs):
+        if _on_tpu(self) and generation_config.cache_implementation == "static":
+            multiple = settings.cache_length_multiple
+            max_cache_length = -(-max_cache_length // multiple) * multiple
+        return original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length,
+                        *args, **kwargs)
+
+    return _prepare_cache_for_generation
+
+
+def _is_plain_prompt(model, input_ids, model_kwargs) -> bool:
+    """A decoder-only prompt of token ids that `generate()` itself extends: its bookkeeping can run
+    on the host, and it can be left-padded."""
+    return (
+        not model.config.is_encoder_decoder
+        and input_ids.dim() == 2
+        and not input_ids.is_floating_point()
+        and all(model_kwargs.get(name) is None for name in ("inputs_embeds", "cache", "past_key_values", "position_ids"))
+        and (model_kwargs.get("attention_mask") is None or model_kwargs["attention_mask"].dim() == 2)
+    )
+
+
+def _padding_keeps_the_result(generation_config) -> bool:
+    """Left padding leaves the result unchanged when nothing reads the prompt's length (lengths are
+    given as new tokens) or its n-grams."""
+    return (
+        generation_config.max_new_tokens is not None
+        and not generation_config.min_length
+        and not generation_config.no_repeat_ngram_size
+        and generation_config.prefill_chunk_size is None
+    )
+
+
+def _prompt_mask(input_ids, generation_config):
+    """The attention mask Transformers infers for a prompt given without one: pad tokens are masked
+    when the pad token is set and is not an end-of-sequence token."""
+    pad, eos = generation_config.pad_token_id, generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, (list, tuple)) else [eos])
+    if pad is not None and pad not in eos:
+        return (input_ids != pad).long()
+    return torch.ones_like(input_ids)
+
+
+def _left_pad(input_ids, attention_mask, padding: int):
+    """Pad with each row's first token (so penalties that look at the prompt's tokens see no new
+    token) and zeros in the mask."""
+    first = input_ids[:, :1].expand(-1, padding)
+    zeros = attention_mask.new_zeros((attention_mask.shape[0], padding))
+    return torch.cat([first, input_ids], dim=1), torch.cat([zeros, attention_mask], dim=1)
+
+
+def _to_device(output, device):
+    """generate()'s result (a tensor, or a ModelOutput of tensors and tuples of them) on `device`."""
+    if isinstance(output, torch.Tensor):
+        return output.to(device)
+    if isinstance(output, tuple):
+        return tuple(_to_device(item, device) for item in output)
+    if hasattr(output, "keys"):
+        for key in output.keys():
+            if isinstance(output[key], (torch.Tensor, tuple)):
+                output[key] = _to_device(output[key], device)
+    return output
+
+
+def _strip_padding(output, padding: int):
+    if isinstance(output, torch.Tensor):
+        return output[:, padding:]
+    output.sequences = output.sequences[:, padding:]
+    return output
+
+
+def _wrap_generate(original):
+    @functools.wraps(original)
+    def generate(self, inputs=None, generation_config=None, *args, **kwargs):
+        """On tpu, the token bookkeeping of the loop (the growing ids, logits processors, stopping
+        criteria, sampling) runs on the host, as Transformers allows for an accelerator (its
+        `prepare_inputs_for_generation` moves each step's inputs to the model): a step then costs one
+        compiled forward, not dozens of small device ops whose shapes grow with every token."""
+        if not _on_tpu(self):
+            return original(self, inputs, generation_config, *args, **kwargs)
+        prepare_model(self)
+        input_ids = inputs if inputs is not None else kwargs.get("input_ids")
+        if args or not isinstance(input_ids, torch.Tensor) or input_ids.device.type != "tpu":
+            return original(self, inputs, generation_config, *args, **kwargs)
+        resolved, model_kwargs = self._prepare_generation_config(generation_config, **kwargs)
+        if not _is_plain_prompt(self, input_ids, model_kwargs):
+            return original(self, inputs, generation_config, *args, **kwargs)
+        kwargs.pop("input_ids", None)
+        mask = kwargs.pop("attention_mask", None)
+        host_ids = input_ids.cpu()
+        host_mask = mask.cpu() if mask is not None else None
+        padding = 0
+        if settings.prompt_buckets and _padding_keeps_the_result(resolved):
+            padding = bucketed_length(host_ids.shape[1]) - host_ids.shape[1]
+        if padding:
+            if host_mask is None:
+                host_mask = _prompt_mask(host_ids, resolved)
+            host_ids, host_mask = _left_pad(host_ids, host_mask, padding)
+        output = original(self, host_ids, generation_config, attention_mask=host_mask, **kwargs)
+        return _to_device(_strip_padding(output, padding), input_ids.device)
+
+    return generate
+
+
+# --- Installation
+
+
+def _patch(owner, name: str, wrap) -> None:
+    """Wrap `owner.name` once (installing twice, e.g. after a reload, keeps one wrapper)."""
+    current = owner.__dict__[name]
+    if getattr(current, "_hf_tpu_original", None) is not None:
+        return
+    wrapped = wrap(current)
+    wrapped._hf_tpu_original = current
+    setattr(owner, name, wrapped)
+
+
+def install(module) -> None:
+    """Patch the Transformers module that was just imported (`hf_tpu.integrations.ADAPTERS`)."""
+    if module.__name__ == "transformers.modeling_utils":
+        _patch(module.PreTrainedModel, "from_pretrained", _wrap_from_pretrained)
+        attention = _optional("hf_tpu.integrations.attention")
+        if attention is not None and hasattr(attention, "register"):
+            attention.register()
+    elif module.__name__ == "transformers.generation.utils":
+        mixin = module.GenerationMixin
+        _patch(mixin, "generate", _wrap_generate)
+        _patch(mixin, "_prepare_generation_config", _wrap_prepare_generation_config)
+        _patch(mixin, "_prepare_cache_for_generation", _wrap_prepare_cache_for_generation)

@@ -1,0 +1,174 @@
+"""generate() on tpu against the same model on CPU: strategies, the static cache that tpu uses by default,
+compiled decoding that compiles nothing on a second call, prompt-length buckets, and activation of the
+adapter on `import hf_tpu` in either import order."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import hf_tpu
+from hf_tpu.integrations import transformers as adapter
+
+PROMPT = torch.tensor([[3, 14, 15, 92, 65]])
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=256,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return AutoModelForCausalLM.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path, device_map="tpu")
+
+
+def _both(models, prompt=PROMPT, **kwargs):
+    cpu, tpu = models
+    expected = cpu.generate(prompt, **kwargs)
+    actual = tpu.generate(prompt.to("tpu"), **kwargs)
+    return expected, actual.cpu()
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(do_sample=False),
+    dict(do_sample=False, repetition_penalty=1.5),
+    dict(do_sample=False, num_beams=3),
+    dict(do_sample=False, num_beams=2, num_return_sequences=2),
+], ids=["greedy", "repetition_penalty", "beam_search", "beams_returned"])
+def test_strategies_generate_the_cpu_tokens(models, kwargs):
+    expected, actual = _both(models, max_new_tokens=8, **kwargs)
+    assert torch.equal(actual, expected)
+
+
+def test_left_padded_batch_generates_the_cpu_tokens(models):
+    prompt = torch.tensor([[0, 0, 7, 8, 9], [3, 14, 15, 92, 65]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    cpu, tpu = models
+    expected = cpu.generate(prompt, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    actual = tpu.generate(prompt.to("tpu"), attention_mask=mask.to("tpu"), max_new_tokens=6, do_sample=False)
+    assert torch.equal(actual.cpu(), expected)
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=0.7), dict(top_k=5), dict(top_p=0.8, temperature=1.3)],
+                         ids=["temperature", "top_k", "top_p"])
+def test_sampling_with_a_seed_is_deterministic(models, kwargs):
+    _, tpu = models
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(1234)
+        runs.append(tpu.generate(PROMPT.to("tpu"), max_new_tokens=8, do_sample=True, **kwargs).cpu())
+    assert torch.equal(runs[0], runs[1])
+    assert runs[0].shape[1] <= PROMPT.shape[1] + 8 and torch.equal(runs[0][:, :5], PROMPT)
+    torch.manual_seed(4321)
+    other = tpu.generate(PROMPT.to("tpu"), max_new_tokens=8, do_sample=True, temperature=5.0).cpu()
+    assert not torch.equal(other, runs[0])  # the seed matters
+
+
+def _char_tokenizer():
+    """128 tokens: single characters (what stop-string matching needs to spell its probe prefix) and
+    longer pieces, decoded by concatenation."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = list("abcdefghijklmnopqrstuvwxyz0123456789")
+    pieces += [f"<{i}>" for i in range(128 - len(pieces))]
+    tokenizer = Tokenizer(models.BPE({piece: i for i, piece in enumerate(pieces)}, [], unk_token="a"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="a")
+
+
+def test_stop_strings_stop_where_cpu_stops(models):
+    cpu, _ = models
+    tokenizer = _char_tokenizer()
+    free = cpu.generate(PROMPT, max_new_tokens=10, do_sample=False)
+    stop = tokenizer.decode(free[0, 7:8])  # the third generated word
+    expected, actual = _both(models, max_new_tokens=10, do_sample=False, stop_strings=[stop], tokenizer=tokenizer)
+    assert torch.equal(actual, expected)
+    assert actual.shape[1] <= 8
+
+
+def test_static_cache_by_default_and_no_compiles_on_a_second_call(models):
+    from transformers import StaticCache
+
+    _, tpu = models
+    out = tpu.generate(PROMPT.to("tpu"), max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
+    assert isinstance(out.cache, StaticCache)
+    assert out.cache.layers[0].max_cache_len % adapter.settings.cache_length_multiple == 0
+    hf_tpu.reset_metrics()
+    again = tpu.generate(PROMPT.to("tpu"), max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
+    assert hf_tpu.metrics()["compiles"] == 0
+    assert torch.equal(again.sequences.cpu(), out.sequences.cpu())
+
+
+def test_decoding_runs_one_compiled_graph_per_step(models):
+    _, tpu = models
+    tpu.generate(PROMPT.to("tpu"), max_new_tokens=4, do_sample=False)
+    hf_tpu.reset_metrics()
+    tpu.generate(torch.tensor([[5, 6, 7]]).to("tpu"), max_new_tokens=12, do_sample=False)
+    # the decode steps reuse the compiled forward: a different prompt in the same bucket compiles nothing
+    assert hf_tpu.metrics()["compiles"] == 0
+
+
+def test_a_cache_the_user_chose_is_kept(models):
+    from transformers import DynamicCache
+
+    expected, _ = _both(models, max_new_tokens=6, do_sample=False)
+    _, tpu = models
+    out = tpu.generate(PROMPT.to("tpu"), max_new_tokens=6, do_sample=False, cache_implementation="dynamic",
+                       return_dict_in_generate=True)
+    assert isinstance(out.cache, DynamicCache)
+    assert torch.equal(out.sequences.cpu(), expected)
+
+
+def test_prompt_lengths_pad_to_buckets(models):
+    assert adapter.bucketed_length(5) == 16 and adapter.bucketed_length(16) == 16
+    assert adapter.bucketed_length(17) == 32
+    saved = adapter.settings.prompt_buckets
+    try:
+        adapter.configure(prompt_buckets=(8, 24))
+        assert adapter.bucketed_length(9) == 24 and adapter.bucketed_length(30) == 48
+        cpu, tpu = models
+        for length in (6, 3, 7):
+            prompt = PROMPT[:, :1].repeat(1, length) + torch.arange(length)
+            expected, actual = _both(models, prompt=prompt, max_new_tokens=5, do_sample=False)
+            assert torch.equal(actual, expected), length
+            if length == 6:
+                hf_tpu.reset_metrics()  # lengths 3 and 7 share length 6's bucket and its compiled programs
+        assert hf_tpu.metrics()["compiles"] == 0
+        adapter.configure(prompt_buckets=())
+        assert adapter.bucketed_length(9) == 9
+    finally:
+        adapter.configure(prompt_buckets=saved)
+    with pytest.raises(ValueError, match="positive"):
+        adapter.configure(prompt_buckets=(0, 16))
+
+
+def _run(code: str) -> str:
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                            env={**__import__("os").environ, "HF_TPU_NUM_DEVICES": "1"}, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout.strip()
+
+
+def test_import_hf_tpu_does_not_import_transformers():
+    assert _run("import sys, hf_tpu; print('transformers' in sys.modules)") == "False"
+
+
+@pytest.mark.parametrize("order", ["hf_tpu first", "transformers first"])
+def test_adapter_installs_in_either_import_order(order):
+    imports = ["import hf_tpu", "import transformers.generation.utils, transformers.modeling_utils"]
+    if order == "transformers first":
+        imports.reverse()
+    out = _run("\n".join(imports) + """
+        from transformers import GenerationMixin, PreTrainedModel
+        print(hasattr(GenerationMixin.generate, "_hf_tpu_original"),
+              hasattr(PreTrainedModel.__dict__["from_pretrained"], "_hf_tpu_original"))
+    """.replace("\n        ", "\n"))
+    assert out == "True True"
