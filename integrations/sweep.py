@@ -147,17 +147,31 @@ def _shrink_dict(values: dict) -> dict:
             values[key] = {k: v for k, v in value.items() if int(k) < new_layers}  # per-layer settings
     if isinstance(values.get("vocab_size"), int) and values["vocab_size"] > TINY_VOCAB:
         values["vocab_size"] = TINY_VOCAB
-        band = iter(range(TINY_VOCAB - 1, TINY_VOCAB - SPECIAL_TOKEN_BAND - 1, -1))
-        remapped = {}
-        for key, value in _special_token_ids(values):
-            ids = value if isinstance(value, list) else [value]
-            if all(isinstance(i, int) for i in ids):
-                new = [i if i < TINY_VOCAB - SPECIAL_TOKEN_BAND else remapped.setdefault(i, next(band, 0)) for i in ids]
-                values[key] = new if isinstance(value, list) else new[0]
     for key, value in values.items():
         if isinstance(value, dict) and "model_type" in value:
             values[key] = _shrink_dict(value)
     return values
+
+
+def _vocab_sizes(values: dict):
+    if isinstance(values.get("vocab_size"), int):
+        yield values["vocab_size"]
+    for value in values.values():
+        if isinstance(value, dict) and "model_type" in value:
+            yield from _vocab_sizes(value)
+
+
+def _remap_special_tokens(values: dict, remapped: dict, band) -> None:
+    """Moves special token ids past the tiny vocabulary into its top band, the same id to the same place at
+    every level (a multimodal config holds its image token id, its text config the vocabulary)."""
+    for key, value in _special_token_ids(values):
+        ids = value if isinstance(value, list) else [value]
+        if all(isinstance(i, int) for i in ids):
+            new = [i if i < TINY_VOCAB - SPECIAL_TOKEN_BAND else remapped.setdefault(i, next(band, 0)) for i in ids]
+            values[key] = new if isinstance(value, list) else new[0]
+    for value in values.values():
+        if isinstance(value, dict) and "model_type" in value:
+            _remap_special_tokens(value, remapped, band)
 
 
 def tiny_config(model_type: str, config_class=None):
@@ -168,7 +182,10 @@ def tiny_config(model_type: str, config_class=None):
     text_config = getattr(default, "text_config", None)
     if config_class is not None and not isinstance(default, config_class) and isinstance(text_config, config_class):
         default = text_config  # e.g. Llama4ForCausalLM is mapped from 'llama4' but takes a Llama4TextConfig
-    values = _shrink_dict(default.to_dict())
+    original = default.to_dict()
+    values = _shrink_dict(original)
+    if max(_vocab_sizes(original), default=0) > TINY_VOCAB:
+        _remap_special_tokens(values, {}, iter(range(TINY_VOCAB - 1, TINY_VOCAB - SPECIAL_TOKEN_BAND - 1, -1)))
     if values.get("is_encoder_decoder") and values.get("decoder_start_token_id") is None:
         values["decoder_start_token_id"] = values.get("pad_token_id") or 0  # generation needs one; T5 uses pad
     values.update(OVERRIDES.get(model_type, {}))
@@ -240,7 +257,7 @@ def _tensors(value, prefix="output"):
 
     if isinstance(value, torch.Tensor):
         yield prefix, value
-    elif hasattr(value, "to_tuple") and hasattr(value, "keys"):  # ModelOutput
+    elif isinstance(value, dict):  # ModelOutput is one
         for key in value.keys():
             yield from _tensors(value[key], f"{prefix}.{key}")
     elif isinstance(value, (tuple, list)):

@@ -1,0 +1,42 @@
+"""`hf-tpu sweep`: tiny configs, the comparison, and the sweep end to end in worker processes."""
+
+import torch
+
+from hf_tpu import cli
+from hf_tpu.integrations import sweep
+
+
+def test_tiny_config_shrinks_sizes_and_keeps_special_tokens_in_the_vocabulary():
+    config = sweep.tiny_config("qwen2")
+    assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (64, 2, sweep.TINY_VOCAB)
+    assert len(config.layer_types) == 2
+    for name in ("bos_token_id", "eos_token_id"):
+        value = getattr(config, name)
+        assert value is None or sweep.TINY_VOCAB - sweep.SPECIAL_TOKEN_BAND <= value < sweep.TINY_VOCAB
+
+
+def test_tiny_config_shrinks_sub_configs():
+    config = sweep.tiny_config("llava")
+    assert config.text_config.hidden_size == 64 and config.vision_config.num_hidden_layers == 2
+    assert config.image_token_id < config.text_config.vocab_size
+
+
+def test_compare_reports_the_largest_difference_and_structure_changes():
+    expected = {"logits": torch.zeros(2, 3), "ids": torch.arange(3)}
+    assert sweep.compare(expected, {"logits": torch.full((2, 3), 5e-5), "ids": torch.arange(3)}) is None
+    assert "max abs diff 0.01" in sweep.compare(expected, {"logits": torch.full((2, 3), 1e-2), "ids": torch.arange(3)})
+    assert "values differ" in sweep.compare(expected, {"logits": torch.zeros(2, 3), "ids": torch.arange(1, 4)})
+    assert "structure" in sweep.compare(expected, {"logits": torch.zeros(2, 3)})
+
+
+def test_sweep_end_to_end_reports_llama_and_bert_passing(capsys):
+    assert cli.main(["sweep", "--only", "llama,bert", "--timeout", "120"]) == 0
+    out = capsys.readouterr().out
+    assert [line.split()[:2] for line in out.splitlines() if line.startswith(("llama ", "bert "))] == [
+        ["bert", "passes"], ["llama", "passes"]]
+    assert "2/2 = 100% pass on tpu" in out
+
+
+def test_an_architecture_over_its_timeout_costs_only_itself():
+    results = sweep.run_sweep(sweep.architectures(only=["llama"]), timeout=0.01)
+    assert [(r.model_type, r.outcome) for r in results] == [("llama", "timeout")]
