@@ -20,6 +20,7 @@ log = logging.getLogger("hf_tpu.integrations")
 # module whose import triggers an adapter -> the adapter module, whose `install(module)` patches it
 ADAPTERS = {
     "transformers.modeling_utils": "hf_tpu.integrations.transformers",
+    "transformers.models.auto.auto_factory": "hf_tpu.integrations.transformers",
     "transformers.generation.utils": "hf_tpu.integrations.transformers",
 }
 

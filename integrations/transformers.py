@@ -205,6 +205,8 @@ def prepare_model(model) -> None:
 
 
 def _wrap_from_pretrained(original):
+    """For `PreTrainedModel` and the Auto classes (which read the config first, so they check first)."""
+
     @functools.wraps(original.__func__)
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         device_map = kwargs.get("device_map")
@@ -371,6 +373,8 @@ def install(module) -> None:
         attention = _optional("hf_tpu.integrations.attention")
         if attention is not None and hasattr(attention, "register"):
             attention.register()
+    elif module.__name__ == "transformers.models.auto.auto_factory":
+        _patch(module._BaseAutoModelClass, "from_pretrained", _wrap_from_pretrained)
     elif module.__name__ == "transformers.generation.utils":
         mixin = module.GenerationMixin
         _patch(mixin, "generate", _wrap_generate)

@@ -40,3 +40,65 @@ def test_save_pretrained_from_tpu_loads_bit_exactly_on_cpu(checkpoint, tmp_path)
     original = AutoModelForCausalLM.from_pretrained(checkpoint)
     for (name, a), (_, b) in zip(reloaded.state_dict().items(), original.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("device_map", ["auto", 0, "tpu:0"])
+def test_device_maps_that_mean_the_accelerator_load_on_tpu(checkpoint, device_map):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, device_map=device_map)
+    assert {p.device for p in model.parameters()} == {torch.device("tpu", 0)}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, "auto"])
+def test_dtype_is_applied_on_tpu_as_on_cpu(checkpoint, dtype):
+    from transformers import AutoModelForCausalLM
+
+    cpu = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
+    tpu = AutoModelForCausalLM.from_pretrained(checkpoint, device_map="tpu", dtype=dtype)
+    for (name, a), (_, b) in zip(cpu.state_dict().items(), tpu.state_dict().items()):
+        assert b.dtype == a.dtype and torch.equal(b.cpu(), a), name
+
+
+def test_model_moved_with_to_generates_with_a_static_cache(checkpoint):
+    from transformers import AutoModelForCausalLM, StaticCache
+
+    cpu = AutoModelForCausalLM.from_pretrained(checkpoint)
+    expected = cpu.generate(torch.tensor([[3, 14, 15]]), max_new_tokens=5, do_sample=False)
+    out = cpu.to("tpu").generate(torch.tensor([[3, 14, 15]], device="tpu"), max_new_tokens=5, do_sample=False,
+                                 return_dict_in_generate=True)
+    assert isinstance(out.cache, StaticCache) and out.sequences.device.type == "tpu"
+    assert torch.equal(out.sequences.cpu(), expected)
+
+
+def test_a_missing_checkpoint_directory_is_named(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "nowhere", device_map="tpu")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_a_corrupt_safetensors_file_is_named_before_loading(checkpoint, tmp_path, damage):
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(checkpoint, tmp_path, dirs_exist_ok=True)
+    weights = tmp_path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"not safetensors" * 8)
+    before = torch.tpu.memory_allocated()
+    with pytest.raises(OSError, match="model.safetensors is not a readable safetensors file"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, device_map="tpu")
+    assert torch.tpu.memory_allocated() == before
+
+
+def test_a_dtype_the_platform_lacks_is_refused_before_loading(checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    lacking = next(d for d in (torch.float8_e4m3fn, torch.float64) if d not in torch.tpu.supported_dtypes())
+    before = torch.tpu.memory_allocated()
+    with pytest.raises(TypeError, match="tpu tensors cannot hold"):
+        AutoModelForCausalLM.from_pretrained(checkpoint, device_map="tpu", dtype=lacking)
+    assert torch.tpu.memory_allocated() == before
