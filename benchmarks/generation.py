@@ -1,0 +1,88 @@
+"""`generate()` of the tiny Llama on tpu in each execution mode beside Transformers on CPU (eager, its
+default dynamic cache): prefill and decode tokens/s measured separately, and compiles per call.
+
+Prefill time is a `generate()` of one new token; decode time per token is the difference to a
+`generate()` of 1 + N new tokens, divided by N. On tpu, "strict" and "deferred" keep Transformers'
+dynamic cache (eager decoding, `configure(static_cache=False)`); "compiled static cache" is the
+adapter's default: a static cache and decoding through `torch.compile(backend="tpu")`.
+
+Run: python -m benchmarks.generation [--prompt 64] [--new-tokens 32] [--batch 1] [--iters 5] [--cpu-threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+import torch
+
+import hf_tpu
+from benchmarks.common import table, timeit, tiny_llama
+from hf_tpu.integrations import transformers as adapter
+
+TPU_MODES = [("strict (DEFER_NEVER)", "DEFER_NEVER", False), ("deferred (DEFER_AND_FUSE)", "DEFER_AND_FUSE", False),
+             ("compiled static cache", "DEFER_NEVER", True)]
+
+
+def _generator(model, prompt, new_tokens):
+    def run():
+        out = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
+        return out.cpu()
+
+    return run
+
+
+def _measure(model, prompt, new_tokens, iters):
+    prefill = timeit(_generator(model, prompt, 1), warmup=1, iters=iters)
+    full = timeit(_generator(model, prompt, 1 + new_tokens), warmup=1, iters=iters)
+    batch, length = prompt.shape
+    return batch * length / prefill, batch * new_tokens / max(full - prefill, 1e-9)
+
+
+def _compiles_per_call(model, prompt, new_tokens):
+    counts = []
+    for _ in range(2):
+        hf_tpu.reset_metrics()
+        _generator(model, prompt, new_tokens)()
+        counts.append(hf_tpu.metrics()["compiles"])
+    return counts
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--prompt", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--cpu-threads", type=int, default=0, help="torch CPU threads (0: PyTorch's default)")
+    args = p.parse_args(argv)
+    if args.cpu_threads:
+        torch.set_num_threads(args.cpu_threads)
+    model = tiny_llama().eval()
+    model.generation_config.eos_token_id = None  # every call generates exactly the tokens asked for
+    prompt = torch.randint(3, 1000, (args.batch, args.prompt))
+
+    cpu_prefill, cpu_decode = _measure(model, prompt, args.new_tokens, args.iters)
+    rows = [["torch cpu eager, dynamic cache", f"{cpu_prefill:.0f}", f"{cpu_decode:.1f}", "1.00x", "", ""]]
+    saved = adapter.settings.static_cache
+    try:
+        for name, mode, static in TPU_MODES:
+            adapter.configure(static_cache=static)
+            device_model = copy.deepcopy(model).to("tpu")
+            device_prompt = prompt.to("tpu")
+            with torch.tpu.use_eager_mode(mode):
+                first, second = _compiles_per_call(device_model, device_prompt, args.new_tokens)
+                prefill, decode = _measure(device_model, device_prompt, args.new_tokens, args.iters)
+            rows.append([name, f"{prefill:.0f}", f"{decode:.1f}", f"{decode / cpu_decode:.2f}x", str(first),
+                         str(second)])
+            del device_model
+    finally:
+        adapter.configure(static_cache=saved)
+    print(f"tiny Llama, batch {args.batch}, prompt {args.prompt}, {args.new_tokens} new tokens (greedy), "
+          f"{torch.get_num_threads()} torch CPU threads")
+    print(table(["run", "prefill tok/s", "decode tok/s", "decode vs cpu", "compiles 1st call",
+                 "compiles 2nd call"], rows))
+
+
+if __name__ == "__main__":
+    main()
