@@ -107,7 +107,7 @@ def test_static_cache_by_default_and_no_compiles_on_a_second_call(models):
     assert torch.equal(again.sequences.cpu(), out.sequences.cpu())
 
 
-def test_decoding_runs_one_compiled_graph_per_step(models):
+def test_a_new_prompt_in_the_same_bucket_compiles_nothing(models):
     _, tpu = models
     tpu.generate(PROMPT.to("tpu"), max_new_tokens=4, do_sample=False)
     hf_tpu.reset_metrics()
