@@ -167,11 +167,15 @@ def sweep(args) -> int:
     only = args.only.split(",") if args.only else None
     jobs = sweeping.architectures(only=only, limit=args.limit)
     print(f"checking {len(jobs)} architectures on cpu and tpu ({args.jobs} worker(s), {args.timeout:.0f} s each)")
-    results = sweeping.run_sweep(jobs, jobs=args.jobs, timeout=args.timeout,
-                                 on_result=lambda r: print(sweeping.format_result(r), flush=True))
+
+    def record(result):
+        print(sweeping.format_result(result), flush=True)
+        if args.write:
+            sweeping.write_table([result])
+
+    results = sweeping.run_sweep(jobs, jobs=args.jobs, timeout=args.timeout, on_result=record)
     print(sweeping.summary(results))
     if args.write:
-        sweeping.write_table(results)
         print("updated model_patches/table.json; run `hf-tpu compat --write-docs` to regenerate the docs")
     if args.json:
         import dataclasses

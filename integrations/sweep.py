@@ -496,7 +496,8 @@ def table_entry(result: Result, patches: list[str], checked_on: str, checked_wit
 
 
 def write_table(results: list[Result]) -> None:
-    """Records the results in model_patches/table.json; architectures not in `results` keep their entries."""
+    """Records the results in model_patches/table.json; architectures not in `results` keep their entries.
+    The sweep calls it after each architecture, so an interrupted sweep keeps what it checked."""
     from hf_tpu import model_patches
 
     table = model_patches.load_table()
