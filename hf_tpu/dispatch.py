@@ -33,7 +33,7 @@ _counters = counters.counters
 
 # --- Schemas, read once per op.
 
-TENSOR, OPT_TENSOR, TENSOR_LIST, SCALAR, GENERATOR, STATIC = range(6)
+TENSOR, OPT_TENSOR, TENSOR_LIST, SCALAR, SCALAR_LIST, GENERATOR, STATIC = range(7)
 
 
 def _kind(arg) -> int:
@@ -46,6 +46,8 @@ def _kind(arg) -> int:
         return TENSOR_LIST
     if t == "number" or t == "Scalar":
         return SCALAR
+    if t == "List[number]":  # Scalar[]: foreach ops' per-tensor scalars (an optimizer's step sizes): traced
+        return SCALAR_LIST
     if t == "Optional[Generator]":
         return GENERATOR
     return STATIC
@@ -68,6 +70,7 @@ class Signature:
     functional: torch._ops.OpOverload | None  # for in-place/out= overloads: the op that computes
     returns_list: bool  # the op returns Tensor[] (its one return is a list)
     num_returns: int
+    written_list: int | None  # an in-place foreach op: the Tensor[] argument it writes, returning nothing
     static_args: tuple  # per argument: True where the lowering asked for the Python value
 
 
@@ -144,6 +147,7 @@ def signature(op) -> Signature:
         functional=functional,
         returns_list=len(schema.returns) == 1 and str(schema.returns[0].type) == "List[Tensor]",
         num_returns=len(schema.returns),
+        written_list=next((i for i in mutated if _kind(args[i]) == TENSOR_LIST), None) if not schema.returns else None,
         static_args=tuple(low is not None and a.name in low.static for a in args),
     )
 
@@ -214,6 +218,9 @@ class _Call:
                 else:
                     scalars.append(v)
                     key.append(type(v))
+            elif kind == SCALAR_LIST:
+                scalars.append(list(v))
+                key.append(tuple(type(x) for x in v))
             elif kind == TENSOR_LIST:
                 key.append(len(v))
                 for t in v:
@@ -368,6 +375,8 @@ def _flatten_returns(result):
 def _out_specs(call: _Call):
     """Shapes and dtypes of the results, from PyTorch's meta kernel (and its errors for bad input)."""
     sig = call.sig
+    if sig.lowering is not None and sig.lowering.own_shapes:
+        return None
     meta_values = _to_meta(call.values, sig)
     # factory ops take device=tpu: meta needs device=meta
     for i, name in enumerate(sig.names):
@@ -418,6 +427,9 @@ def _template(call: _Call):
                     items.append(_Slot(t_index))
                     t_index += 1
             template.append(items)
+        elif kind == SCALAR_LIST:
+            template.append(("scalar", s_index))
+            s_index += 1
         elif kind in (SCALAR, TENSOR, OPT_TENSOR):  # a Scalar, or a number in a Tensor argument
             if _is_static_scalar(sig, i, v):
                 template.append(v)
@@ -453,6 +465,7 @@ def _build(call: _Call) -> Program:
     lowered_schema = (sig.functional or sig.op)._schema
     lowered_params = [(a.name, a.kwarg_only) for a in lowered_schema.arguments]
     jax_compute = dtypes.to_jax(compute_dtype) if compute_dtype is not None else None
+    written_slots = _written_list_slots(call, slot_of_arg)
 
     def fn(arrays, scalars, rng_data):
         rng_key = random.key_from_data(rng_data) if rng_data is not None else None
@@ -479,6 +492,11 @@ def _build(call: _Call) -> Program:
         args = [by_name[name] for name, kw in lowered_params if not kw and name in by_name]
         kwargs = {name: by_name[name] for name, kw in lowered_params if kw and name in by_name}
         result = _flatten_returns(low.fn(*args, **kwargs))
+        if written_slots is not None:  # an in-place foreach op: each result overwrites its list element
+            written = {}  # elements may be views of one buffer: their writes compose
+            for (k, base, dtype), r in zip(written_slots, result):
+                written[base] = buffer.write(written.get(base, arrays[k]), views[k], jnp.asarray(r).astype(dtype))
+            return [written[base] for _, base, _ in written_slots]
         outs = []
         for j, r in enumerate(result):
             if specs is not None and specs[j] is None:  # an undefined result (e.g. a masked-off gradient)
@@ -496,6 +514,9 @@ def _build(call: _Call) -> Program:
             outs.append(r)
         return outs
 
+    if written_slots is not None:
+        return Program(fn=fn, out_specs=tuple(("mutated", k, *blank[k]) for k, _, _ in written_slots),
+                       device_index=call.device_index)
     if specs is None:
         try:
             specs = _eval_specs(fn, call)
@@ -511,6 +532,23 @@ def _build(call: _Call) -> Program:
                 out_specs.append(("mutated", slot_of_arg[target], *blank[slot_of_arg[target]]))
     program_returns = tuple(spec is not None or returns_mutated[j] is not None for j, spec in enumerate(specs))
     return Program(fn=fn, out_specs=tuple(out_specs), device_index=call.device_index, defined=program_returns)
+
+
+def _written_list_slots(call: _Call, slot_of_arg: dict):
+    """For an op writing a Tensor[] in place: (operand slot, slot of the first element sharing its
+    buffer, jax dtype) of each element, else None."""
+    sig = call.sig
+    if sig.written_list is None:
+        return None
+    first = sum(1 for i in range(sig.written_list) if i in slot_of_arg)
+    first += sum(sum(t is not None for t in call.values[i]) for i in range(sig.written_list)
+                 if sig.kinds[i] == TENSOR_LIST)
+    slots = range(first, first + len(call.values[sig.written_list]))
+    base_of = {}
+    for k in slots:
+        base_of.setdefault(id(call.operands[k].buf), k)
+    return [(k, base_of[id(call.operands[k].buf)], dtypes.to_jax(t.dtype))
+            for k, t in zip(slots, call.values[sig.written_list])]
 
 
 _DATA_DEPENDENT_ERRORS = (
@@ -611,6 +649,8 @@ def run_lowered(sig: Signature, values: list):
         return outputs
     if sig.num_returns == 1:
         return outputs[0]
+    if sig.num_returns == 0:
+        return None
     return tuple(outputs)
 
 
