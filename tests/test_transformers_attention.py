@@ -132,9 +132,6 @@ def test_moe_grouped_mm_logits_match_cpu_bfloat16(moe_checkpoint):
     torch.testing.assert_close(actual, expected, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="PyTorch's meta kernel for aten::_grouped_mm accepts only bfloat16 (it mirrors the CUDA "
-                          "kernel), and tpu dispatch takes result shapes from it")
 def test_moe_grouped_mm_logits_match_cpu_float32(moe_checkpoint):
     actual, expected = moe_logits(moe_checkpoint, torch.float32)
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)

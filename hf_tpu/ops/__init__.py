@@ -6,6 +6,7 @@ from . import (  # noqa: F401
     elementwise,
     factory,
     fft,
+    foreach,
     index,
     linalg,
     nn,

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
+from .. import dtypes
 from .registry import Promote, kernel, lowering
 
 aten = torch.ops.aten
@@ -135,11 +136,20 @@ def _ragged_dot(lhs, rhs, group_sizes, lhs_ragged, rhs_group, contracting):
     )
 
 
-@lowering(aten._grouped_mm.default)
+# PyTorch's meta kernel accepts only bfloat16 off the CPU (a CUDA kernel's limit); XLA has none, and
+# Transformers' MoE layers call grouped_mm on tpu in every dtype.
+@lowering(aten._grouped_mm.default, own_shapes=True)
 def grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
     """Groups are given by `offs` (cumulative ends) along the ragged dimension: the rows of a 2-D
     `self` against a 3-D `mat2`, the shared dimension of two 2-D operands, or the columns of a 2-D
     `mat2` against a 3-D `self`. Rows/columns past the last offset are zeros."""
+    result = _grouped_product(self, mat2, offs)
+    if bias is not None:
+        result = result + bias
+    return result.astype(dtypes.to_jax(out_dtype) if out_dtype is not None else self.dtype)
+
+
+def _grouped_product(self, mat2, offs):
     if self.ndim == 3 and mat2.ndim == 3:
         return _matmul(self, mat2)
     group_sizes = jnp.diff(offs.astype(jnp.int32), prepend=0)

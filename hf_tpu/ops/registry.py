@@ -34,6 +34,9 @@ class Lowering:
     promote: Promote | None = None
     # names of Scalar arguments the lowering needs as Python values (e.g. to choose a code path)
     static: frozenset = frozenset()
+    # result shapes and dtypes from tracing the lowering, not PyTorch's meta kernel: for the few ops
+    # whose meta kernel rejects what tpu supports (it copies a CUDA-only restriction)
+    own_shapes: bool = False
 
 
 LOWERINGS: dict[torch._ops.OpOverload, Lowering] = {}
@@ -45,12 +48,12 @@ def _overloads(op):
     return [op]
 
 
-def lowering(*ops, promote: Promote | None = None, static=()):
+def lowering(*ops, promote: Promote | None = None, static=(), own_shapes: bool = False):
     """Register `fn` as the lowering of each op (an OpOverload, or a packet meaning its functional
     overloads)."""
 
     def register(fn):
-        entry = Lowering(fn, promote, frozenset(static))
+        entry = Lowering(fn, promote, frozenset(static), own_shapes)
         for op in ops:
             for overload in _overloads(op):
                 if isinstance(op, torch._ops.OpOverloadPacket) and overload._schema.is_mutable:
