@@ -471,6 +471,14 @@ def clamp(self, min=None, max=None):
     return self
 
 
+@lowering(aten.isin.Tensor_Tensor, aten.isin.Tensor_Scalar, aten.isin.Scalar_Tensor, promote=Promote.DEFAULT)
+def isin(elements, test_elements, *, assume_unique=False, invert=False):
+    """A broadcast comparison against every test element (generate()'s end-of-sequence check runs
+    this each step); PyTorch's sort-based path for large inputs gives the same booleans."""
+    found = jnp.any(jnp.asarray(elements)[..., None] == jnp.ravel(jnp.asarray(test_elements)), axis=-1)
+    return ~found if invert else found
+
+
 @lowering(aten.where.self)
 def where(condition, self, other):
     # not promoted: the condition must stay bool; jnp.where promotes self and other
