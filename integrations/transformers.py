@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import os
 
 import torch
+
+from .. import model_patches
+from . import attention
 
 DEFAULT_PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
@@ -180,14 +182,7 @@ def check_before_loading(pretrained_model_name_or_path, dtype) -> None:
     if dtype in (None, "auto"):
         for stored in checkpoint_dtypes:
             if isinstance(stored, torch.dtype) and stored.is_floating_point:
-                _check_dtype(stored, f"The checkpoint's weight dtype (dtype='auto' keeps it)")
-
-
-def _optional(module_name: str):
-    """An adapter module written separately, or None while it does not exist."""
-    if importlib.util.find_spec(module_name) is None:
-        return None
-    return importlib.import_module(module_name)
+                _check_dtype(stored, "The checkpoint's weight dtype (dtype='auto' keeps it)")
 
 
 def prepare_model(model) -> None:
@@ -195,13 +190,8 @@ def prepare_model(model) -> None:
     if getattr(model, "_hf_tpu_prepared", False):
         return
     model._hf_tpu_prepared = True
-    patches = _optional("hf_tpu.model_patches")
-    if patches is None:
-        return
-    if hasattr(patches, "warn_if_failing"):
-        patches.warn_if_failing(getattr(model.config, "model_type", ""))
-    if hasattr(patches, "apply"):
-        patches.apply(model)
+    model_patches.warn_if_failing(getattr(model.config, "model_type", ""))
+    model_patches.apply(model)
 
 
 def _wrap_from_pretrained(original):
@@ -370,9 +360,7 @@ def install(module) -> None:
     """Patch the Transformers module that was just imported (`hf_tpu.integrations.ADAPTERS`)."""
     if module.__name__ == "transformers.modeling_utils":
         _patch(module.PreTrainedModel, "from_pretrained", _wrap_from_pretrained)
-        attention = _optional("hf_tpu.integrations.attention")
-        if attention is not None and hasattr(attention, "register"):
-            attention.register()
+        attention.register()
     elif module.__name__ == "transformers.models.auto.auto_factory":
         _patch(module._BaseAutoModelClass, "from_pretrained", _wrap_from_pretrained)
     elif module.__name__ == "transformers.generation.utils":
