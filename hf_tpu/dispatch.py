@@ -870,3 +870,15 @@ def register_kernels() -> None:
     fallback = torch.library.Library("_", "IMPL")
     fallback.fallback(_fallback, "PrivateUse1")
     _libraries.extend([*libraries.values(), fallback])
+    _hide_from_dynamo(_kernel(signature(aten.add.Tensor)).__code__, _fallback.__code__)
+
+
+def _hide_from_dynamo(*entry_points) -> None:
+    """Dynamo's frame hook stays set while a graph break runs eagerly, and it would try to trace
+    these kernels (and fail on their buffer bookkeeping) when the eager code calls an op: skip them
+    and everything they call."""
+    from torch._C._dynamo import eval_frame
+
+    skip = eval_frame._FrameExecStrategy(eval_frame._FrameAction.SKIP, eval_frame._FrameAction.SKIP)
+    for code in entry_points:
+        eval_frame.set_code_exec_strategy(code, skip)

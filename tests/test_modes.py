@@ -191,3 +191,16 @@ def test_torch_compile_updates_a_mutated_input_in_place():
         total = write(cache, torch.tensor([2], device="tpu"), torch.ones(1, 8, device="tpu"))
     assert total.item() == 8.0
     assert cache[2].sum().item() == 8.0 and cache.sum().item() == 8.0
+
+
+def test_torch_compile_graph_break_runs_tpu_ops_eagerly():
+    """A graph break (autograd.grad inside the compiled function) runs its ops eagerly on tpu;
+    dynamo must not try to trace the backend's own kernels then."""
+
+    def grad_plus_one(x):
+        (grad,) = torch.autograd.grad((x * 2).sum(), x)
+        return grad + 1
+
+    x = torch.randn(3, device="tpu", requires_grad=True)
+    compiled = torch.compile(grad_plus_one, backend="tpu")
+    assert torch.equal(compiled(x).cpu(), torch.full((3,), 3.0))
