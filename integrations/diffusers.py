@@ -1,0 +1,221 @@
+"""The Diffusers adapter: pipelines on `tpu` with `pipe.to("tpu")`, a denoising loop with no host
+round-trip per step, and `compile_pipeline(pipe)` for the heavy models.
+
+Installed by `hf_tpu.integrations.activate()` when a Diffusers module below is first imported. What it
+changes, only where `tpu` is involved:
+
+- Schedulers keep their schedule on the host. A scheduler asked for `set_timesteps(..., device=tpu)`
+  builds its timesteps and sigmas on the CPU instead. Its per-step bookkeeping (indexing the schedule
+  with the current timestep, `prev_timestep >= 0`, finding the step index) then reads host memory:
+  on `tpu` each of those was a device-to-host read, several per step (DDIM) or one per call (Euler,
+  DPM-Solver). The values are the ones the CPU computes, so results do not change; the scalars join
+  the `tpu` latents as CPU scalar tensors, which are traced arguments, never compiled in.
+- The models of a pipeline moved to `tpu` take the `timestep` argument the loop hands them (now a host
+  tensor) onto their device before their forward: an upload per step, not a sync, and a compiled
+  forward always sees a `tpu` tensor, never a Python number it would specialise on.
+- `diffusers.utils.testing_utils`' `BACKEND_*` tables get `tpu` entries backed by `torch.tpu`, so test
+  code run with `DIFFUSERS_TEST_DEVICE=tpu DIFFUSERS_TEST_BACKEND=hf_tpu` seeds, synchronises and
+  counts devices on `tpu` (Diffusers' "default" entries would seed the CPU and report 0 devices).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+
+import torch
+
+_ORIGINAL = "_hf_tpu_original"
+_TIMESTEP_HOOK = "_hf_tpu_timestep_hook"
+
+# the models a pipeline calls once per denoising step, then the ones it calls once per image
+DENOISERS = ("unet", "transformer", "prior", "controlnet")
+
+
+def _is_tpu(device) -> bool:
+    try:
+        return device is not None and torch.device(device).type == "tpu"
+    except (TypeError, RuntimeError):
+        return False
+
+
+# --- Schedulers
+
+
+def _wrap_set_timesteps(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def set_timesteps(self, *args, **kwargs):
+        """On `tpu`, the schedule is built on the host: the loop's bookkeeping reads it every step."""
+        bound = signature.bind(self, *args, **kwargs)
+        if _is_tpu(bound.arguments.get("device")):
+            bound.arguments["device"] = "cpu"
+        return original(*bound.args, **bound.kwargs)
+
+    setattr(set_timesteps, _ORIGINAL, original)
+    return set_timesteps
+
+
+def _patch_scheduler_class(cls) -> None:
+    current = cls.__dict__.get("set_timesteps")
+    if current is None or getattr(current, _ORIGINAL, None) is not None:
+        return
+    if "device" not in inspect.signature(current).parameters:
+        return  # a scheduler whose schedule never goes to a device
+    cls.set_timesteps = _wrap_set_timesteps(current)
+
+
+def _all_subclasses(cls):
+    for subclass in cls.__subclasses__():
+        yield subclass
+        yield from _all_subclasses(subclass)
+
+
+def _install_schedulers(scheduling_utils) -> None:
+    """Every scheduler class, those defined already and those defined later (Diffusers imports its
+    scheduler modules lazily, each after `scheduling_utils`)."""
+    mixin = scheduling_utils.SchedulerMixin
+    if "__init_subclass__" in mixin.__dict__:
+        return  # installed already (Diffusers' SchedulerMixin defines none)
+
+    @classmethod
+    def __init_subclass__(cls, **kwargs):
+        super(mixin, cls).__init_subclass__(**kwargs)
+        _patch_scheduler_class(cls)
+
+    mixin.__init_subclass__ = __init_subclass__
+    for cls in _all_subclasses(mixin):
+        _patch_scheduler_class(cls)
+
+
+# --- Pipelines
+
+
+def _timestep_to_device(module, args, kwargs):
+    """The scheduler's host-side timestep goes where the model runs (an upload, not a sync)."""
+    position = module._hf_tpu_timestep_position
+    if "timestep" in kwargs:
+        timestep = kwargs["timestep"]
+        if isinstance(timestep, torch.Tensor) and timestep.device.type == "cpu":
+            kwargs["timestep"] = timestep.to(module.device)
+    elif len(args) > position:
+        timestep = args[position]
+        if isinstance(timestep, torch.Tensor) and timestep.device.type == "cpu":
+            args = args[:position] + (timestep.to(module.device),) + args[position + 1:]
+    return args, kwargs
+
+
+def _add_timestep_hook(module) -> None:
+    if getattr(module, _TIMESTEP_HOOK, None) is not None:
+        return
+    parameters = list(inspect.signature(module.forward).parameters)
+    if "timestep" not in parameters:
+        return
+    module._hf_tpu_timestep_position = parameters.index("timestep")
+    setattr(module, _TIMESTEP_HOOK, module.register_forward_pre_hook(_timestep_to_device, with_kwargs=True))
+
+
+def _denoisers(pipe):
+    for name in DENOISERS:
+        module = getattr(pipe, name, None)
+        if isinstance(module, torch.nn.Module):
+            yield name, module
+
+
+def _on_tpu(module) -> bool:
+    parameter = next(module.parameters(), None)
+    return parameter is not None and parameter.device.type == "tpu"
+
+
+def prepare_pipeline(pipe) -> None:
+    """What a pipeline on `tpu` needs: its denoisers accept the scheduler's host-side timesteps."""
+    for _, module in _denoisers(pipe):
+        if _on_tpu(module):
+            _add_timestep_hook(module)
+
+
+def _wrap_pipeline_to(original):
+    @functools.wraps(original)
+    def to(self, *args, **kwargs):
+        pipe = original(self, *args, **kwargs)
+        prepare_pipeline(pipe)
+        return pipe
+
+    return to
+
+
+def compile_pipeline(pipe, *, vae_decoder: bool = True, dynamic: bool = False):
+    """Compiles the pipeline's denoiser (`unet`, `transformer`, ...) and, with `vae_decoder`, the VAE's
+    decoder with `torch.compile(backend="tpu")`. The pipeline must be on `tpu` already.
+
+    Each model's `forward` is compiled, not its `__call__`, so the forward hooks (the timestep upload
+    among them) run before it and the compiled graph only ever sees `tpu` tensors. With
+    `dynamic=False`, a new resolution or batch size compiles its own graph once; repeating one compiles
+    nothing. Returns `pipe`.
+    """
+    targets = list(_denoisers(pipe))
+    if vae_decoder and getattr(getattr(pipe, "vae", None), "decoder", None) is not None:
+        targets.append(("vae.decoder", pipe.vae.decoder))
+    if not targets:
+        raise ValueError(f"{type(pipe).__name__} has none of {DENOISERS} and no VAE decoder to compile.")
+    for name, module in targets:
+        if not _on_tpu(module):
+            raise ValueError(f"pipe.{name} is on {next(module.parameters()).device}: call pipe.to('tpu') before "
+                             "compile_pipeline(pipe).")
+    prepare_pipeline(pipe)
+    for _, module in targets:
+        if getattr(module.forward, _ORIGINAL, None) is None:
+            compiled = torch.compile(module.forward, backend="tpu", dynamic=dynamic)
+            setattr(compiled, _ORIGINAL, module.forward)
+            module.forward = compiled
+    return pipe
+
+
+# --- Diffusers' test utilities
+
+
+def _backend_entries() -> dict:
+    """`testing_utils` table name -> what `tpu` puts there."""
+    return {
+        "BACKEND_SUPPORTS_TRAINING": True,
+        "BACKEND_EMPTY_CACHE": torch.tpu.empty_cache,
+        "BACKEND_DEVICE_COUNT": torch.tpu.device_count,
+        "BACKEND_MANUAL_SEED": torch.tpu.manual_seed,
+        "BACKEND_RESET_PEAK_MEMORY_STATS": torch.tpu.reset_peak_memory_stats,
+        "BACKEND_RESET_MAX_MEMORY_ALLOCATED": torch.tpu.reset_peak_memory_stats,
+        "BACKEND_MAX_MEMORY_ALLOCATED": torch.tpu.max_memory_allocated,
+        "BACKEND_SYNCHRONIZE": torch.tpu.synchronize,
+    }
+
+
+def fill_backend_tables(testing_utils) -> bool:
+    """Adds `tpu` to each `BACKEND_*` table that lacks it; False while the module has no tables yet."""
+    entries = _backend_entries()
+    if not all(hasattr(testing_utils, name) for name in entries):
+        return False
+    for name, entry in entries.items():
+        getattr(testing_utils, name).setdefault("tpu", entry)
+    return True
+
+
+# --- Installation
+
+_TESTING_UTILS = "diffusers.utils.testing_utils"
+
+
+def install(module) -> None:
+    """Patch the Diffusers module that was just imported (`hf_tpu.integrations.ADAPTERS`)."""
+    if module.__name__ == "diffusers.schedulers.scheduling_utils":
+        _install_schedulers(module)
+    elif module.__name__ == "diffusers.pipelines.pipeline_utils":
+        pipeline = module.DiffusionPipeline
+        if getattr(pipeline.__dict__["to"], _ORIGINAL, None) is None:
+            wrapped = _wrap_pipeline_to(pipeline.__dict__["to"])
+            setattr(wrapped, _ORIGINAL, pipeline.__dict__["to"])
+            pipeline.to = wrapped
+    elif module.__name__ in (_TESTING_UTILS, "diffusers.hooks._common") and _TESTING_UTILS in sys.modules:
+        # With DIFFUSERS_TEST_BACKEND=hf_tpu, testing_utils imports hf_tpu before it defines its tables;
+        # `diffusers.hooks._common` is the next module it imports, after them.
+        fill_backend_tables(sys.modules[_TESTING_UTILS])
