@@ -10,8 +10,8 @@ changes, only where `tpu` is involved:
   on `tpu` each of those was a device-to-host read, several per step (DDIM) or one per call (Euler,
   DPM-Solver). The values are the ones the CPU computes, so results do not change; the scalars join
   the `tpu` latents as CPU scalar tensors, which are traced arguments, never compiled in.
-- The models of a pipeline moved to `tpu` take the `timestep` argument the loop hands them (now a host
-  tensor) onto their device before their forward: an upload per step, not a sync, and a compiled
+- The denoisers of a pipeline that runs on `tpu` take the `timestep` argument the loop hands them (now
+  a host tensor) onto the device before their forward: an upload per step, not a sync, and a compiled
   forward always sees a `tpu` tensor, never a Python number it would specialise on.
 - `diffusers.utils.testing_utils`' `BACKEND_*` tables get `tpu` entries backed by `torch.tpu`, so test
   code run with `DIFFUSERS_TEST_DEVICE=tpu DIFFUSERS_TEST_BACKEND=hf_tpu` seeds, synchronises and
@@ -95,26 +95,16 @@ def _install_schedulers(scheduling_utils) -> None:
 
 def _timestep_to_device(module, args, kwargs):
     """The scheduler's host-side timestep goes where the model runs (an upload, not a sync)."""
-    position = module._hf_tpu_timestep_position
+    device, position = module._hf_tpu_timestep_target
     if "timestep" in kwargs:
         timestep = kwargs["timestep"]
         if isinstance(timestep, torch.Tensor) and timestep.device.type == "cpu":
-            kwargs["timestep"] = timestep.to(module.device)
+            kwargs["timestep"] = timestep.to(device)
     elif len(args) > position:
         timestep = args[position]
         if isinstance(timestep, torch.Tensor) and timestep.device.type == "cpu":
-            args = args[:position] + (timestep.to(module.device),) + args[position + 1:]
+            args = args[:position] + (timestep.to(device),) + args[position + 1:]
     return args, kwargs
-
-
-def _add_timestep_hook(module) -> None:
-    if getattr(module, _TIMESTEP_HOOK, None) is not None:
-        return
-    parameters = list(inspect.signature(module.forward).parameters)
-    if "timestep" not in parameters:
-        return
-    module._hf_tpu_timestep_position = parameters.index("timestep")
-    setattr(module, _TIMESTEP_HOOK, module.register_forward_pre_hook(_timestep_to_device, with_kwargs=True))
 
 
 def _denoisers(pipe):
@@ -124,26 +114,36 @@ def _denoisers(pipe):
             yield name, module
 
 
+def prepare_pipeline(pipe, device: torch.device) -> None:
+    """Each denoiser of a pipeline that runs on `device` (a `tpu`) takes the scheduler's host-side
+    timestep onto it; once per model."""
+    for _, module in _denoisers(pipe):
+        if getattr(module, _TIMESTEP_HOOK, None) is not None:
+            continue
+        parameters = list(inspect.signature(module.forward).parameters)
+        if "timestep" not in parameters:
+            continue
+        module._hf_tpu_timestep_target = (device, parameters.index("timestep"))
+        setattr(module, _TIMESTEP_HOOK, module.register_forward_pre_hook(_timestep_to_device, with_kwargs=True))
+
+
+def _wrap_execution_device(original):
+    """A pipeline asks where it runs at the start of every call: then its denoisers get prepared, however
+    they reached `tpu` (`pipe.to`, `device_map="tpu"`, a component swapped in, offloading hooks)."""
+
+    @functools.wraps(original)
+    def _execution_device(self):
+        device = original(self)
+        if _is_tpu(device):
+            prepare_pipeline(self, device)
+        return device
+
+    return _execution_device
+
+
 def _on_tpu(module) -> bool:
     parameter = next(module.parameters(), None)
     return parameter is not None and parameter.device.type == "tpu"
-
-
-def prepare_pipeline(pipe) -> None:
-    """What a pipeline on `tpu` needs: its denoisers accept the scheduler's host-side timesteps."""
-    for _, module in _denoisers(pipe):
-        if _on_tpu(module):
-            _add_timestep_hook(module)
-
-
-def _wrap_pipeline_to(original):
-    @functools.wraps(original)
-    def to(self, *args, **kwargs):
-        pipe = original(self, *args, **kwargs)
-        prepare_pipeline(pipe)
-        return pipe
-
-    return to
 
 
 def compile_pipeline(pipe, *, vae_decoder: bool = True, dynamic: bool = False):
@@ -164,7 +164,7 @@ def compile_pipeline(pipe, *, vae_decoder: bool = True, dynamic: bool = False):
         if not _on_tpu(module):
             raise ValueError(f"pipe.{name} is on {next(module.parameters()).device}: call pipe.to('tpu') before "
                              "compile_pipeline(pipe).")
-    prepare_pipeline(pipe)
+    prepare_pipeline(pipe, pipe._execution_device)
     for _, module in targets:
         if getattr(module.forward, _ORIGINAL, None) is None:
             compiled = torch.compile(module.forward, backend="tpu", dynamic=dynamic)
@@ -211,10 +211,11 @@ def install(module) -> None:
         _install_schedulers(module)
     elif module.__name__ == "diffusers.pipelines.pipeline_utils":
         pipeline = module.DiffusionPipeline
-        if getattr(pipeline.__dict__["to"], _ORIGINAL, None) is None:
-            wrapped = _wrap_pipeline_to(pipeline.__dict__["to"])
-            setattr(wrapped, _ORIGINAL, pipeline.__dict__["to"])
-            pipeline.to = wrapped
+        getter = pipeline.__dict__["_execution_device"].fget
+        if getattr(getter, _ORIGINAL, None) is None:
+            wrapped = _wrap_execution_device(getter)
+            setattr(wrapped, _ORIGINAL, getter)
+            pipeline._execution_device = property(wrapped)
     elif module.__name__ in (_TESTING_UTILS, "diffusers.hooks._common") and _TESTING_UTILS in sys.modules:
         # With DIFFUSERS_TEST_BACKEND=hf_tpu, testing_utils imports hf_tpu before it defines its tables;
         # `diffusers.hooks._common` is the next module it imports, after them.
