@@ -40,3 +40,40 @@ def test_sweep_end_to_end_reports_llama_and_bert_passing(capsys):
 def test_an_architecture_over_its_timeout_costs_only_itself():
     results = sweep.run_sweep(sweep.architectures(only=["llama"]), timeout=0.01)
     assert [(r.model_type, r.outcome) for r in results] == [("llama", "timeout")]
+
+
+def test_tiny_config_keeps_the_ratio_of_heads_to_key_value_heads():
+    multi_head = sweep.tiny_config("minicpm3")  # multi-head latent attention: as many key/value heads as heads
+    assert multi_head.num_key_value_heads == multi_head.num_attention_heads == 4
+    grouped = sweep.tiny_config("mixtral")
+    assert (grouped.num_attention_heads, grouped.num_key_value_heads) == (4, 2)
+
+
+def test_zero_weight_matrices_get_random_values_and_zero_biases_stay():
+    router = torch.nn.Linear(8, 4)
+    torch.nn.init.zeros_(router.weight)
+    torch.nn.init.zeros_(router.bias)
+    sweep.randomize_zero_matrices(router)
+    assert router.weight.std() > 0 and not router.bias.any()
+
+
+class _Amplifier(torch.nn.Module):
+    """A linear layer with huge weights: its float32 output carries rounding error well above ATOL."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(64, 64, bias=False)
+        torch.nn.init.normal_(self.linear.weight, std=1e3, generator=torch.Generator().manual_seed(0))
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+def test_float32_rounding_passes_a_result_as_close_to_float64_as_cpu_and_nothing_worse():
+    model, inputs = _Amplifier(), {"x": torch.randn(4, 64, generator=torch.Generator().manual_seed(1))}
+    with torch.no_grad():
+        expected = model(**inputs)
+        exact = model.double()(x=inputs["x"].double()).float()
+        model.float()
+    assert "float32 rounding" in sweep.float32_rounding(model, inputs, expected, exact)
+    assert sweep.float32_rounding(model, inputs, expected, expected + 1e-2) == ""
