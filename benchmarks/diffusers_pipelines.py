@@ -1,0 +1,76 @@
+"""Seconds per image of the tiny Diffusers pipelines (examples/text_to_image.py) on tpu in each execution
+mode beside Diffusers on CPU, with compiles per call (first/second) and host syncs per call.
+
+"compiled" is `hf_tpu.integrations.diffusers.compile_pipeline(pipe)`: the denoiser and the VAE decoder
+through `torch.compile(backend="tpu")`, the rest (text encoders, scheduler) in strict eager.
+
+Run: python -m benchmarks.diffusers_pipelines [--steps 10] [--iters 3] [--cpu-threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+
+import torch
+
+import hf_tpu
+from benchmarks.common import table, timeit
+from examples.text_to_image import BUILDERS, load, saved_pipeline
+from hf_tpu.integrations.diffusers import compile_pipeline
+
+TPU_MODES = [("strict (DEFER_NEVER)", "DEFER_NEVER", False), ("deferred (DEFER_AND_FUSE)", "DEFER_AND_FUSE", False),
+             ("compiled", "DEFER_NEVER", True)]
+
+
+def _runner(pipe, steps):
+    def run():
+        generator = torch.Generator().manual_seed(0)
+        return pipe("a photo of a cat", num_inference_steps=steps, generator=generator, output_type="np").images
+
+    return run
+
+
+def _per_call_counts(run):
+    counts = []
+    for _ in range(2):
+        hf_tpu.reset_metrics()
+        run()
+        metrics = hf_tpu.metrics()
+        counts.append((metrics["compiles"], metrics["host_syncs"]))
+    return counts
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--pipelines", default=",".join(BUILDERS), help="comma-separated: " + ", ".join(BUILDERS))
+    p.add_argument("--cpu-threads", type=int, default=0, help="torch CPU threads (0: PyTorch's default)")
+    args = p.parse_args(argv)
+    if args.cpu_threads:
+        torch.set_num_threads(args.cpu_threads)
+    rows = []
+    with tempfile.TemporaryDirectory() as directory:
+        for kind in args.pipelines.split(","):
+            path = saved_pipeline(kind, directory)
+            cpu = timeit(_runner(load(kind, path), args.steps), warmup=1, iters=args.iters)
+            rows.append([kind, "diffusers cpu", f"{cpu:.3f}", "1.00x", "", "", ""])
+            for name, mode, compiled in TPU_MODES:
+                pipe = load(kind, path).to("tpu")
+                if compiled:
+                    compile_pipeline(pipe)
+                run = _runner(pipe, args.steps)
+                with torch.tpu.use_eager_mode(mode):
+                    (first, _), (second, syncs) = _per_call_counts(run)
+                    seconds = timeit(run, warmup=0, iters=args.iters)
+                rows.append([kind, name, f"{seconds:.3f}", f"{cpu / seconds:.2f}x", str(first), str(second),
+                             str(syncs)])
+                del pipe
+    print(f"{args.steps} denoising steps, 16x16 images, batch 1")
+    print(table(["pipeline", "run", "s/image", "vs cpu", "compiles 1st call", "compiles 2nd call",
+                 "host syncs per call"], rows))
+
+
+if __name__ == "__main__":
+    main()
