@@ -29,7 +29,7 @@ import torch
 _ORIGINAL = "_hf_tpu_original"
 _TIMESTEP_HOOK = "_hf_tpu_timestep_hook"
 
-# the models a pipeline calls once per denoising step, then the ones it calls once per image
+# the pipeline components that take a `timestep` at every denoising step
 DENOISERS = ("unet", "transformer", "prior", "controlnet")
 
 
@@ -129,7 +129,7 @@ def prepare_pipeline(pipe, device: torch.device) -> None:
 
 def _wrap_execution_device(original):
     """A pipeline asks where it runs at the start of every call: then its denoisers get prepared, however
-    they reached `tpu` (`pipe.to`, `device_map="tpu"`, a component swapped in, offloading hooks)."""
+    they reached `tpu` (`pipe.to`, `device_map="tpu"`, a component swapped in)."""
 
     @functools.wraps(original)
     def _execution_device(self):
@@ -190,14 +190,12 @@ def _backend_entries() -> dict:
     }
 
 
-def fill_backend_tables(testing_utils) -> bool:
-    """Adds `tpu` to each `BACKEND_*` table that lacks it; False while the module has no tables yet."""
-    entries = _backend_entries()
-    if not all(hasattr(testing_utils, name) for name in entries):
-        return False
-    for name, entry in entries.items():
-        getattr(testing_utils, name).setdefault("tpu", entry)
-    return True
+def fill_backend_tables(testing_utils) -> None:
+    """Adds `tpu` to each `BACKEND_*` table that lacks it (none while the module is still defining them)."""
+    for name, entry in _backend_entries().items():
+        table = getattr(testing_utils, name, None)
+        if table is not None:
+            table.setdefault("tpu", entry)
 
 
 # --- Installation
