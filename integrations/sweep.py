@@ -61,7 +61,7 @@ TINY_SIZES = {
     # multi-head latent attention (DeepSeek-style)
     "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "qk_head_dim": 16,
     "v_head_dim": 16,
-    **dict.fromkeys(("n_group", "topk_group", "first_k_dense_replace"), 1),
+    **dict.fromkeys(("n_group", "num_group", "topk_group", "first_k_dense_replace"), 1),
     **dict.fromkeys(("vocab_size_per_layer_input",), 256),
     "hidden_size_per_layer_input": 16,
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
@@ -72,15 +72,21 @@ TINY_SIZES = {
     "patch_size": 8,
     "num_mel_bins": 16,
 }
+LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+MAX_LAYER_KINDS = 4  # a hybrid model gets up to this many layers, one of each kind
+# Attributes whose default is a multiple of the hidden size, scaled with it.
+SIZED_LIKE_HIDDEN = ("attention_hidden_size",)
 # Attributes that only ever get smaller (a default already below the tiny size stays).
 SHRINK_ONLY = {"max_position_embeddings", "n_positions", "max_source_positions", "max_target_positions",
                "num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts", "moe_k", "top_k_experts",
-               "n_shared_experts", "moe_num_shared_experts", "n_group", "topk_group", "first_k_dense_replace"}
+               "n_shared_experts", "moe_num_shared_experts", "n_group", "num_group", "topk_group",
+               "first_k_dense_replace"}
 
 # Per model type, attributes the generic shrinker gets wrong (set after it, at the top level).
 OVERRIDES: dict[str, dict] = {
     "whisper": {"max_source_positions": 16},  # input_features must be exactly 2 * max_source_positions frames
     # one attention layer and one MoE layer among the two
+    "recurrent_gemma": {"num_hidden_layers": 3},  # block_types cycles recurrent, recurrent, attention
     "jamba": {"attn_layer_offset": 1, "attn_layer_period": 2, "expert_layer_offset": 1, "expert_layer_period": 2},
 }
 
@@ -127,35 +133,56 @@ def _special_token_ids(values: dict) -> list[tuple[str, object]]:
 def _shrink_dict(values: dict) -> dict:
     """A config's to_dict() with sizes made tiny; sub-configs (nested dicts with a model_type) shrunk too."""
     original, values = values, dict(values)
-    old_layers = next((values[k] for k in ("num_hidden_layers", "n_layer", "num_layers") if k in values), None)
     for key, tiny in TINY_SIZES.items():
         current = values.get(key)
         if isinstance(current, int) and not isinstance(current, bool) and current > 0:
             values[key] = min(current, tiny) if key in SHRINK_ONLY else tiny
     for heads_key, kv_heads_key in (("num_attention_heads", "num_key_value_heads"), ("n_head", "n_kv_heads"),
                                     ("num_heads", "num_kv_heads")):
-        if original.get(kv_heads_key) is not None and original.get(kv_heads_key) == original.get(heads_key):
-            values[kv_heads_key] = values[heads_key]  # multi-head attention stays so (MLA modules assume it)
+        if kv_heads_key in values and original.get(kv_heads_key) in (None, original.get(heads_key)):
+            values[kv_heads_key] = values.get(heads_key)  # multi-head attention stays so (MLA modules assume it)
+    hidden = next((values[k] for k in ("hidden_size", "d_model", "n_embd") if k in values), 64)
+    heads = next((values[k] for k in ("num_attention_heads", "n_head") if k in values), 4)
     if "qk_rope_head_dim" in values and values.get("head_dim") is not None:
         values["head_dim"] = values["qk_rope_head_dim"]  # MLA models rotate only the rope part of each head
-    elif "head_dim" in values and values["head_dim"] is not None:
-        hidden = next((values[k] for k in ("hidden_size", "d_model") if k in values), 64)
-        heads = next((values[k] for k in ("num_attention_heads", "n_head") if k in values), 4)
+    elif "head_dim" in values:  # None too: some default configs leave it to a derivation their model lacks
         values["head_dim"] = hidden // heads
-    new_layers = next((values[k] for k in ("num_hidden_layers", "n_layer", "num_layers") if k in values), None)
-    for key, value in values.items():  # per-layer lists (layer_types, ...) follow the new layer count
-        if isinstance(value, list) and old_layers and new_layers and len(value) == old_layers:
-            kinds = list(dict.fromkeys(value)) if all(isinstance(v, str) for v in value) else []
-            # keep one layer of each kind (a hybrid model's attention and linear-attention layers) where they fit
-            values[key] = kinds + value[: new_layers - len(kinds)] if 1 < len(kinds) <= new_layers else value[:new_layers]
-        elif isinstance(value, dict) and value and new_layers and all(str(k).isdigit() for k in value):
-            values[key] = {k: v for k, v in value.items() if int(k) < new_layers}  # per-layer settings
+    if isinstance(values.get("rotary_dim"), int):  # rotary part of each head (GPT-J, CodeGen)
+        values["rotary_dim"] = min(values["rotary_dim"], hidden // heads)
+    original_hidden = next((original[k] for k in ("hidden_size", "d_model", "n_embd") if k in original), None)
+    for key in SIZED_LIKE_HIDDEN:
+        if isinstance(values.get(key), int) and original_hidden:
+            values[key] = max(1, values[key] * hidden // original_hidden)
+    _shrink_per_layer_settings(original, values)
     if isinstance(values.get("vocab_size"), int) and values["vocab_size"] > TINY_VOCAB:
         values["vocab_size"] = TINY_VOCAB
     for key, value in values.items():
         if isinstance(value, dict) and "model_type" in value:
             values[key] = _shrink_dict(value)
     return values
+
+
+def _shrink_per_layer_settings(original: dict, values: dict) -> None:
+    """Per-layer lists (layer_types, ...) and {layer index: setting} dicts follow the new layer count. A hybrid
+    model keeps one layer of each kind (attention, linear attention, convolution), with more layers than the
+    tiny count if it has more kinds, so that every kind of layer and cache runs."""
+    layer_key = next((k for k in LAYER_COUNT_KEYS if isinstance(values.get(k), int)), None)
+    if layer_key is None:
+        return
+    old_layers = original[layer_key]
+
+    def kinds(value) -> list:
+        if isinstance(value, list) and len(value) == old_layers and all(isinstance(v, str) for v in value):
+            distinct = list(dict.fromkeys(value))
+            return distinct if 1 < len(distinct) <= MAX_LAYER_KINDS else []
+        return []
+
+    new_layers = values[layer_key] = max([values[layer_key], *(len(kinds(value)) for value in values.values())])
+    for key, value in values.items():
+        if isinstance(value, list) and len(value) == old_layers:
+            values[key] = kinds(value) + value[: new_layers - len(kinds(value))]
+        elif isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
+            values[key] = {k: v for k, v in value.items() if int(k) < new_layers}
 
 
 def _vocab_sizes(values: dict):

@@ -77,3 +77,14 @@ def test_float32_rounding_passes_a_result_as_close_to_float64_as_cpu_and_nothing
         model.float()
     assert "float32 rounding" in sweep.float32_rounding(model, inputs, expected, exact)
     assert sweep.float32_rounding(model, inputs, expected, expected + 1e-2) == ""
+
+
+def test_tiny_config_keeps_one_layer_of_each_kind_of_a_hybrid_model():
+    config = sweep.tiny_config("lfm3")  # convolution, full and sliding attention layers
+    assert config.num_hidden_layers == len(config.layer_types) == 3
+    assert set(config.layer_types) == {"conv", "full_attention", "sliding_attention"}
+
+
+def test_tiny_config_fits_the_rotary_part_into_the_head():
+    config = sweep.tiny_config("gptj")
+    assert config.rotary_dim <= config.n_embd // config.n_head
