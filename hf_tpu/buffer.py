@@ -83,14 +83,19 @@ class Lazy:
 pending: weakref.WeakSet = weakref.WeakSet()
 # Set by the execution modes: computes every pending value (a sync point).
 flush = None
+# Set once an array sharded over several chips exists (hf_tpu.distributed): until then no buffer
+# needs its placement looked at, so single-chip programs pay nothing for sharding support.
+sharded_arrays_exist = False
 
 
 class Buffer:
     """The data of one storage: `array` (a jax.Array, a `Lazy` deferred result, or None while
     uninitialised) and its layout. `counted` says whether its bytes are in the memory statistics:
-    a deferred result occupies no device memory until a flush materialises it."""
+    a deferred result occupies no device memory until a flush materialises it. `chip_bytes` is None
+    while all its bytes sit on `tpu:device_index`, else {chip index: bytes} of a sharded array."""
 
-    __slots__ = ("_array", "shape", "dtype", "device_index", "nbytes", "address", "counted", "__weakref__")
+    __slots__ = ("_array", "shape", "dtype", "device_index", "nbytes", "address", "counted", "chip_bytes",
+                 "__weakref__")
 
     def __init__(self, shape, dtype, device_index, nbytes, address):
         self._array = None
@@ -100,6 +105,7 @@ class Buffer:
         self.nbytes = nbytes
         self.address = address
         self.counted = False
+        self.chip_bytes = None
 
     @property
     def array(self):
@@ -110,7 +116,11 @@ class Buffer:
         self._array = value
         if type(value) is Lazy:
             pending.add(self)
-        elif not self.counted and value is not None:
+        elif value is None:
+            return
+        elif sharded_arrays_exist and (self.chip_bytes is not None or is_sharded(value)):
+            allocator.count(self, value)  # where the bytes sit may have changed with the new array
+        elif not self.counted:
             allocator.count(self)
 
     def value(self):
@@ -163,17 +173,35 @@ class _Allocator:
             if entry is not None:
                 buf = entry[0]
                 if buf.counted:
-                    self.allocated[buf.device_index] -= buf.nbytes
+                    self._uncount(buf)
                 buf._array = None
 
-    def count(self, buf: Buffer):
-        """Add a buffer's bytes to its device's statistics (once it holds or reserves memory)."""
+    def count(self, buf: Buffer, sharded_array=None):
+        """Add a buffer's bytes to its device's statistics (once it holds or reserves memory); the
+        buffer of a sharded array counts on each chip the bytes of the shard that chip holds."""
+        if buf.counted:
+            self._uncount(buf)
         buf.counted = True
-        index = buf.device_index
-        used = self.allocated.get(index, 0) + buf.nbytes
+        if sharded_array is not None and is_sharded(sharded_array):
+            buf.chip_bytes = shard_bytes(sharded_array, buf.nbytes)
+            for index, nbytes in buf.chip_bytes.items():
+                self._add(index, nbytes)
+        else:
+            buf.chip_bytes = None
+            self._add(buf.device_index, buf.nbytes)
+
+    def _add(self, index: int, nbytes: int):
+        used = self.allocated.get(index, 0) + nbytes
         self.allocated[index] = used
         if used > self.peak.get(index, 0):
             self.peak[index] = used
+
+    def _uncount(self, buf: Buffer):
+        if buf.chip_bytes is None:
+            self.allocated[buf.device_index] -= buf.nbytes
+        else:
+            for index, nbytes in buf.chip_bytes.items():
+                self.allocated[index] -= nbytes
 
     def buffer(self, address: int) -> Buffer:
         return self.live[address][0]
@@ -203,6 +231,45 @@ def buffer_of(t: torch.Tensor) -> Buffer:
             f"tpu tensor of shape {tuple(t.shape)} has no device buffer (its storage was not created "
             "by hf_tpu); create tpu tensors with factories or .to('tpu')"
         ) from None
+
+
+# --- Arrays sharded over several chips (hf_tpu.distributed).
+
+
+def is_sharded(array) -> bool:
+    """Whether a concrete array lives on more than one chip."""
+    return isinstance(array, jax.Array) and type(array.sharding) is not jax.sharding.SingleDeviceSharding \
+        and len(array.sharding.device_set) > 1
+
+
+@functools.cache
+def _chip_index(device) -> int:
+    return platform.devices().index(device)
+
+
+def shard_bytes(array, nbytes: int) -> dict:
+    """{chip index: bytes of `array` that chip holds}, for a buffer of `nbytes` in all."""
+    numel = math.prod(array.shape)
+    per_chip = nbytes * math.prod(array.sharding.shard_shape(array.shape)) // numel if numel else 0
+    return {_chip_index(device): per_chip for device in array.sharding.device_set}
+
+
+def place_together(arrays: list) -> list:
+    """The arrays of one program, with single-chip ones replicated over the mesh of a sharded one:
+    a jitted program runs on one set of chips (a tensor on `tpu:0` meeting a sharded activation is
+    copied to every chip of its mesh for that program, its own buffer is unchanged)."""
+    sharded = next((a for a in arrays if is_sharded(a)), None)
+    if sharded is None:
+        return arrays
+    replicated = jax.sharding.NamedSharding(_mesh_of(sharded.sharding), jax.sharding.PartitionSpec())
+    return [jax.device_put(a, replicated) if isinstance(a, jax.Array) and not is_sharded(a) else a
+            for a in arrays]
+
+
+def _mesh_of(sharding):
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return sharding.mesh
+    return jax.sharding.Mesh(np.array(sharding._device_assignment), ("chips",))
 
 
 # --- Views: static metadata and the pure read/write functions over a buffer's array.
