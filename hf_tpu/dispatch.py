@@ -629,10 +629,15 @@ def run_lowered(sig: Signature, values: list):
         mode.sync(f"{sig.name} has a data-dependent output shape")
         _counters["host_syncs"] += 1
         concrete = [op.buf.value() if op.buf is not None else op.view for op in call.operands]
+        if buffer.sharded_arrays_exist:
+            concrete = buffer.place_together(concrete)
         results = program.fn(concrete, call.scalars, rng_key)
         out_specs = [(tuple(r.shape), dtypes.to_torch(r.dtype)) for r in results]
     else:
-        results = mode.execute(program, call.key, call.arrays(), call.scalars, rng_key, device_index)
+        arrays = call.arrays()
+        if buffer.sharded_arrays_exist:  # a sharded tensor (hf_tpu.distributed) may meet single-chip ones
+            arrays = buffer.place_together(arrays)
+        results = mode.execute(program, call.key, arrays, call.scalars, rng_key, device_index)
         out_specs = program.out_specs
     outputs = []
     for spec, array in zip(out_specs, results):
