@@ -136,6 +136,8 @@ class Deferred:
         else:
             _counters["compile_cache_hits"] += 1
             _counters["compile_cache_hits_by_mode"][self.name] += 1
+        if buffer.sharded_arrays_exist:  # a sharded tensor (hf_tpu.distributed) may meet single-chip ones
+            graph.inputs = buffer.place_together(graph.inputs)
         scalars = [node[3] for node in graph.nodes]
         rngs = [node[4] for node in graph.nodes]
         try:
