@@ -1,0 +1,118 @@
+"""`shard_model`: tensor parallelism for a user's own model from a Transformers-style plan.
+
+With GSPMD only the weights need a layout: XLA propagates it through each program and inserts the
+collectives (an all-reduce after a rowwise projection). So each plan style is just where a
+parameter is split. The input/output layouts that Transformers' styles also name (`colwise_rep`
+gathering its output, ...) are left to XLA's propagation: they change where values sit, never the
+values.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from .mesh import Mesh, mesh as make_mesh
+from .tensors import _check_spec, replicate, shard
+
+# style -> which dim of a weight (ndim >= 2) is split, and whether a 1-D bias follows it
+_SPLIT_OUTPUT = ("colwise", "colwise_rep", "colwise_gather_output", "packed_colwise", "local_colwise")
+_SPLIT_INPUT = ("rowwise", "rowwise_rep", "rowwise_split_input", "packed_rowwise", "local_rowwise")
+_WHOLE = ("replicate", "replicated_with_grad_allreduce", "local", "sequence_parallel")
+_EMBEDDING_DIM = {"embedding_rowwise": 0, "embedding_colwise": 1}
+STYLES = _SPLIT_OUTPUT + _SPLIT_INPUT + _WHOLE + tuple(_EMBEDDING_DIM)
+
+
+def _generic_name(name: str) -> str:
+    """`layers.3.mlp.up_proj` -> `layers.*.mlp.up_proj`, as Transformers' plans are keyed."""
+    return re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name)
+
+
+def _split_dim(style: str, param: torch.Tensor, is_bias: bool):
+    """The dim of `param` a style splits, or None where the parameter stays whole."""
+    if style in _SPLIT_OUTPUT:
+        return param.dim() - 1 if is_bias or param.dim() == 1 else param.dim() - 2
+    if style in _SPLIT_INPUT:
+        return None if is_bias or param.dim() == 1 else param.dim() - 1
+    if style in _EMBEDDING_DIM:
+        return _EMBEDDING_DIM[style]
+    return None
+
+
+def _plan_entry(plan: dict, param_name: str):
+    """The plan key governing a parameter: its own generic name, else its module's (as Transformers)."""
+    generic = _generic_name(param_name)
+    if generic in plan:
+        return generic
+    module_name = generic.rsplit(".", 1)[0] if "." in generic else ""
+    return module_name if module_name in plan else None
+
+
+def _check_plan(model: torch.nn.Module, plan: dict) -> None:
+    unknown_styles = {key: style for key, style in plan.items() if style not in STYLES}
+    if unknown_styles:
+        raise ValueError(f"unsupported tensor-parallel styles {unknown_styles}; supported: {', '.join(STYLES)}")
+    names = {_generic_name(n) for n, _ in model.named_modules()} | {_generic_name(n) for n, _ in model.named_parameters()}
+    missing = [key for key in plan if key not in names]
+    if missing:
+        examples = sorted(n for n in names if n)[:8]
+        raise ValueError(
+            f"the plan names {missing}, which the model ({type(model).__name__}) does not have; plan keys are "
+            f"module or parameter names relative to the model passed, numbers written as '*' (e.g. {examples})"
+        )
+
+
+def _tp_axis(mesh: Mesh, tp_axis: str | None) -> str:
+    if tp_axis is None:
+        if len(mesh.axis_names) != 1 and "tp" not in mesh.axis_names:
+            raise ValueError(f"the mesh {mesh} has several axes and none named 'tp': pass tp_axis=")
+        tp_axis = "tp" if "tp" in mesh.axis_names else mesh.axis_names[0]
+    if tp_axis not in mesh.axis_names:
+        raise ValueError(f"tp_axis={tp_axis!r} is not an axis of the mesh {mesh}")
+    return tp_axis
+
+
+def shard_model(model: torch.nn.Module, plan: dict, mesh: Mesh | None = None, tp_axis: str | None = None):
+    """Split `model`'s parameters over the `tp_axis` of `mesh` (default: a 1-D mesh over every chip)
+    as `plan` says, and replicate every other parameter and buffer over the mesh; returns `model`.
+
+    `plan` maps module or parameter names, layer numbers written `*`, to Transformers' style names
+    (`{"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise", ...}`, e.g.
+    `config.base_model_tp_plan` for the base model). The whole plan is checked against the model (every
+    key names something, every split dim divides by the tp size) before any weight moves: a bad plan
+    raises ValueError and leaves the model as it was. Parameters already on `tpu` keep their identity
+    (an optimizer built before stays valid); CPU parameters are replaced by `tpu` ones, each chip
+    receiving only its shard (so a model too big for one chip never sits whole on one)."""
+    if mesh is None:
+        mesh = make_mesh(torch.tpu.device_count(), "tp")
+    tp_axis = _tp_axis(mesh, tp_axis)
+    _check_plan(model, plan)
+    layouts = {}
+    problems = []
+    for name, param in model.named_parameters():
+        key = _plan_entry(plan, name)
+        dim = None if key is None else _split_dim(plan[key], param, is_bias=name.endswith("bias"))
+        spec = () if dim is None else (None,) * dim + (tp_axis,)
+        try:
+            _check_spec(tuple(param.shape), mesh, spec)
+        except ValueError as e:
+            problems.append(f"{name} ({plan[key]}): {e}")
+        layouts[name] = spec
+    if problems:
+        raise ValueError("the plan does not fit this model on this mesh:\n  " + "\n  ".join(problems))
+    moved = {}  # id of a CPU parameter -> its sharded replacement (tied parameters share one)
+    for name, param in model.named_parameters():
+        sharded = shard(param.data, mesh, layouts[name])
+        if param.device.type == "tpu":
+            param.data = sharded
+        else:  # PyTorch cannot swap a CPU parameter's data for a tpu tensor in place
+            moved[id(param)] = torch.nn.Parameter(sharded, requires_grad=param.requires_grad)
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None and id(param) in moved:
+                module._parameters[name] = moved[id(param)]
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[name] = replicate(buf, mesh)
+    return model
