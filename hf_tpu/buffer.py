@@ -237,9 +237,9 @@ def buffer_of(t: torch.Tensor) -> Buffer:
 
 
 def is_sharded(array) -> bool:
-    """Whether a concrete array lives on more than one chip."""
-    return isinstance(array, jax.Array) and type(array.sharding) is not jax.sharding.SingleDeviceSharding \
-        and len(array.sharding.device_set) > 1
+    """Whether a concrete array (not a value being traced) lives on more than one chip."""
+    return isinstance(array, jax.Array) and not isinstance(array, jax.core.Tracer) \
+        and type(array.sharding) is not jax.sharding.SingleDeviceSharding and len(array.sharding.device_set) > 1
 
 
 @functools.cache
