@@ -114,6 +114,8 @@ def architectures(only=None, limit=None) -> list[tuple[str, str, str, bool]]:
     for task, mapping_name, generative in TASKS:
         for model_type, class_name in getattr(modeling_auto, mapping_name).items():
             if model_type not in chosen and (only is None or model_type in only):
+                if isinstance(class_name, tuple):  # e.g. DeiT's (ForImageClassification, ...WithTeacher)
+                    class_name = class_name[0]
                 chosen[model_type] = (model_type, task, class_name, generative)
     found = list(chosen.values())
     if only is not None:
@@ -155,8 +157,11 @@ def _shrink_dict(values: dict) -> dict:
         if isinstance(values.get(key), int) and original_hidden:
             values[key] = max(1, values[key] * hidden // original_hidden)
     _shrink_per_layer_settings(original, values)
-    if isinstance(values.get("vocab_size"), int) and values["vocab_size"] > TINY_VOCAB:
-        values["vocab_size"] = TINY_VOCAB
+    for key in ("out_features", "out_indices"):  # a backbone's outputs: its last stage, of the fewer stages
+        if values.get(key) is not None:
+            values[key] = None
+    if "vocab_size" in values and (values["vocab_size"] is None or values["vocab_size"] > TINY_VOCAB):
+        values["vocab_size"] = TINY_VOCAB  # None too: a CTC or protein model's head needs one
     for key, value in values.items():
         if isinstance(value, dict) and "model_type" in value:
             values[key] = _shrink_dict(value)

@@ -88,3 +88,13 @@ def test_tiny_config_keeps_one_layer_of_each_kind_of_a_hybrid_model():
 def test_tiny_config_fits_the_rotary_part_into_the_head():
     config = sweep.tiny_config("gptj")
     assert config.rotary_dim <= config.n_embd // config.n_head
+
+
+def test_tiny_backbone_config_outputs_its_last_layer():
+    config = sweep.tiny_config("dinov2")  # the default outputs layer 12
+    assert config.out_indices == [config.num_hidden_layers]
+
+
+def test_a_model_type_mapped_to_several_classes_checks_the_first():
+    [(_, task, class_name, _)] = sweep.architectures(only=["deit"])
+    assert (task, class_name) == ("image-classification", "DeiTForImageClassification")
