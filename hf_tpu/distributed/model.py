@@ -94,6 +94,8 @@ def shard_model(model: torch.nn.Module, plan: dict, mesh: Mesh | None = None, tp
         key = _plan_entry(plan, name)
         dim = None if key is None else _split_dim(plan[key], param, is_bias=name.endswith("bias"))
         spec = () if dim is None else (None,) * dim + (tp_axis,)
+        if param.device.type not in ("cpu", "tpu"):
+            problems.append(f"{name} is on {param.device}: shard_model takes parameters on cpu or tpu")
         try:
             _check_spec(tuple(param.shape), mesh, spec)
         except ValueError as e:
