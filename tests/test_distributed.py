@@ -58,6 +58,19 @@ def test_shard_replicate_memory_and_gather():
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_results_of_sharded_ops_count_per_chip(mode):
+    mesh = dist.mesh(2, "tp")
+    split = dist.shard(torch.randn(8, 6), mesh, ("tp",))
+    gc.collect()
+    before = chip_memory()
+    with torch.tpu.use_eager_mode(mode):
+        doubled = split * 2
+        torch.tpu.synchronize()
+    assert dist.sharding(doubled) == dist.Sharding(mesh, ("tp", None))
+    assert [now - then for now, then in zip(chip_memory(), before)] == [4 * 6 * 4, 4 * 6 * 4]
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_ops_on_sharded_tensors_match_cpu(mode):
     mesh = dist.mesh(2, "tp")
     torch.manual_seed(0)
