@@ -53,7 +53,7 @@ def _check_plan(model: torch.nn.Module, plan: dict) -> None:
     unknown_styles = {key: style for key, style in plan.items() if style not in STYLES}
     if unknown_styles:
         raise ValueError(f"unsupported tensor-parallel styles {unknown_styles}; supported: {', '.join(STYLES)}")
-    names = {_generic_name(n) for n, _ in model.named_modules()} | {_generic_name(n) for n, _ in model.named_parameters()}
+    names = {_generic_name(n) for n, _ in [*model.named_modules(), *model.named_parameters()]}
     missing = [key for key in plan if key not in names]
     if missing:
         examples = sorted(n for n in names if n)[:8]
