@@ -91,6 +91,8 @@ class _CompiledGraph:
         modes.current().sync("a compiled graph runs")
         self.in_specs = [(a.dtype, a.device.index) if isinstance(a, torch.Tensor) else None for a in args]
         arrays = [_array_of(a) if isinstance(a, torch.Tensor) else a for a in args]
+        if buffer.sharded_arrays_exist:  # a sharded model meets single-chip inputs (the token ids)
+            arrays = buffer.place_together(arrays)
         device_index = next((a.device.index for a in args if isinstance(a, torch.Tensor)), dispatch.current_device_index())
         try:
             results = self.jitted(arrays, random.next_key(device_index))

@@ -136,10 +136,21 @@ def test_compiled_sharded_model_matches_unsharded():
     mesh = dist.mesh(2, "tp")
     dist.shard_model(model, model.tp_plan, mesh)
     compiled = torch.compile(model, backend="tpu")
-    with torch.no_grad():  # torch.compile's program takes the inputs on the mesh (see docs/design/sharding.md)
-        logits = compiled(dist.replicate(ids, mesh)).logits
+    with torch.no_grad():  # single-chip ids join the sharded weights' mesh
+        logits = compiled(ids.to("tpu")).logits
     assert hf_tpu.metrics()["compiles_by_mode"]["COMPILE"] >= 1
     torch.testing.assert_close(logits.cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_load_state_dict_into_a_sharded_model_keeps_the_shards():
+    model = tiny_llama()
+    state = {name: torch.randn_like(p) for name, p in model.state_dict().items()}
+    mesh = dist.mesh(2, "tp")
+    dist.shard_model(model, model.tp_plan, mesh)
+    model.load_state_dict(state)
+    q_proj = model.model.layers[0].self_attn.q_proj.weight
+    assert dist.sharding(q_proj).spec == ("tp", None)
+    assert torch.equal(q_proj.cpu(), state["model.layers.0.self_attn.q_proj.weight"])
 
 
 def test_shard_model_bad_plans_raise_before_moving_weights():

@@ -147,7 +147,11 @@ def copy_(sig, values):
     ):
         src_buf = buffer.buffer_of(src)
         # jax arrays are immutable, so sharing one is a copy (a deferred result is shared the same way)
-        dst_buf.array = src_buf.array if src_buf.array is not None else src_buf.value()
+        value = src_buf.array if src_buf.array is not None else src_buf.value()
+        if buffer.sharded_arrays_exist and buffer.is_sharded(dst_buf.array) and type(value) is not buffer.Lazy:
+            # loading weights into a sharded model (load_state_dict) keeps each chip's shard
+            value = jax.device_put(value, dst_buf.array.sharding)
+        dst_buf.array = value
         return dst
     return dispatch.run_lowered(dispatch.signature(aten.copy_.default), [dst, src, False])
 
