@@ -331,7 +331,7 @@ def _wrap_generate(original):
         host_ids = input_ids.cpu()
         host_mask = mask.cpu() if mask is not None else None
         padding = 0
-        if settings.prompt_buckets and _padding_keeps_the_result(resolved):
+        if settings.prompt_buckets and getattr(self, "_hf_tpu_pad_prompts", True) and _padding_keeps_the_result(resolved):
             padding = bucketed_length(host_ids.shape[1]) - host_ids.shape[1]
         if padding:
             if host_mask is None:

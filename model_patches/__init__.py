@@ -24,9 +24,17 @@ STATUSES = ("works", "works with patches", "fails")
 REQUIRED_FIELDS = ("status", "tested_class", "patches", "limits", "checked", "versions")
 VERSION_FIELDS = ("torch", "jax", "transformers", "hf_tpu")
 
-# name -> patch(model). Empty while no architecture needs one: every failure the sweep found so far is in
-# the core (missing lowerings, numerics), not in a model's Python code.
-PATCHES: dict[str, Callable] = {}
+
+
+def _unpadded_prompts(model) -> None:
+    """The model's output changes with left padding (a recurrent state, or attention that ignores the
+    mask): `generate()` on tpu must not pad its prompts to a bucket length (the Transformers adapter
+    reads this flag)."""
+    model._hf_tpu_pad_prompts = False
+
+
+# name -> patch(model), as the table's "patches" lists name them
+PATCHES: dict[str, Callable] = {"unpadded_prompts": _unpadded_prompts}
 
 _APPLIED_ATTRIBUTE = "_hf_tpu_patches_applied"
 

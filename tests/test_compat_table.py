@@ -85,3 +85,14 @@ def test_write_docs_replaces_only_the_generated_section(tmp_path):
     text = page.read_text()
     assert text.startswith("before\n") and text.endswith("after\n") and "old table" not in text
     assert model_patches.render_markdown() in text
+
+
+def test_unpadded_prompts_patch_turns_prompt_bucketing_off_for_its_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, vocab_size=32))
+    assert getattr(model, "_hf_tpu_pad_prompts", True)
+    model_patches.PATCHES["unpadded_prompts"](model)
+    assert model._hf_tpu_pad_prompts is False
+    assert model_patches.patches_for("rwkv") == ["unpadded_prompts"]
