@@ -329,8 +329,6 @@ def float32_rounding(cpu_model, inputs, expected, actual) -> str:
     CPU's own float32 output is (up to ATOL). Returns a note giving both distances, or "" when it is not so."""
     import copy
 
-    import torch
-
     try:
         exact = dict(_tensors(copy.deepcopy(cpu_model).double()(
             **{name: value.double() if value.is_floating_point() else value for name, value in inputs.items()})))
