@@ -194,6 +194,58 @@ def prepare_model(model) -> None:
     model_patches.apply(model)
 
 
+_TENSOR_PARALLEL_ARGUMENTS = ("tp_plan", "tp_size", "distributed_config")
+
+
+def _tensor_parallel_request(kwargs) -> tuple:
+    """(plan, size) from `tp_plan=`/`tp_size=` or a `DistributedConfig`, removed from `kwargs`: on tpu
+    they shard over the local chips in this process instead of starting `torch.distributed`."""
+    config = kwargs.pop("distributed_config", None)
+    plan = kwargs.pop("tp_plan", None) or getattr(config, "tp_plan", None) or "auto"
+    size = kwargs.pop("tp_size", None) or getattr(config, "tp_size", None) or torch.tpu.device_count()
+    return plan, size
+
+
+def _check_tensor_parallel(pretrained_model_name_or_path, kwargs, size: int) -> None:
+    """The errors a sharded load raises before any weight is read."""
+    from transformers import AutoConfig
+
+    chips = torch.tpu.device_count()
+    if size > chips:
+        raise ValueError(f"tp_size={size} needs {size} tpu chips but this process has {chips} "
+                         "(on the CPU, HF_TPU_NUM_DEVICES=N simulates N chips). Nothing was loaded.")
+    config = kwargs.get("config")
+    if not hasattr(config, "get_text_config"):
+        config = AutoConfig.from_pretrained(pretrained_model_name_or_path)
+    text = config.get_text_config()
+    for name in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(text, name, None)
+        if heads is not None and heads % size:
+            raise ValueError(f"tp_size={size} does not divide {name}={heads} of this {text.model_type} "
+                             "model: each chip must hold whole attention heads. Nothing was loaded.")
+
+
+def _load_sharded(original, cls, pretrained_model_name_or_path, args, kwargs):
+    """`from_pretrained(..., device_map="tpu", tp_plan="auto")`: the checkpoint is read on the host and
+    each weight goes to the chips as its shards (`hf_tpu.distributed.shard_model`), so no chip ever
+    holds a whole weight that the plan splits."""
+    from .. import distributed
+
+    plan, size = _tensor_parallel_request(kwargs)
+    _check_tensor_parallel(pretrained_model_name_or_path, kwargs, size)
+    check_before_loading(pretrained_model_name_or_path, kwargs.get("dtype", kwargs.get("torch_dtype")))
+    kwargs.pop("device_map")
+    model = original.__func__(cls, pretrained_model_name_or_path, *args, **kwargs)
+    if plan == "auto":
+        plan = model.tp_plan
+    if not plan:
+        raise ValueError(f"{type(model).__name__} has no tensor-parallel plan of its own: pass tp_plan= a dict "
+                         "of module patterns to styles ('colwise', 'rowwise', ...).")
+    distributed.shard_model(model, plan, distributed.mesh(size, "tp"))
+    prepare_model(model)
+    return model
+
+
 def _wrap_from_pretrained(original):
     """For `PreTrainedModel` and the Auto classes (which read the config first, so they check first)."""
 
@@ -202,6 +254,8 @@ def _wrap_from_pretrained(original):
         device_map = kwargs.get("device_map")
         if device_map is None or not _targets_tpu(device_map):
             return original.__func__(cls, pretrained_model_name_or_path, *args, **kwargs)
+        if any(kwargs.get(name) is not None for name in _TENSOR_PARALLEL_ARGUMENTS):
+            return _load_sharded(original, cls, pretrained_model_name_or_path, args, kwargs)
         check_before_loading(pretrained_model_name_or_path, kwargs.get("dtype", kwargs.get("torch_dtype")))
         if device_map == "auto" and kwargs.get("max_memory") is None:
             kwargs["device_map"] = {"": _tpu_device()}

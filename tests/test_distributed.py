@@ -219,3 +219,43 @@ if __name__ == "__main__":
     with torch.tpu.use_eager_mode("DEFER_AND_FUSE"):
         check_forward_sharded_1_2_4_8_ways(inputs)
         check_data_times_tensor_parallel_step(inputs)
+
+
+@pytest.fixture(scope="module")
+def llama_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama-tp")
+    tiny_llama().save_pretrained(path)
+    return path
+
+
+def test_from_pretrained_tp_plan_auto_shards_over_the_chips_and_generates(llama_checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    cpu = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    gc.collect()
+    before = chip_memory()
+    tpu = AutoModelForCausalLM.from_pretrained(llama_checkpoint, device_map="tpu", tp_plan="auto")
+    assert dist.sharding(tpu.model.layers[0].self_attn.q_proj.weight).spec == ("tp", None)
+    assert dist.sharding(tpu.model.layers[0].mlp.down_proj.weight).spec == (None, "tp")
+    total = sum(p.numel() * p.element_size() for p in tpu.parameters())
+    grown = [now - then for now, then in zip(chip_memory(), before)]
+    assert all(g < total * 0.55 for g in grown), (grown, total)
+    ids = torch.tensor([[3, 14, 15, 92, 65]])
+    with torch.no_grad():
+        torch.testing.assert_close(tpu(ids.to("tpu")).logits.cpu(), cpu(ids).logits, rtol=1e-5, atol=1e-5)
+    expected = cpu.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(tpu.generate(ids.to("tpu"), max_new_tokens=6, do_sample=False).cpu(), expected)
+
+
+def test_tensor_parallel_load_rejects_bad_sizes_before_loading(llama_checkpoint, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    with pytest.raises(ValueError, match="needs 4 tpu chips"):
+        AutoModelForCausalLM.from_pretrained(llama_checkpoint, device_map="tpu", tp_size=4)
+    odd = LlamaConfig(**{**CONFIG.to_dict(), "num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 48})
+    LlamaForCausalLM(odd).save_pretrained(tmp_path)
+    gc.collect()
+    before = chip_memory()
+    with pytest.raises(ValueError, match="does not divide num_key_value_heads=3"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, device_map="tpu", tp_plan="auto")
+    assert chip_memory() == before
