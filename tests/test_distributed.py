@@ -235,6 +235,7 @@ def test_from_pretrained_tp_plan_auto_shards_over_the_chips_and_generates(llama_
     gc.collect()
     before = chip_memory()
     tpu = AutoModelForCausalLM.from_pretrained(llama_checkpoint, device_map="tpu", tp_plan="auto")
+    assert tpu.config._attn_implementation == "tpu"
     assert dist.sharding(tpu.model.layers[0].self_attn.q_proj.weight).spec == ("tp", None)
     assert dist.sharding(tpu.model.layers[0].mlp.down_proj.weight).spec == (None, "tp")
     total = sum(p.numel() * p.element_size() for p in tpu.parameters())
