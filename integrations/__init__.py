@@ -24,6 +24,7 @@ ADAPTERS = {
     "transformers.generation.utils": "hf_tpu.integrations.transformers",
     "diffusers.schedulers.scheduling_utils": "hf_tpu.integrations.diffusers",
     "diffusers.pipelines.pipeline_utils": "hf_tpu.integrations.diffusers",
+    "diffusers.models.modeling_utils": "hf_tpu.integrations.diffusers",
     "diffusers.utils.testing_utils": "hf_tpu.integrations.diffusers",
     "diffusers.hooks._common": "hf_tpu.integrations.diffusers",
 }

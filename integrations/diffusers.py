@@ -173,6 +173,69 @@ def compile_pipeline(pipe, *, vae_decoder: bool = True, dynamic: bool = False):
     return pipe
 
 
+# --- Tensor parallelism: `from_pretrained(..., parallel_config=TensorParallelConfig(tp_degree=N))`
+
+
+def _tensor_parallel_config(parallel_config):
+    """The TensorParallelConfig in `parallel_config` (alone or inside a ParallelConfig), or None."""
+    return getattr(parallel_config, "tensor_parallel_config", parallel_config) if parallel_config is not None else None
+
+
+def _shards_on_tpu(kwargs) -> bool:
+    """A tensor-parallel load for `tpu`: `device_map` names tpu, or none is given while `tpu` is the
+    accelerator and no `torch.distributed` process group exists (one process drives every chip)."""
+    if not hasattr(_tensor_parallel_config(kwargs.get("parallel_config")), "tp_degree"):
+        return False
+    device_map = kwargs.get("device_map")
+    if device_map is not None:
+        return _is_tpu(device_map)
+    return torch.accelerator.current_accelerator().type == "tpu" and not (
+        torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
+def _plan_styles(plan: dict) -> dict:
+    """Diffusers' `_tp_plan` with its packed markers as `hf_tpu.distributed` style names. XLA keeps the
+    values right for any split; a packed projection split as one block costs a reshard, never a result."""
+    from diffusers.hooks.tensor_parallel import PackedColwiseParallel, PackedRowwiseParallel
+
+    names = {PackedColwiseParallel: "packed_colwise", PackedRowwiseParallel: "packed_rowwise"}
+    return {key: names.get(type(style), style) for key, style in plan.items()}
+
+
+def _check_tensor_parallel(cls, pretrained_model_name_or_path, kwargs, degree: int) -> None:
+    chips = torch.tpu.device_count()
+    if degree > chips:
+        raise ValueError(f"tp_degree={degree} needs {degree} tpu chips but this process has {chips} (on the CPU, "
+                         "HF_TPU_NUM_DEVICES=N simulates N chips). Nothing was loaded.")
+    if not getattr(cls, "_tp_plan", None):
+        raise ValueError(f"{cls.__name__} has no tensor-parallel plan (`_tp_plan`). Nothing was loaded.")
+    config = cls.load_config(pretrained_model_name_or_path, subfolder=kwargs.get("subfolder"))
+    heads = config.get("num_attention_heads")
+    if heads is not None and heads % degree:
+        raise ValueError(f"tp_degree={degree} does not divide num_attention_heads={heads} of {cls.__name__}: each "
+                         "chip must hold whole attention heads. Nothing was loaded.")
+
+
+def _wrap_model_from_pretrained(original):
+    @functools.wraps(original.__func__)
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """On `tpu`, a tensor-parallel `parallel_config` shards the model over the local chips in this
+        process (`hf_tpu.distributed.shard_model` with the model's own `_tp_plan`), without
+        `torch.distributed`: the checkpoint is read on the host and each chip receives its shards."""
+        if not _shards_on_tpu(kwargs):
+            return original.__func__(cls, pretrained_model_name_or_path, *args, **kwargs)
+        from .. import distributed
+
+        degree = _tensor_parallel_config(kwargs.pop("parallel_config")).tp_degree
+        _check_tensor_parallel(cls, pretrained_model_name_or_path, kwargs, degree)
+        kwargs.pop("device_map", None)
+        model = original.__func__(cls, pretrained_model_name_or_path, *args, **kwargs)
+        return distributed.shard_model(model, _plan_styles(model._tp_plan), distributed.mesh(degree, "tp"))
+
+    setattr(from_pretrained, _ORIGINAL, original)
+    return classmethod(from_pretrained)
+
+
 # --- Diffusers' test utilities
 
 
@@ -214,6 +277,10 @@ def install(module) -> None:
             wrapped = _wrap_execution_device(getter)
             setattr(wrapped, _ORIGINAL, getter)
             pipeline._execution_device = property(wrapped)
+    elif module.__name__ == "diffusers.models.modeling_utils":
+        mixin = module.ModelMixin
+        if getattr(mixin.__dict__["from_pretrained"], _ORIGINAL, None) is None:
+            mixin.from_pretrained = _wrap_model_from_pretrained(mixin.__dict__["from_pretrained"])
     elif module.__name__ in (_TESTING_UTILS, "diffusers.hooks._common") and _TESTING_UTILS in sys.modules:
         # With DIFFUSERS_TEST_BACKEND=hf_tpu, testing_utils imports hf_tpu before it defines its tables;
         # `diffusers.hooks._common` is the next module it imports, after them.

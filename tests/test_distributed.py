@@ -260,3 +260,46 @@ def test_tensor_parallel_load_rejects_bad_sizes_before_loading(llama_checkpoint,
     with pytest.raises(ValueError, match="does not divide num_key_value_heads=3"):
         AutoModelForCausalLM.from_pretrained(tmp_path, device_map="tpu", tp_plan="auto")
     assert chip_memory() == before
+
+
+def _tiny_flux(heads=2):
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    return FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
+                                  attention_head_dim=16, num_attention_heads=heads, joint_attention_dim=32,
+                                  pooled_projection_dim=32, axes_dims_rope=(4, 4, 8))
+
+
+def test_diffusers_tensor_parallel_config_shards_over_the_chips(tmp_path):
+    from diffusers import FluxTransformer2DModel
+    from diffusers.models._modeling_parallel import ParallelConfig, TensorParallelConfig
+
+    _tiny_flux().save_pretrained(tmp_path)
+    cpu = FluxTransformer2DModel.from_pretrained(tmp_path)
+    tpu = FluxTransformer2DModel.from_pretrained(
+        tmp_path, parallel_config=ParallelConfig(tensor_parallel_config=TensorParallelConfig(tp_degree=2)))
+    assert dist.sharding(tpu.transformer_blocks[0].attn.to_q.weight).spec == ("tp", None)
+    assert dist.sharding(tpu.single_transformer_blocks[0].proj_out.weight).spec == (None, "tp")  # PackedRowwise
+    g = torch.Generator().manual_seed(0)
+    inputs = dict(hidden_states=torch.randn(1, 16, 4, generator=g), encoder_hidden_states=torch.randn(1, 8, 32, generator=g),
+                  pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.5]),
+                  img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(8, 3))
+    with torch.no_grad():
+        expected = cpu(**inputs).sample
+        actual = tpu(**{name: value.to("tpu") for name, value in inputs.items()}).sample
+    torch.testing.assert_close(actual.cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_diffusers_tensor_parallel_rejects_bad_degrees_before_loading(tmp_path):
+    from diffusers import FluxTransformer2DModel
+    from diffusers.models._modeling_parallel import TensorParallelConfig
+
+    _tiny_flux(heads=3).save_pretrained(tmp_path)
+    gc.collect()
+    before = chip_memory()
+    with pytest.raises(ValueError, match="needs 4 tpu chips"):
+        FluxTransformer2DModel.from_pretrained(tmp_path, parallel_config=TensorParallelConfig(tp_degree=4))
+    with pytest.raises(ValueError, match="does not divide num_attention_heads=3"):
+        FluxTransformer2DModel.from_pretrained(tmp_path, parallel_config=TensorParallelConfig(tp_degree=2))
+    assert chip_memory() == before

@@ -49,6 +49,18 @@ def _plan_entry(plan: dict, param_name: str):
     return module_name if module_name in plan else None
 
 
+def _generic_plan(plan: dict) -> dict:
+    """Plan keys with their numbers as `*`: Diffusers writes `attn.to_out.0` and `ff.net.2` literally."""
+    generic = {}
+    for key, style in plan.items():
+        name = _generic_name(key)
+        if generic.get(name, style) != style:
+            raise ValueError(f"the plan gives {name} two styles ({generic[name]} and {style}); shard_model "
+                             "needs one style per module once layer numbers are read as '*'")
+        generic[name] = style
+    return generic
+
+
 def _check_plan(model: torch.nn.Module, plan: dict) -> None:
     unknown_styles = {key: style for key, style in plan.items() if style not in STYLES}
     if unknown_styles:
@@ -87,6 +99,7 @@ def shard_model(model: torch.nn.Module, plan: dict, mesh: Mesh | None = None, tp
     if mesh is None:
         mesh = make_mesh(torch.tpu.device_count(), "tp")
     tp_axis = _tp_axis(mesh, tp_axis)
+    plan = _generic_plan(plan)
     _check_plan(model, plan)
     layouts = {}
     problems = []
