@@ -55,12 +55,7 @@ _capsule_pointer.restype = ctypes.c_void_p
 _capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 _from_dlpack = torch._C._from_dlpack
 _OWNER_SHAPES = [(1,) * n for n in range(65)]
-_DLPACK_CODES: dict = {}
-
-
-def _dlpack_code(dtype: torch.dtype) -> tuple:
-    code = _DLPACK_CODES[dtype] = dtypes.dlpack_code(dtype)
-    return code
+_dlpack_code = functools.cache(dtypes.dlpack_code)
 
 _ALIGN = 256
 _FIRST_ADDRESS = 1 << 48  # above every user-space address: never a real pointer, 2**63 bytes of room
@@ -161,7 +156,7 @@ class _Allocator:
             self.live[address] = (buf, weakref.KeyedRef(owner, self._release, address))
             self.num_allocs[device_index] = self.num_allocs.get(device_index, 0) + 1
         del owner  # the capsule holds it now; it dies with the storage
-        code, bits = _DLPACK_CODES.get(dtype) or _dlpack_code(dtype)
+        code, bits = _dlpack_code(dtype)
         ctypes.memmove(dl, _DL_HEADER.pack(address, _DL_EXT_DEV, device_index, ndim, code, bits, 1), _DL_HEADER.size)
         ctypes.memmove(ctypes.c_void_p.from_address(dl + _DL_SHAPE_FIELD).value, _SHAPE_FORMATS[ndim].pack(*shape), 8 * ndim)
         ctypes.memset(dl + _DL_STRIDES_FIELD, 0, 16)

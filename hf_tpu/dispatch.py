@@ -73,7 +73,6 @@ class Signature:
     written_list: int | None  # an in-place foreach op: the Tensor[] argument it writes, returning nothing
     static_args: tuple  # per argument: True where the lowering asked for the Python value
 
-
     @property
     def name(self) -> str:
         """`aten::add.Tensor`, or `aten::abs` for a default overload, as PyTorch's errors name ops."""
@@ -201,7 +200,7 @@ class _Call:
         for kind in sig.kinds:
             v = values[i]
             if kind == TENSOR or kind == OPT_TENSOR:
-                if type(v) is torch.Tensor or isinstance(v, torch.Tensor):
+                if isinstance(v, torch.Tensor):
                     device_index = self._operand(v, operands, key, device_index)
                 elif v is None:
                     key.append(None)
