@@ -95,7 +95,7 @@ def _demo_llama(path=None) -> None:
             raise SystemExit(f"demo failed: greedy tokens differ in {mode}: {actual.tolist()} vs {expected.tolist()}")
     print(f"greedy tokens identical to CPU: {actual[0, prompt.shape[1]:].tolist()}")
     for name, rate in rows:
-        print(f"  {name:<40} {rate:7.1f} tokens/s")
+        print(f"  {name:<44} {rate:7.1f} tokens/s")
 
 
 def demo(args) -> int:
