@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import warnings
 
 import torch
 
@@ -300,10 +301,91 @@ def _wrap_prepare_cache_for_generation(original):
         if _on_tpu(self) and generation_config.cache_implementation == "static":
             multiple = settings.cache_length_multiple
             max_cache_length = -(-max_cache_length // multiple) * multiple
-        return original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length,
-                        *args, **kwargs)
+        result = original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length,
+                          *args, **kwargs)
+        if _on_tpu(self):
+            _shard_static_cache_like_the_model(self, model_kwargs.get("cache"))
+        return result
 
     return _prepare_cache_for_generation
+
+
+# --- A tensor-parallel model's static cache, sharded by heads
+
+_CACHE_MESH = "_hf_tpu_cache_mesh"
+
+
+def _tensor_parallel_mesh(model):
+    """(mesh, tp axis) of a model sharded over several chips (every parameter of a sharded model sits on
+    the mesh, split or replicated), or None. The tp axis is found as `shard_model` finds it: the mesh's
+    only axis, else the one named "tp" (None when there is neither)."""
+    from .. import distributed
+
+    layout = distributed.sharding(next(model.parameters()))
+    if layout is None:
+        return None
+    names = layout.mesh.axis_names
+    return layout.mesh, ("tp" if "tp" in names else names[0] if len(names) == 1 else None)
+
+
+def _static_layers(cache):
+    """The static layers of a cache that `generate()` made (an encoder-decoder cache holds two caches)."""
+    from transformers.cache_utils import StaticLayer
+
+    for part in (cache, getattr(cache, "self_attention_cache", None), getattr(cache, "cross_attention_cache", None)):
+        for layer in getattr(part, "layers", ()):
+            if isinstance(layer, StaticLayer):
+                yield layer
+
+
+def _shard_static_cache_like_the_model(model, cache) -> None:
+    """Mark each static layer of a tensor-parallel model's cache to be sharded when it allocates its keys
+    and values (lazily, at the first forward), and shard those allocated already (`early_initialization`)."""
+    tensor_parallel = _tensor_parallel_mesh(model)
+    if tensor_parallel is None:
+        return
+    for layer in _static_layers(cache):
+        setattr(layer, _CACHE_MESH, tensor_parallel)
+        if layer.is_initialized:
+            _shard_by_heads(layer, *tensor_parallel)
+
+
+@functools.cache
+def _warn_cache_replicated(reason: str) -> None:
+    warnings.warn(f"hf_tpu: the static KV cache is not split by heads ({reason}): it is allocated whole on every "
+                  "chip of the mesh, and XLA's partitioner lays out its updates.", stacklevel=2)
+
+
+def _shard_by_heads(layer, mesh, tp_axis) -> None:
+    """Keys and values of shape (batch, heads, cache length, head dim), split by heads over `tp_axis` as the
+    attention projections are, so each chip holds 1/N of the cache. The tensors keep their identity (the
+    compiled decoding step holds them as static addresses); their storage becomes sharded."""
+    from .. import distributed
+
+    heads = layer.keys.shape[1]
+    degree = mesh.shape.get(tp_axis)
+    spec = (None, tp_axis)
+    if degree is None:
+        _warn_cache_replicated(f"the mesh {mesh} has several axes and none named 'tp'")
+        spec = ()
+    elif heads % degree:
+        _warn_cache_replicated(f"{degree} chips on the mesh axis {tp_axis!r} do not divide its {heads} key/value heads")
+        spec = ()
+    for cached in (layer.keys, layer.values):
+        cached.data = distributed.shard(cached, mesh, spec)
+
+
+def _wrap_static_layer_allocation(original):
+    @functools.wraps(original)
+    def lazy_initialization(self, key_states, value_states):
+        """A static layer of a tensor-parallel model's cache is sharded as soon as it is allocated, before
+        the prefill writes into it (one layer's cache sits whole on the first chip for that moment)."""
+        original(self, key_states, value_states)
+        tensor_parallel = getattr(self, _CACHE_MESH, None)
+        if tensor_parallel is not None:
+            _shard_by_heads(self, *tensor_parallel)
+
+    return lazy_initialization
 
 
 def _is_plain_prompt(model, input_ids, model_kwargs) -> bool:
@@ -425,3 +507,6 @@ def install(module) -> None:
         _patch(mixin, "generate", _wrap_generate)
         _patch(mixin, "_prepare_generation_config", _wrap_prepare_generation_config)
         _patch(mixin, "_prepare_cache_for_generation", _wrap_prepare_cache_for_generation)
+        from transformers.cache_utils import StaticLayer  # imported by generation.utils already
+
+        _patch(StaticLayer, "lazy_initialization", _wrap_static_layer_allocation)

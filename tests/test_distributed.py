@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import hf_tpu  # noqa: F401
+import hf_tpu
 import hf_tpu.distributed as dist
 
 MODES = ["DEFER_NEVER", "DEFER_AND_FUSE", "DEFER_NEVER_AND_LAUNCH_BLOCKING"]
@@ -246,6 +246,55 @@ def test_from_pretrained_tp_plan_auto_shards_over_the_chips_and_generates(llama_
         torch.testing.assert_close(tpu(ids.to("tpu")).logits.cpu(), cpu(ids).logits, rtol=1e-5, atol=1e-5)
     expected = cpu.generate(ids, max_new_tokens=6, do_sample=False)
     assert torch.equal(tpu.generate(ids.to("tpu"), max_new_tokens=6, do_sample=False).cpu(), expected)
+
+
+def generate_holding_the_cache(model, ids):
+    """generate()'s sequences, its static cache, and the bytes each chip frees when both are dropped."""
+    out = model.generate(ids.to("tpu"), max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    sequences, layers = out.sequences.cpu(), out.cache.layers
+    layouts = [(dist.sharding(layer.keys), dist.sharding(layer.values)) for layer in layers]
+    cache_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in layers)
+    gc.collect()
+    holding = chip_memory()
+    del out, layers
+    gc.collect()
+    return sequences, layouts, cache_bytes, [then - now for then, now in zip(holding, chip_memory())]
+
+
+def test_generate_shards_the_static_cache_by_heads(llama_checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([[3, 14, 15, 92, 65], [7, 1, 8, 2, 8]])
+    expected = AutoModelForCausalLM.from_pretrained(llama_checkpoint).generate(ids, max_new_tokens=6, do_sample=False)
+    single_chip = AutoModelForCausalLM.from_pretrained(llama_checkpoint, device_map="tpu")
+    assert torch.equal(generate_holding_the_cache(single_chip, ids)[0], expected)
+    tpu = AutoModelForCausalLM.from_pretrained(llama_checkpoint, device_map="tpu", tp_plan="auto")
+    hf_tpu.reset_metrics()
+    sequences, layouts, cache_bytes, freed = generate_holding_the_cache(tpu, ids)
+    assert hf_tpu.metrics()["compiles_by_mode"]["COMPILE"] >= 1  # the decoding step is compiled
+    assert torch.equal(sequences, expected)
+    mesh = dist.sharding(tpu.model.embed_tokens.weight).mesh
+    assert layouts == [(dist.Sharding(mesh, (None, "tp", None, None)),) * 2] * CONFIG.num_hidden_layers
+    # each chip held half of every layer's keys and values (plus a few scalars: lengths, positions)
+    assert all(cache_bytes / 2 <= f < cache_bytes / 2 + 1024 for f in freed), (freed, cache_bytes)
+    hf_tpu.reset_metrics()
+    again, layouts_again, _, _ = generate_holding_the_cache(tpu, ids)
+    assert hf_tpu.metrics()["compiles"] == 0
+    assert torch.equal(again, expected) and layouts_again == layouts
+
+
+def test_generate_replicates_a_cache_whose_heads_do_not_split_and_warns():
+    """`shard_model` accepts a tp degree that divides heads * head_dim but not the key/value heads."""
+    config = LlamaConfig(**{**CONFIG.to_dict(), "num_key_value_heads": 1})
+    torch.manual_seed(0)
+    cpu = LlamaForCausalLM(config).eval()
+    ids = torch.tensor([[3, 14, 15, 92, 65]])
+    expected = cpu.generate(ids, max_new_tokens=4, do_sample=False)
+    tpu = dist.shard_model(cpu, cpu.tp_plan, dist.mesh(2, "tp"))
+    with pytest.warns(UserWarning, match="do not divide its 1 key/value heads"):
+        out = tpu.generate(ids.to("tpu"), max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    assert torch.equal(out.sequences.cpu(), expected)
+    assert dist.sharding(out.cache.layers[0].keys).spec[1] is None  # (the partitioner may split head_dim)
 
 
 def test_tensor_parallel_load_rejects_bad_sizes_before_loading(llama_checkpoint, tmp_path):
