@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from jax import lax
 from jax._src.interpreters import pxla
+from jax.experimental import multihost_utils
 
 from . import dtypes, platform
 
@@ -246,7 +247,7 @@ def shard_bytes(array, nbytes: int) -> dict:
     """{chip index: bytes of `array` that chip holds}, for a buffer of `nbytes` in all."""
     numel = math.prod(array.shape)
     per_chip = nbytes * math.prod(array.sharding.shard_shape(array.shape)) // numel if numel else 0
-    return {_chip_index(device): per_chip for device in array.sharding.device_set}
+    return {_chip_index(device): per_chip for device in array.sharding.addressable_devices}
 
 
 def place_together(arrays: list) -> list:
@@ -257,8 +258,7 @@ def place_together(arrays: list) -> list:
     if sharded is None:
         return arrays
     replicated = jax.sharding.NamedSharding(_mesh_of(sharded.sharding), jax.sharding.PartitionSpec())
-    return [jax.device_put(a, replicated) if isinstance(a, jax.Array) and not is_sharded(a) else a
-            for a in arrays]
+    return [put_sharded(a, replicated) if isinstance(a, jax.Array) and not is_sharded(a) else a for a in arrays]
 
 
 def _mesh_of(sharding):
@@ -472,7 +472,21 @@ def write(array, view: View | None, value):
 
 
 def to_numpy(array) -> np.ndarray:
+    if isinstance(array, jax.Array) and not array.is_fully_addressable:
+        # split over other processes' chips too (a multi-process run): every process gets all of it
+        if array.is_fully_replicated:
+            return np.asarray(array.addressable_data(0))
+        return np.asarray(multihost_utils.process_allgather(array, tiled=True))
     return np.asarray(jax.device_get(array))
+
+
+def put_sharded(value, sharding):
+    """`value` (a NumPy array or a jax.Array) laid out as `sharding`. Where the sharding spans other
+    processes' chips, each process writes its own chips from its own copy of the value: every process
+    runs the same program, so holds the same value (JAX cannot send it between processes' chips)."""
+    if sharding.is_fully_addressable or (isinstance(value, jax.Array) and not value.is_fully_addressable):
+        return jax.device_put(value, sharding)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
 def host_array(t: torch.Tensor) -> np.ndarray:
