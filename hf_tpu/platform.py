@@ -2,7 +2,9 @@
 
 JAX picks the hardware: a TPU through libtpu, else a GPU, else the host CPU (a "virtual TPU").
 `HF_TPU_PLATFORM=cpu|gpu|tpu` overrides the choice and `HF_TPU_NUM_DEVICES=N` simulates N chips on
-the CPU. Both must be read before JAX creates its backends, so this module is imported first.
+the CPU. Both must be read before JAX creates its backends, so this module is imported first; so
+must `HF_TPU_COORDINATOR_ADDRESS`, `HF_TPU_NUM_PROCESSES` and `HF_TPU_PROCESS_ID`, which make this
+process one of a multi-process run (docs/design/multi-host.md).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ def _configure_jax_before_backends() -> None:
 _configure_jax_before_backends()
 
 import jax  # noqa: E402
+from jax._src import xla_bridge  # noqa: E402
 
 # PyTorch's default integer type is int64 and float64 is a real dtype there; without x64 JAX would
 # silently compute them in 32 bits.
@@ -47,6 +50,58 @@ if os.environ.get("HF_TPU_NUM_DEVICES"):
         jax.config.update("jax_num_cpu_devices", int(os.environ["HF_TPU_NUM_DEVICES"]))
     except Exception:  # backends already initialised by the user: the XLA flag above applies
         pass
+
+
+# initialize_distributed's arguments and the environment variables that stand for them
+_DISTRIBUTED_VARIABLES = {
+    "coordinator_address": "HF_TPU_COORDINATOR_ADDRESS",
+    "num_processes": "HF_TPU_NUM_PROCESSES",
+    "process_id": "HF_TPU_PROCESS_ID",
+}
+
+
+def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None) -> None:
+    """Join a multi-process run through JAX's distributed runtime, so that meshes span the chips of
+    every process (`hf_tpu.distributed.initialize`). Each argument left None is read from its
+    environment variable (HF_TPU_COORDINATOR_ADDRESS as host:port of process 0, HF_TPU_NUM_PROCESSES,
+    HF_TPU_PROCESS_ID). JAX allows this only before it creates its backends, which the first tpu
+    tensor does; `import hf_tpu` calls it itself when the three variables are set."""
+    given = {"coordinator_address": coordinator_address, "num_processes": num_processes, "process_id": process_id}
+    settings = {arg: os.environ.get(variable) if given[arg] is None else given[arg]
+                for arg, variable in _DISTRIBUTED_VARIABLES.items()}
+    missing = [f"{arg} ({_DISTRIBUTED_VARIABLES[arg]})" for arg, value in settings.items() if value in (None, "")]
+    if missing:
+        known = [f"{arg}={value!r}" for arg, value in settings.items() if value not in (None, "")]
+        raise ValueError(
+            f"a multi-process run needs {', '.join(missing)} as well as {', '.join(known) or 'the others'}: "
+            "pass them to hf_tpu.distributed.initialize() or set all three environment variables in every "
+            "process (none of them for a single-process run)"
+        )
+    for arg in ("num_processes", "process_id"):
+        try:
+            settings[arg] = int(settings[arg])
+        except ValueError:
+            raise ValueError(f"{_DISTRIBUTED_VARIABLES[arg]}={settings[arg]!r}: expected an integer") from None
+    if jax.distributed.is_initialized():
+        raise RuntimeError(
+            f"this process already joined a multi-process run (process {jax.process_index()} of "
+            f"{jax.process_count()}); initialize once, either with the HF_TPU_* variables or by calling it"
+        )
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError(
+            "hf_tpu.distributed.initialize() must run before JAX creates its backends (the first tpu tensor "
+            "or JAX computation does): call it first thing in the program, or set HF_TPU_COORDINATOR_ADDRESS, "
+            "HF_TPU_NUM_PROCESSES and HF_TPU_PROCESS_ID before `import hf_tpu`, which then joins the run itself"
+        )
+    if "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in os.environ:
+        # collectives between processes' CPU devices (the simulated chips); gloo ships with jaxlib
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(settings["coordinator_address"], settings["num_processes"], settings["process_id"])
+
+
+if any(os.environ.get(variable) for variable in _DISTRIBUTED_VARIABLES.values()):
+    initialize_distributed()
 
 
 @functools.cache
@@ -77,6 +132,12 @@ def devices() -> tuple:
 
 def device_count() -> int:
     return len(devices())
+
+
+@functools.cache
+def global_devices() -> tuple:
+    """The chips of every process of a multi-process run, process by process (`devices()` in one process)."""
+    return tuple(jax.devices(name()))
 
 
 def jax_device(index: int):

@@ -4,10 +4,16 @@ SPMD partitioner from the layouts of the inputs (GSPMD). See docs/design/shardin
     mesh = hf_tpu.distributed.mesh((2, 4), ("dp", "tp"))
     hf_tpu.distributed.shard_model(model, config.base_model_tp_plan, mesh)
     batch = hf_tpu.distributed.shard(input_ids, mesh, ("dp", None))
+
+Several processes (one per host) join one run with `initialize()` or the HF_TPU_COORDINATOR_ADDRESS,
+HF_TPU_NUM_PROCESSES and HF_TPU_PROCESS_ID variables; the same code then shards over every process's
+chips (docs/design/multi-host.md).
 """
 
 from .mesh import Mesh, mesh
 from .model import STYLES, shard_model
+from .processes import device_count, initialize, process_count, process_index
 from .tensors import Sharding, replicate, shard, sharding
 
-__all__ = ["Mesh", "STYLES", "Sharding", "mesh", "replicate", "shard", "shard_model", "sharding"]
+__all__ = ["Mesh", "STYLES", "Sharding", "device_count", "initialize", "mesh", "process_count", "process_index",
+           "replicate", "shard", "shard_model", "sharding"]

@@ -14,6 +14,7 @@ import re
 import torch
 
 from .mesh import Mesh, mesh as make_mesh
+from .processes import device_count
 from .tensors import _check_spec, replicate, shard
 
 # style -> which dim of a weight (ndim >= 2) is split, and whether a 1-D bias follows it
@@ -86,8 +87,9 @@ def _tp_axis(mesh: Mesh, tp_axis: str | None) -> str:
 
 
 def shard_model(model: torch.nn.Module, plan: dict, mesh: Mesh | None = None, tp_axis: str | None = None):
-    """Split `model`'s parameters over the `tp_axis` of `mesh` (default: a 1-D mesh over every chip)
-    as `plan` says, and replicate every other parameter and buffer over the mesh; returns `model`.
+    """Split `model`'s parameters over the `tp_axis` of `mesh` (default: a 1-D mesh over every chip of
+    every process) as `plan` says, and replicate every other parameter and buffer over the mesh;
+    returns `model`.
 
     `plan` maps module or parameter names, layer numbers written `*`, to Transformers' style names
     (`{"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise", ...}`, e.g.
@@ -97,7 +99,7 @@ def shard_model(model: torch.nn.Module, plan: dict, mesh: Mesh | None = None, tp
     (an optimizer built before stays valid); CPU parameters are replaced by `tpu` ones, each chip
     receiving only its shard (so a model too big for one chip never sits whole on one)."""
     if mesh is None:
-        mesh = make_mesh(torch.tpu.device_count(), "tp")
+        mesh = make_mesh(device_count(), "tp")
     tp_axis = _tp_axis(mesh, tp_axis)
     plan = _generic_plan(plan)
     _check_plan(model, plan)

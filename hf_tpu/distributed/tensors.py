@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-import jax
 import numpy as np
 import torch
 from jax.sharding import NamedSharding, PartitionSpec
@@ -55,8 +54,10 @@ def _check_spec(shape: tuple, mesh: Mesh, spec) -> tuple:
 def shard(t: torch.Tensor, mesh: Mesh, spec) -> torch.Tensor:
     """A new `tpu` tensor with `t`'s values split over `mesh`: `spec[d]` names the mesh axis (or axes)
     dim d is split over, None (or a shorter spec) keeps a dim whole on every chip. `t` may be on the
-    CPU (each chip then receives only its shard) or on a `tpu` chip. Like `.to()`, the result has no
-    autograd history: shard leaves and inputs (see `shard_model`), not intermediate results."""
+    CPU (each chip then receives only its shard) or on a `tpu` chip. In a multi-process run every
+    process passes the same values and its chips receive their shards of them. Like `.to()`, the
+    result has no autograd history: shard leaves and inputs (see `shard_model`), not intermediate
+    results."""
     if t.device.type not in ("cpu", "tpu"):
         raise ValueError(f"shard() takes a cpu or tpu tensor, got one on {t.device}")
     shape = tuple(t.shape)
@@ -68,9 +69,10 @@ def shard(t: torch.Tensor, mesh: Mesh, spec) -> torch.Tensor:
     else:
         buf = buffer.buffer_of(t)
         value = buffer.read(buf.value(), buffer.view_of(t, buf))
-    array = jax.device_put(value, NamedSharding(mesh.jax_mesh, PartitionSpec(*spec)))
+    device = mesh.device  # raises for a mesh with no chip in this process
+    array = buffer.put_sharded(value, NamedSharding(mesh.jax_mesh, PartitionSpec(*spec)))
     buffer.sharded_arrays_exist = True
-    return buffer.new_tensor(shape, t.dtype, mesh.device.index, array)
+    return buffer.new_tensor(shape, t.dtype, device.index, array)
 
 
 def replicate(t: torch.Tensor, mesh: Mesh) -> torch.Tensor:
