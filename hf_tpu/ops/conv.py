@@ -291,6 +291,52 @@ def adaptive_max_pool3d_backward(grad_output, self, indices):
     return _scatter_to_input(grad_output, self, indices, 3)
 
 
+def _fractional_starts(samples, in_size, out_size, pool_size):
+    """Window starts along one dim from each plane's sample u in [0, 1), in the samples' dtype as
+    PyTorch's CPU kernel computes them: int((i + u) * alpha) - int(u * alpha), the last window
+    ending at the input's end."""
+    dtype = samples.dtype
+    alpha = jnp.asarray(in_size - pool_size, dtype) / jnp.asarray(max(out_size - 1, 1), dtype)
+    i = jnp.arange(out_size, dtype=dtype)
+    starts = ((i + samples[:, None]) * alpha).astype(jnp.int32) - (samples[:, None] * alpha).astype(jnp.int32)
+    return jnp.where(jnp.arange(out_size) == out_size - 1, in_size - pool_size, starts)
+
+
+def _fractional_max_pool(self, kernel_size, output_size, random_samples):
+    """Max over pseudo-random windows: each plane (sample, channel) draws its own window starts per
+    dim from `random_samples` (..., n), ordered (W, H) for 2-d and (T, H, W) for 3-d, as PyTorch."""
+    n = len(kernel_size)
+    lead, spatial = self.shape[: self.ndim - n], self.shape[self.ndim - n :]
+    planes = self.reshape((-1,) + spatial)
+    samples = random_samples.reshape(-1, n)
+    if n == 2:
+        samples = samples[:, ::-1]
+    x, flat = planes, jnp.zeros((planes.shape[0],) + (1,) * 2 * n, jnp.int64)
+    for d, (in_size, out_size, pool_size) in enumerate(zip(spatial, output_size, kernel_size)):
+        positions = _fractional_starts(samples[:, d], in_size, out_size, pool_size)[:, :, None] + jnp.arange(pool_size)
+        gather_shape = [planes.shape[0]] + [1] * n
+        gather_shape[1 + d] = out_size * pool_size
+        x = jnp.take_along_axis(x, positions.reshape(gather_shape), axis=1 + d, mode="clip")
+        per_dim_shape = [planes.shape[0]] + [1] * 2 * n
+        per_dim_shape[1 + 2 * d], per_dim_shape[2 + 2 * d] = out_size, pool_size
+        flat = flat + positions.reshape(per_dim_shape) * math.prod(spatial[d + 1 :])
+    windows_shape = (planes.shape[0],) + tuple(s for o, k in zip(output_size, kernel_size) for s in (o, k))
+    values = _windows_last(x.reshape(windows_shape), n)
+    flat = _windows_last(jnp.broadcast_to(flat, windows_shape), n)
+    output, indices = _max_with_index(values, flat)
+    return output.reshape(lead + tuple(output_size)), indices.reshape(lead + tuple(output_size))
+
+
+@lowering(aten.fractional_max_pool2d.default, aten.fractional_max_pool3d.default)
+def fractional_max_pool(self, kernel_size, output_size, random_samples):
+    return _fractional_max_pool(self, kernel_size, output_size, random_samples)
+
+
+@lowering(aten.fractional_max_pool2d_backward.default, aten.fractional_max_pool3d_backward.default)
+def fractional_max_pool_backward(grad_output, self, kernel_size, output_size, indices):
+    return _scatter_to_input(grad_output, self, indices, len(kernel_size))
+
+
 def _im2col(self, kernel_size, dilation, padding, stride):
     taps = [
         _window_taps(_pooled_size(size, k, s, p, d, False), k, s, p, d)
@@ -457,6 +503,84 @@ def upsample_bicubic2d_backward(grad_output, output_size, input_size, align_corn
         _upsample_interpolated, output_size=output_size, align_corners=align_corners, scales=scales, taps=_cubic_taps
     )
     return _vjp(forward, grad_output, _zeros_input(grad_output, input_size))
+
+
+# --- Antialiased resize (`interpolate(..., antialias=True)`, what torchvision and image processors
+# use to downscale): PIL's separable filters, as in PyTorch's CPU kernel. Each output position
+# averages the inputs under the filter stretched by the downscaling factor, with weights
+# normalised to sum to one; upscaling uses the plain filter.
+
+
+def _antialias_scale(in_size, out_size, scale, align_corners):
+    """PyTorch's `area_pixel_compute_scale`: align_corners changes only the scale, not the centres."""
+    if align_corners:
+        return np.float32((in_size - 1) / (out_size - 1) if out_size > 1 else 0)
+    return _scale(in_size, out_size, scale)
+
+
+def _triangle_filter(x):
+    return np.maximum(1 - np.abs(x), 0)
+
+
+def _keys_filter(x):
+    """Keys' cubic with A = -0.5 (PIL's choice; non-antialiased bicubic uses -0.75)."""
+    x, a = np.abs(x), -0.5
+    near = ((a + 2) * x - (a + 3)) * x * x + 1
+    far = ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+    return np.where(x < 1, near, np.where(x < 2, far, 0))
+
+
+def _antialiased_taps(filter_fn, filter_size):
+    """Taps of PyTorch's `_compute_indices_min_size_weights_aa`: a window of the filter's support
+    around each output centre, truncated at the input's edges (padded with zero weights)."""
+
+    def taps_of(in_size, out_size, scale, align_corners):
+        scale = float(_antialias_scale(in_size, out_size, scale, align_corners))
+        support = filter_size / 2 * scale if scale >= 1 else filter_size / 2
+        width = math.ceil(support) * 2 + 1
+        center = scale * (np.arange(out_size) + 0.5)
+        low = np.maximum(np.trunc(center - support + 0.5), 0).astype(np.int64)
+        size = np.clip(np.minimum(np.trunc(center + support + 0.5).astype(np.int64), in_size) - low, 0, width)
+        offsets = np.arange(width)
+        stretch = 1 / scale if scale >= 1 else 1
+        weights = filter_fn((offsets + low[:, None] - center[:, None] + 0.5) * stretch)
+        weights = np.where(offsets < size[:, None], weights, 0).astype(np.float32)
+        total = weights.sum(1, keepdims=True)
+        weights = np.where(total != 0, weights / np.where(total != 0, total, 1), weights)
+        return np.minimum(low[:, None] + offsets, in_size - 1), weights
+
+    return taps_of
+
+
+_antialiased_linear_taps = _antialiased_taps(_triangle_filter, 2)
+_antialiased_cubic_taps = _antialiased_taps(_keys_filter, 4)
+
+
+@lowering(aten._upsample_bilinear2d_aa.default)
+def upsample_bilinear2d_aa(self, output_size, align_corners, *scales):
+    return _upsample_interpolated(self, output_size, align_corners, scales, _antialiased_linear_taps)
+
+
+@lowering(aten._upsample_bicubic2d_aa.default)
+def upsample_bicubic2d_aa(self, output_size, align_corners, *scales):
+    return _upsample_interpolated(self, output_size, align_corners, scales, _antialiased_cubic_taps)
+
+
+def _antialiased_backward(grad_output, output_size, input_size, align_corners, scales, taps):
+    forward = functools.partial(
+        _upsample_interpolated, output_size=output_size, align_corners=align_corners, scales=scales, taps=taps
+    )
+    return _vjp(forward, grad_output, _zeros_input(grad_output, input_size))
+
+
+@lowering(aten._upsample_bilinear2d_aa_backward.default)
+def upsample_bilinear2d_aa_backward(grad_output, output_size, input_size, align_corners, *scales):
+    return _antialiased_backward(grad_output, output_size, input_size, align_corners, scales, _antialiased_linear_taps)
+
+
+@lowering(aten._upsample_bicubic2d_aa_backward.default)
+def upsample_bicubic2d_aa_backward(grad_output, output_size, input_size, align_corners, *scales):
+    return _antialiased_backward(grad_output, output_size, input_size, align_corners, scales, _antialiased_cubic_taps)
 
 
 # --- Grid sampling: `F.grid_sample` over NCHW input at (x, y) positions in [-1, 1]

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from .. import dtypes
+from .. import dispatch, dtypes
 from .registry import Promote, kernel, lowering
 
 aten = torch.ops.aten
@@ -407,3 +407,80 @@ def linalg_check_errors(sig, values):
     """Reads `info` on the host (a sync, as on CUDA) and lets PyTorch raise its own error."""
     info, api_name, is_matrix = values
     aten._linalg_check_errors(info.cpu(), api_name, is_matrix=is_matrix)
+
+
+# XLA has a non-symmetric eigensolver only on the CPU platform: these ops run on PyTorch's CPU
+# kernels through the fallback, and without it the error says why.
+@kernel(aten.linalg_eig, aten.linalg_eigvals.out, aten._linalg_eigvals)
+def linalg_eig_on_cpu(sig, values):
+    if not dispatch._cpu_fallback_enabled():
+        raise NotImplementedError(
+            f"{dispatch.unsupported(sig, values)} XLA has no non-symmetric eigensolver off the CPU, so "
+            "linalg.eig and linalg.eigvals need the CPU fallback; for symmetric or Hermitian matrices, "
+            "torch.linalg.eigh and eigvalsh run on tpu."
+        )
+    return dispatch.cpu_fallback(sig, values)
+
+
+# --- Least squares: every driver through the SVD, with PyTorch's CPU outputs per driver.
+
+_LSTSQ_DRIVERS = ("gels", "gelsy", "gelsd", "gelss")
+
+
+def _check_lstsq_args(A, B, driver):
+    if driver not in _LSTSQ_DRIVERS:
+        raise RuntimeError("torch.linalg.lstsq: parameter `driver` should be one of (gels, gelsy, gelsd, gelss)")
+    if A.ndim < 2:
+        raise RuntimeError("torch.linalg.lstsq: input must have at least 2 dimensions.")
+    if B.ndim < 1:
+        raise RuntimeError("torch.linalg.lstsq: other must have at least 1 dimension.")
+    if not 0 <= A.ndim - B.ndim <= 1:
+        raise RuntimeError(
+            "torch.linalg.lstsq: input.dim() must be greater or equal to other.dim() and "
+            "(input.dim() - other.dim()) <= 1"
+        )
+    if A.dtype != B.dtype:
+        raise RuntimeError(
+            "torch.linalg.lstsq: Expected input and other to have the same dtype, but got input's dtype "
+            f"{dtypes.to_torch(A.dtype)} and other's dtype {dtypes.to_torch(B.dtype)}"
+        )
+    rows_of_B = B.shape[-1] if A.ndim - B.ndim == 1 else B.shape[-2]
+    if A.shape[-2] != rows_of_B:
+        raise RuntimeError("torch.linalg.lstsq: input.size(-2) should match other.size(-2)")
+
+
+@lowering(aten.linalg_lstsq.default)
+def linalg_lstsq(self, b, rcond=None, *, driver=None):
+    """The minimum-norm solution from the SVD, singular values at most `rcond` times the largest
+    treated as zero: what gelsd/gelss compute, and what gels and gelsy compute for the matrices
+    they are meant for (full rank; gelsy's rank comes from a pivoted QR, which agrees away from
+    the threshold). As on PyTorch's CPU (default driver gelsy): `rank` for all but gels, singular
+    values for gelsd/gelss, residuals for m > n and drivers other than gelsy, and for gelsd/gelss
+    only when every matrix has full rank, which makes their shape depend on the data (a sync).
+    Outputs a driver does not give are empty (0,) tensors."""
+    driver = "gelsy" if driver is None else driver.lower()
+    _check_lstsq_args(self, b, driver)
+    vector_rhs = self.ndim - b.ndim == 1
+    A, B = _broadcast_batch(self, b[..., None] if vector_rhs else b)
+    m, n = A.shape[-2:]
+    real_dtype = jnp.finfo(A.dtype).dtype
+    if rcond is None:
+        rcond = jnp.finfo(A.dtype).eps * max(m, n)
+    u, s, vh = jnp.linalg.svd(A, full_matrices=False)
+    kept = s > rcond * s[..., :1]
+    inverse_s = jnp.where(kept, 1 / jnp.where(kept, s, 1), 0).astype(A.dtype)
+    projected = _matmul(_mH(u), B)  # U^H B
+    solution = _matmul(_mH(vh), inverse_s[..., None] * projected)
+    rank = jnp.count_nonzero(kept, axis=-1).astype(jnp.int64)
+    empty = jnp.zeros((0,), real_dtype)
+    residuals = empty
+    if m > n and driver != "gelsy" and (driver == "gels" or bool(jnp.all(rank == n))):
+        residuals = jnp.sum(jnp.abs(B - _matmul(u, projected)) ** 2, axis=-2).astype(real_dtype)
+        if driver == "gels" and A.size == 0:  # PyTorch's gels skips LAPACK for an empty A: zeros
+            residuals = jnp.zeros_like(residuals)
+    return (
+        solution[..., 0] if vector_rhs else solution,
+        residuals,
+        jnp.zeros((0,), jnp.int64) if driver == "gels" else rank,
+        s if driver in ("gelsd", "gelss") else empty,
+    )
