@@ -65,9 +65,9 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     """Join a multi-process run through JAX's distributed runtime, so that meshes span the chips of
     every process (`hf_tpu.distributed.initialize`). Each argument left None is read from its
     environment variable (HF_TPU_COORDINATOR_ADDRESS as host:port of process 0, HF_TPU_NUM_PROCESSES,
-    HF_TPU_PROCESS_ID). JAX allows this only before it creates its backends, which the first tpu
-    tensor does; `import hf_tpu` calls it itself when the three variables are set."""
-    given = {"coordinator_address": coordinator_address, "num_processes": num_processes, "process_id": process_id}
+    HF_TPU_PROCESS_ID). JAX allows this only before it creates its backends, which importing the rest
+    of hf_tpu does: `import hf_tpu` calls it first when the three variables are set."""
+    given = dict(coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id)
     settings = {arg: os.environ.get(variable) if given[arg] is None else given[arg]
                 for arg, variable in _DISTRIBUTED_VARIABLES.items()}
     missing = [f"{arg} ({_DISTRIBUTED_VARIABLES[arg]})" for arg, value in settings.items() if value in (None, "")]
@@ -90,9 +90,9 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
         )
     if xla_bridge.backends_are_initialized():
         raise RuntimeError(
-            "hf_tpu.distributed.initialize() must run before JAX creates its backends (the first tpu tensor "
-            "or JAX computation does): call it first thing in the program, or set HF_TPU_COORDINATOR_ADDRESS, "
-            "HF_TPU_NUM_PROCESSES and HF_TPU_PROCESS_ID before `import hf_tpu`, which then joins the run itself"
+            "joining a multi-process run must happen before JAX creates its backends, and they already exist "
+            "in this process (importing hf_tpu creates them): set HF_TPU_COORDINATOR_ADDRESS, "
+            "HF_TPU_NUM_PROCESSES and HF_TPU_PROCESS_ID before `import hf_tpu`, which then joins the run first"
         )
     if "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in os.environ:
         # collectives between processes' CPU devices (the simulated chips); gloo ships with jaxlib

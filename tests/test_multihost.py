@@ -73,12 +73,13 @@ def test_two_processes_run_one_sharded_model_like_one_process(tmp_path):
 def test_initialize_errors_say_what_to_do():
     with pytest.raises(ValueError, match=r"needs num_processes \(HF_TPU_NUM_PROCESSES\), process_id"):
         dist.initialize("localhost:1234")
-    with pytest.raises(RuntimeError, match="before JAX creates its backends"):
+    with pytest.raises(RuntimeError, match="set HF_TPU_COORDINATOR_ADDRESS, HF_TPU_NUM_PROCESSES and HF_TPU_PROCESS_ID before"):
         dist.initialize("localhost:1234", num_processes=2, process_id=0)
     env = dict(os.environ, HF_TPU_PLATFORM="cpu", HF_TPU_NUM_PROCESSES="2")
     env.pop("HF_TPU_COORDINATOR_ADDRESS", None)
     env.pop("HF_TPU_PROCESS_ID", None)
-    done = subprocess.run([sys.executable, "-c", "import hf_tpu"], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", "import hf_tpu"], env=env, capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode != 0 and "needs coordinator_address (HF_TPU_COORDINATOR_ADDRESS)" in done.stderr, done.stderr
 
 
