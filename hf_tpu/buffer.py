@@ -13,6 +13,7 @@ a deferred graph just the same. See docs/design/memory-model.md.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import functools
 import math
@@ -201,6 +202,11 @@ class _Allocator:
 
     def buffer(self, address: int) -> Buffer:
         return self.live[address][0]
+
+    def holders(self) -> collections.Counter:
+        """How many live buffers hold each array (by id): an array none or only one holds can be
+        donated to a program that overwrites it."""
+        return collections.Counter(id(entry[0]._array) for entry in list(self.live.values()))
 
 
 allocator = _Allocator()

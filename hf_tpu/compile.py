@@ -2,7 +2,8 @@
 
 Dynamo captures a graph, AOT autograd turns it into functional ATen graphs (forward, and backward
 when training; input mutations such as a static KV cache written by `index_copy_` become outputs
-that are copied back, which on `tpu` only rebinds a buffer to the new array). Each ATen graph is then
+that are copied back, which on `tpu` only rebinds a buffer to the new array, and the old array is
+donated to the program so XLA writes the update in place). Each ATen graph is then
 traced once into a `jax.jit` function by running it on `tpu` tensors whose buffers hold JAX tracers:
 every node goes through the same dispatch and lowering table as eager execution. A graph that
 cannot be traced (an op without a lowering, a host read) runs in the eager mode in force instead.
@@ -57,15 +58,20 @@ def _array_of(t: torch.Tensor):
 class _CompiledGraph:
     """One ATen graph as one jitted JAX function over its tensor inputs."""
 
-    def __init__(self, gm: torch.fx.GraphModule):
+    def __init__(self, gm: torch.fx.GraphModule, overwritten: tuple = ()):
         self.gm = gm
-        self.jitted = jax.jit(self._trace)
+        self.overwritten = overwritten
+        # without donation when an overwritten input's array is also held elsewhere (see _donatable)
+        self.jitted = {True: jax.jit(self._trace, donate_argnums=(0,)), False: jax.jit(self._trace)}
         self.eager = False
         self.out_meta = None
 
-    def _trace(self, arrays, rng_base):
+    def _trace(self, overwritten_arrays, other_arrays, rng_base):
         _counters["compiles"] += 1
         _counters["compiles_by_mode"]["COMPILE"] += 1
+        arrays = list(other_arrays)
+        for position, array in zip(self.overwritten, overwritten_arrays):
+            arrays.insert(position, array)
         inputs = []
         for spec, array in zip(self.in_specs, arrays):
             if spec is None:
@@ -94,8 +100,11 @@ class _CompiledGraph:
         if buffer.sharded_arrays_exist:  # a sharded model meets single-chip inputs (the token ids)
             arrays = buffer.place_together(arrays)
         device_index = next((a.device.index for a in args if isinstance(a, torch.Tensor)), dispatch.current_device_index())
+        overwritten = [arrays[i] for i in self.overwritten]
+        others = [a for i, a in enumerate(arrays) if i not in self.overwritten]
+        jitted = self.jitted[self._donatable(args, overwritten)]
         try:
-            results = self.jitted(arrays, random.next_key(device_index))
+            results = jitted(overwritten, others, random.next_key(device_index))
         except (_Untraceable, NotImplementedError, jax.errors.JAXTypeError, TypeError) as e:
             self.eager = True
             log.warning("hf_tpu: a compiled graph runs in the eager mode instead (%s: %s)", type(e).__name__, e)
@@ -108,11 +117,42 @@ class _CompiledGraph:
                 outs.append(buffer.new_tensor(array.shape, meta[0], meta[1], array))
         return outs
 
+    def _donatable(self, args, overwritten_arrays) -> bool:
+        """A donated array is gone after the call: only whole buffers that no other live buffer
+        shares and that are passed once may be given to XLA."""
+        if not overwritten_arrays:
+            return False
+        held = buffer.allocator.holders()
+        for i, array in zip(self.overwritten, overwritten_arrays):
+            t = args[i]
+            if buffer.view_of(t, buffer.buffer_of(t)) is not None or held[id(array)] != 1:
+                return False
+        return len({id(a) for a in overwritten_arrays}) == len(overwritten_arrays)
 
-def _compile_graph(gm: torch.fx.GraphModule, example_inputs):
+
+def _overwritten_inputs(gm: torch.fx.GraphModule, example_inputs) -> tuple:
+    """Positions of the `tpu` inputs the graph overwrites whole (AOT autograd returns their new values
+    as its first outputs, e.g. a static KV cache written by `index_copy_`): donated to XLA, their
+    update is written in place instead of into a copy of the whole buffer on every call."""
+    context = torch._guards.TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None)
+    if meta is None or len(meta.input_info) != len(example_inputs):  # e.g. synthetic bases of aliased inputs
+        return ()
+    outputs = gm.graph.find_nodes(op="output")[0].args[0]
+    positions = []
+    for k, i in enumerate(meta.mutated_inp_runtime_indices):
+        info, example, new = meta.input_info[i], example_inputs[i], outputs[k].meta.get("val")
+        if (info.mutates_data and not info.mutates_metadata and isinstance(example, torch.Tensor)
+                and example.device.type == "tpu" and isinstance(new, torch.Tensor)
+                and new.shape == example.shape and new.dtype == example.dtype):
+            positions.append(i)
+    return tuple(positions)
+
+
+def _compile_graph(gm: torch.fx.GraphModule, example_inputs, overwritten: tuple = ()):
     if os.environ.get("HF_TPU_LOG_COMPILES") == "1":
         log.warning("hf_tpu: compiling a torch.compile graph of %d nodes", len(gm.graph.nodes))
-    return _CompiledGraph(gm)
+    return _CompiledGraph(gm, overwritten)
 
 
 def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
@@ -120,9 +160,12 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
-    def compiler(graph, inputs):
+    def forward_compiler(graph, inputs):
+        return make_boxed_func(_compile_graph(graph, inputs, _overwritten_inputs(graph, inputs)))
+
+    def backward_compiler(graph, inputs):
         return make_boxed_func(_compile_graph(graph, inputs))
 
-    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler)(gm, example_inputs)
+    return aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler)(gm, example_inputs)
 
 

@@ -179,18 +179,39 @@ def test_torch_compile_matches_eager_and_stops_compiling():
     assert hf_tpu.metrics()["compiles"] == 0
 
 
+def _array_address(t):
+    return hf_tpu.buffer.buffer_of(t).value().unsafe_buffer_pointer()
+
+
 def test_torch_compile_updates_a_mutated_input_in_place():
     cache = torch.zeros(4, 8, device="tpu")
+    view = cache[1:3]
 
     @torch.compile(backend="tpu")
     def write(cache, pos, val):
         cache.index_copy_(0, pos, val)
         return cache.sum()
 
+    address = _array_address(cache)
     with torch.no_grad():
         total = write(cache, torch.tensor([2], device="tpu"), torch.ones(1, 8, device="tpu"))
-    assert total.item() == 8.0
-    assert cache[2].sum().item() == 8.0 and cache.sum().item() == 8.0
+        assert total.item() == 8.0
+        assert cache[2].sum().item() == 8.0 and cache.sum().item() == 8.0 and view[1].sum().item() == 8.0
+        assert _array_address(cache) == address  # the old array was donated: XLA wrote the row in place
+        alias = torch.empty_like(cache).copy_(cache)  # may share the array: no donation then
+        write(cache, torch.tensor([0], device="tpu"), torch.full((1, 8), 2.0, device="tpu"))
+    assert alias.sum().item() == 8.0 and cache.sum().item() == 24.0
+
+
+def test_deferred_flush_reuses_memory_of_arrays_overwritten_in_place():
+    with torch.tpu.use_eager_mode(Mode.DEFER_AND_FUSE):
+        x = torch.ones(256, 256, device="tpu")
+        torch.tpu.synchronize()
+        address = _array_address(x)
+        x.mul_(2.0).add_(1.0)
+        torch.tpu.synchronize()
+        assert _array_address(x) == address
+        assert x.sum().item() == 3.0 * 256 * 256
 
 
 def test_torch_compile_graph_break_runs_tpu_ops_eagerly():

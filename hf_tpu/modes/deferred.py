@@ -5,15 +5,17 @@ edges are `buffer.Lazy` values. A flush replays the nodes inside one `jax.jit`, 
 results some live buffer still holds: an intermediate nobody references is never an output, so it
 never occupies device memory. The fused program is cached by the graph's structure (each node's
 dispatch key, its wiring, which results are outputs, the input shapes and dtypes), and the arrays a
-graph overwrote in place are donated to it where the platform supports donation.
+graph overwrote in place are donated to it when a result of the same shape and dtype can take their memory.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 
 import jax
+import jax.numpy as jnp
 
 from .. import buffer, counters, dtypes, platform
 
@@ -122,7 +124,7 @@ class Deferred:
 
     def _run(self, graph: _Graph, holders, reason: str):
         outputs = tuple((value.node, value.index) for value, _ in holders)
-        donated = self._donatable(graph) if platform.name() != "cpu" else ()
+        donated = self._donatable(graph, [value for value, _ in holders])
         structure = (tuple((node[1], node[2]) for node in graph.nodes), outputs, donated)
         key = (structure, tuple((a.shape, a.dtype) for a in graph.inputs))
         fused = self.cache.get(key)
@@ -156,7 +158,15 @@ class Deferred:
                 buf.array = array
 
     @staticmethod
-    def _donatable(graph: _Graph) -> tuple:
-        """Inputs no live buffer holds any more (overwritten in place): their memory can be reused."""
-        held = {id(entry[0]._array) for entry in list(buffer.allocator.live.values())}
-        return tuple(i for i, a in enumerate(graph.inputs) if id(a) not in held)
+    def _donatable(graph: _Graph, results) -> tuple:
+        """Inputs no live buffer holds any more (overwritten in place) whose memory a result of the same
+        shape and dtype can take over; XLA cannot use any other donation and warns about it."""
+        held = buffer.allocator.holders()
+        wanted = collections.Counter((tuple(r.shape), jnp.dtype(r.dtype)) for r in results)
+        donated = []
+        for i, array in enumerate(graph.inputs):
+            kind = (tuple(array.shape), array.dtype)
+            if wanted[kind] and not held[id(array)]:
+                wanted[kind] -= 1
+                donated.append(i)
+        return tuple(donated)
