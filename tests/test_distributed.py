@@ -311,13 +311,59 @@ def test_tensor_parallel_load_rejects_bad_sizes_before_loading(llama_checkpoint,
     assert chip_memory() == before
 
 
-def _tiny_flux(heads=2):
+def _tiny_flux(heads=2, pooled_projection_dim=32):
     from diffusers import FluxTransformer2DModel
 
     torch.manual_seed(0)
     return FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
                                   attention_head_dim=16, num_attention_heads=heads, joint_attention_dim=32,
-                                  pooled_projection_dim=32, axes_dims_rope=(4, 4, 8))
+                                  pooled_projection_dim=pooled_projection_dim, axes_dims_rope=(4, 4, 8))
+
+
+def _tiny_flux_pipeline():
+    """FluxPipeline on 16x16 images: a VAE with one latent channel (4 once Flux packs 2x2 patches), the
+    examples' 2-layer CLIP (hidden size 16, the pooled projection) and a 1-layer T5 (the joint attention)."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
+    from transformers import CLIPTextModel, T5Config, T5EncoderModel
+
+    from examples.text_to_image import _clip_config, tiny_tokenizer
+
+    transformer = _tiny_flux(pooled_projection_dim=16)
+    vae = AutoencoderKL(sample_size=16, in_channels=3, out_channels=3, block_out_channels=(8, 16), latent_channels=1,
+                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                        norm_num_groups=4, use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.1159,
+                        scaling_factor=0.3611)
+    t5 = T5EncoderModel(T5Config(vocab_size=1000, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4))
+    return FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=CLIPTextModel(_clip_config()),
+                        tokenizer=tiny_tokenizer(), text_encoder_2=t5, tokenizer_2=tiny_tokenizer(), transformer=transformer)
+
+
+def test_diffusers_pipeline_with_a_sharded_transformer_gives_the_unsharded_image(tmp_path):
+    """Diffusers 0.42 gives Flux, Flux 2 and QwenImage a `_tp_plan`, not SD3: the full pipeline is Flux."""
+    from diffusers import DiffusionPipeline, FluxTransformer2DModel
+    from diffusers.models._modeling_parallel import TensorParallelConfig
+
+    _tiny_flux_pipeline().save_pretrained(tmp_path)
+
+    def image(pipe):
+        pipe.set_progress_bar_config(disable=True)
+        # deferred: each step is a few fused programs (strict mode compiles every op once, which is slow on a
+        # cold compilation cache); the values are the strict mode's
+        with torch.tpu.use_eager_mode("DEFER_AND_FUSE"):
+            return pipe("a photo of a cat", num_inference_steps=2, height=16, width=16, max_sequence_length=16,
+                        generator=torch.Generator().manual_seed(0), output_type="pt").images.cpu()
+
+    expected = image(DiffusionPipeline.from_pretrained(tmp_path))
+    pipe = DiffusionPipeline.from_pretrained(tmp_path).to("tpu")
+    single_chip = image(pipe)
+    pipe.transformer = FluxTransformer2DModel.from_pretrained(
+        tmp_path, subfolder="transformer", parallel_config=TensorParallelConfig(tp_degree=2))
+    assert dist.sharding(pipe.transformer.transformer_blocks[0].attn.to_q.weight).spec == ("tp", None)
+    sharded = image(pipe)
+    # float32 images in [0, 1]; measured differences are below 5e-7
+    torch.testing.assert_close(single_chip, expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(sharded, expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(sharded, single_chip, rtol=0, atol=1e-5)
 
 
 def test_diffusers_tensor_parallel_config_shards_over_the_chips(tmp_path):
