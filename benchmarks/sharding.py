@@ -1,5 +1,6 @@
 """A tiny Llama sharded over 1, 2, 4 and 8 simulated chips with its Transformers tensor-parallel plan:
-weight bytes per chip (goal: 1/N of the total, within 5%), forward time (logits to the host) in the
+weight bytes per chip (goal: 1/N of the total, within 5%), the static KV cache bytes per chip that
+`generate()` allocates (goal: 1/N, split by heads), forward time (logits to the host) in the
 strict and deferred modes, and the collectives XLA's partitioner inserted per transformer layer (goal for column/row
 sharding: two all-reduces per layer, after o_proj and after down_proj).
 
@@ -59,6 +60,21 @@ def forward(model, inputs):
         return model(inputs).logits.cpu()
 
 
+def cache_bytes_per_chip(model, ids, chips: int) -> tuple:
+    """(the whole static cache, the most any chip frees when `generate()`'s result and cache are dropped)."""
+    import gc
+
+    import torch
+
+    out = model.generate(ids.to("tpu"), max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
+    whole = sum(layer.keys.nbytes + layer.values.nbytes for layer in out.cache.layers)
+    gc.collect()
+    holding = [torch.tpu.memory_allocated(i) for i in range(chips)]
+    del out
+    gc.collect()
+    return whole, max(then - torch.tpu.memory_allocated(i) for i, then in enumerate(holding))
+
+
 def measure(chips: int, layers: int, iters: int, dump_dir: str) -> dict:
     """In a process with 8 simulated chips: one chip count's memory, times and collectives."""
     import jax
@@ -83,6 +99,7 @@ def measure(chips: int, layers: int, iters: int, dump_dir: str) -> dict:
             for mode in ("DEFER_NEVER", "DEFER_AND_FUSE"):
                 with torch.tpu.use_eager_mode(mode):
                     result[f"{mode} ms"] = 1000 * timeit(lambda m=model, x=inputs: forward(m, x), warmup=2, iters=iters)
+            result["cache_bytes"], result["per_chip_cache_bytes"] = cache_bytes_per_chip(model, ids, chips)
         jax.clear_caches()  # every program of the forward compiles (so is dumped) again, timed ones too
         seen = set(os.listdir(dump_dir))
         with torch.tpu.use_eager_mode("DEFER_AND_FUSE"):
@@ -125,10 +142,11 @@ def main():
         per_layer = ", ".join(f"{n} {v:g}" for n, v in r["per layer"].items() if v)
         outside = ", ".join(f"{n} {v:g}" for n, v in r["outside layers"].items() if v)
         rows.append([chips, f"{r['per_chip_bytes'] / 2**20:.2f} of {r['weight_bytes'] / 2**20:.2f}",
-                     f"{100 * r['per_chip_over_ideal']:+.1f}%", f"{r['DEFER_NEVER ms']:.1f}",
+                     f"{100 * r['per_chip_over_ideal']:+.1f}%",
+                     f"{r['per_chip_cache_bytes'] / 2**10:.0f} of {r['cache_bytes'] / 2**10:.0f}", f"{r['DEFER_NEVER ms']:.1f}",
                      f"{r['DEFER_AND_FUSE ms']:.1f}", per_layer or "none", outside or "none"])
-    print(f"tiny Llama, {args.layers} layers, hidden 256, 8 heads, batch 4x64, float32; Transformers' tp_plan")
-    print(table(["chips", "weights MiB per chip", "vs 1/N", "strict ms", "deferred ms",
+    print(f"tiny Llama, {args.layers} layers, hidden 256, 8 heads, batch 4x64, float32; Transformers' tp_plan; KV cache: generate() of 2 tokens")
+    print(table(["chips", "weights MiB per chip", "vs 1/N", "KV cache KiB per chip", "strict ms", "deferred ms",
                  "collectives per layer", "outside the layers"], rows))
 
 
