@@ -1,12 +1,19 @@
 """The `torch.tpu` module, `torch.accelerator` and device registration, from a plain session."""
 
+import os
 import subprocess
 import sys
 
+import jax
 import pytest
 import torch
 
 import hf_tpu
+
+# the CPU platform simulates HF_TPU_NUM_DEVICES chips (two under tests/conftest.py); a GPU or TPU has its own
+PLATFORM = os.environ["HF_TPU_PLATFORM"]
+CHIPS = int(os.environ["HF_TPU_NUM_DEVICES"]) if PLATFORM == "cpu" else len(jax.local_devices(backend=PLATFORM))
+needs_two_chips = pytest.mark.skipif(CHIPS < 2, reason="needs two tpu chips")
 
 
 def test_device_strings_and_accelerator():
@@ -14,7 +21,7 @@ def test_device_strings_and_accelerator():
     assert torch.device("tpu:0").index == 0
     assert torch.accelerator.current_accelerator().type == "tpu"
     assert torch.accelerator.is_available()
-    assert torch.accelerator.device_count() == torch.tpu.device_count() == 2
+    assert torch.accelerator.device_count() == torch.tpu.device_count() == CHIPS
     assert torch.accelerator.current_device_index() == 0
     torch.accelerator.synchronize()
     assert torch.accelerator.memory_allocated() == torch.tpu.memory_allocated()
@@ -28,7 +35,7 @@ def test_transformers_sees_the_accelerator():
 
 def test_module_functions():
     tpu = torch.tpu
-    assert tpu.is_available() and tpu.device_count() == 2
+    assert tpu.is_available() and tpu.device_count() == CHIPS
     tpu.init()
     assert tpu.is_initialized()
     assert tpu.current_device() == 0
@@ -44,6 +51,7 @@ def test_module_functions():
     assert stats["allocated_bytes.all.current"] == tpu.memory_allocated()
 
 
+@needs_two_chips
 def test_set_device_and_context_manager():
     with torch.tpu.device(1):
         assert torch.tpu.current_device() == 1
@@ -58,6 +66,7 @@ def test_set_device_and_context_manager():
     assert (torch.ones(2, device="tpu:1") + 1).device.index == 1
 
 
+@needs_two_chips
 def test_tensors_on_two_chips_do_not_mix():
     a = torch.ones(2, device="tpu:0")
     b = torch.ones(2, device="tpu:1")
@@ -128,6 +137,6 @@ def test_hf_tpu_env_reports_platform_devices_versions_and_mode(capsys):
 
     assert cli.main(["env"]) == 0
     out = capsys.readouterr().out
-    for needle in ("platform      cpu", "devices       2", "torch ", "jax ", "transformers ", "diffusers ",
+    for needle in (f"platform      {PLATFORM}", f"devices       {CHIPS}", "torch ", "jax ", "transformers ", "diffusers ",
                    "accelerate ", "eager mode"):
         assert needle in out, needle
