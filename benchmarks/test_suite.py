@@ -1,16 +1,18 @@
-"""Transformers' own model tests on `cpu` and on `tpu`: which tests that pass on CPU also pass on tpu.
+"""A library's own model tests on `cpu` and on `tpu`: which tests that pass on CPU also pass on tpu.
 
-Each run is a pytest subprocess over the given Transformers test files: once with
-`TRANSFORMERS_TEST_DEVICE=cpu`, once with `TRANSFORMERS_TEST_DEVICE=tpu TRANSFORMERS_TEST_BACKEND=hf_tpu`
-(Transformers' testing_utils then imports hf_tpu and seeds, synchronizes and empties caches through
-`torch.tpu` / `torch.accelerator`). The tpu run simulates chips on the CPU platform as our own test suite
-does. Outcomes come from pytest's JUnit XML; the figure is the share of CPU-passing tests that also pass
-on tpu, and the tpu-only failures are grouped by their first error line.
+Each run is a pytest subprocess over the given test files of Transformers or Diffusers: once with the
+library's test device set to `cpu`, once with it set to `tpu` and its test backend to `hf_tpu`
+(`TRANSFORMERS_TEST_DEVICE`/`_BACKEND`, `DIFFUSERS_TEST_DEVICE`/`_BACKEND`: the library's testing_utils then
+imports hf_tpu and seeds, synchronizes and empties caches through `torch.tpu` / `torch.accelerator`). The
+tpu run simulates chips on the CPU platform as our own test suite does. Outcomes come from pytest's JUnit
+XML; the figure is the share of CPU-passing tests that also pass on tpu, and the tpu-only failures are
+grouped by their first error line.
 
-Transformers' tests are not in its wheel: see docs/conformance.md ("Transformers' own tests") for how to
-lay them out under /tmp/tf_tests. Their extra dependency (`parameterized`) goes on PYTHONPATH.
+Neither library ships its tests in its wheel: docs/conformance.md ("Transformers' own tests", "Diffusers'
+own tests") says how to lay them out under /tmp/tf_tests and /tmp/diff_tests. Their extra dependency
+(`parameterized`) goes on PYTHONPATH.
 
-Run: python -m benchmarks.transformers_suite --tests /tmp/tf_tests/tests/models/llama [more paths]
+Run: python -m benchmarks.test_suite --library {transformers,diffusers} --tests PATH [PATH ...]
          [--jobs N] [-k EXPR] [--keep DIR] [--failures N]
 """
 
@@ -27,14 +29,28 @@ import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
-DEVICE_ENVIRONMENTS = {
-    "cpu": {"TRANSFORMERS_TEST_DEVICE": "cpu"},
-    "tpu": {
-        "TRANSFORMERS_TEST_DEVICE": "tpu",
-        "TRANSFORMERS_TEST_BACKEND": "hf_tpu",
-        "HF_TPU_PLATFORM": "cpu",
-        "HF_TPU_NUM_DEVICES": "2",
-    },
+_SIMULATED_CHIPS = {"HF_TPU_PLATFORM": "cpu", "HF_TPU_NUM_DEVICES": "2"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Library:
+    """How a library's testing_utils is told which device to test: its environment variables per device."""
+
+    name: str
+    environment_prefix: str  # every variable the library's tests read starts with it; cleared before a run
+
+    @property
+    def device_environments(self) -> dict[str, dict[str, str]]:
+        prefix = self.environment_prefix
+        return {
+            "cpu": {f"{prefix}DEVICE": "cpu"},
+            "tpu": {f"{prefix}DEVICE": "tpu", f"{prefix}BACKEND": "hf_tpu", **_SIMULATED_CHIPS},
+        }
+
+
+LIBRARIES = {
+    "transformers": Library("transformers", "TRANSFORMERS_TEST_"),
+    "diffusers": Library("diffusers", "DIFFUSERS_TEST_"),
 }
 
 
@@ -51,14 +67,15 @@ class Run:
     seconds: float
 
 
-def run_pytest(tests: list[str], device: str, junit_path: Path, jobs: int = 1, keyword: str | None = None) -> Run:
-    """Runs pytest over `tests` for `device` in a subprocess and reads back every test's outcome.
+def run_pytest(tests: list[str], device: str, junit_path: Path, jobs: int = 1, keyword: str | None = None, *,
+               library: Library) -> Run:
+    """Runs `library`'s pytest tests `tests` for `device` in a subprocess and reads back every test's outcome.
 
     pytest-xdist runs the tests even with one job: a worker that crashes (a segfault in a lowering, say)
     is replaced and its test counted as failed, instead of losing the whole run.
     """
-    environment = {key: value for key, value in os.environ.items() if not key.startswith("TRANSFORMERS_TEST_")}
-    environment.update(DEVICE_ENVIRONMENTS[device])
+    environment = {key: value for key, value in os.environ.items() if not key.startswith(library.environment_prefix)}
+    environment.update(library.device_environments[device])
     command = [sys.executable, "-m", "pytest", *tests, "-p", "no:cacheprovider", "-q", "-n", str(jobs),
                "--junitxml", str(junit_path), "-o", "junit_family=xunit1"]
     if keyword:
@@ -141,19 +158,23 @@ def report(comparison: Comparison, runs: list[Run], failures_shown: int = 3) -> 
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
+def main(argv=None, library: Library | None = None) -> None:
+    """Command line; `library` fixed by a per-library entry point, else chosen with `--library`."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tests", nargs="+", required=True, help="Transformers test files or directories")
+    if library is None:
+        parser.add_argument("--library", choices=sorted(LIBRARIES), required=True, help="whose tests these are")
+    parser.add_argument("--tests", nargs="+", required=True, help="the library's test files or directories")
     parser.add_argument("--jobs", type=int, default=1, help="pytest-xdist workers per run")
     parser.add_argument("-k", dest="keyword", help="pytest -k expression, e.g. to drop tests taking minutes")
     parser.add_argument("--keep", type=Path, help="directory to keep the JUnit reports in")
     parser.add_argument("--failures", type=int, default=3, help="test ids listed per failure group")
     args = parser.parse_args(argv)
+    library = library or LIBRARIES[args.library]
 
     with tempfile.TemporaryDirectory() as scratch:
         reports = args.keep or Path(scratch)
         reports.mkdir(parents=True, exist_ok=True)
-        runs = [run_pytest(args.tests, device, reports / f"{device}.xml", args.jobs, args.keyword)
+        runs = [run_pytest(args.tests, device, reports / f"{device}.xml", args.jobs, args.keyword, library=library)
                 for device in ("cpu", "tpu")]
     print(report(compare(runs[0].outcomes, runs[1].outcomes), runs, args.failures))
 
