@@ -381,7 +381,10 @@ def bincount(self, weights=None, minlength=0):
     return jnp.zeros(length, dtype).at[self].add(weights.astype(dtype))
 
 
-_NOT_REQUESTED = jnp.zeros((0,), jnp.int64)  # what ATen returns for an inverse/counts not asked for
+def _not_requested():
+    """What ATen returns for an inverse/counts not asked for (made per call: an array built at import
+    would start JAX's backends before `hf_tpu.distributed.initialize` can run)."""
+    return jnp.zeros((0,), jnp.int64)
 
 
 def _unique(self, axis):
@@ -397,15 +400,15 @@ def unique2(self, sorted=True, return_inverse=False, return_counts=False):
     values, inverse, counts = _unique(self.reshape(-1), None)
     return (
         values,
-        inverse.reshape(self.shape) if return_inverse else _NOT_REQUESTED,
-        counts if return_counts else _NOT_REQUESTED,
+        inverse.reshape(self.shape) if return_inverse else _not_requested(),
+        counts if return_counts else _not_requested(),
     )
 
 
 @lowering(aten._unique.default)
 def unique(self, sorted=True, return_inverse=False):
     values, inverse, _ = _unique(self.reshape(-1), None)
-    return values, inverse.reshape(self.shape) if return_inverse else _NOT_REQUESTED
+    return values, inverse.reshape(self.shape) if return_inverse else _not_requested()
 
 
 @lowering(aten.unique_dim.default)
@@ -424,6 +427,6 @@ def unique_consecutive(self, return_inverse=False, return_counts=False, dim=None
     inverse = inverse.reshape(self.shape) if dim is None else inverse
     return (
         values,
-        inverse.astype(jnp.int64) if return_inverse else _NOT_REQUESTED,
-        counts if return_counts else _NOT_REQUESTED,
+        inverse.astype(jnp.int64) if return_inverse else _not_requested(),
+        counts if return_counts else _not_requested(),
     )

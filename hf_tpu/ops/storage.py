@@ -119,7 +119,7 @@ def _jitted_read(view):
 
 @kernel(aten.copy_.default)
 def copy_(sig, values):
-    dst, src, _non_blocking = values[0], values[1], values[2]
+    dst, src = values[0], values[1]  # non_blocking: every transfer is already asynchronous
     if dst.device.type != "tpu":
         # tpu -> host
         _sync("copy to cpu")
@@ -150,7 +150,7 @@ def copy_(sig, values):
         value = src_buf.array if src_buf.array is not None else src_buf.value()
         if buffer.sharded_arrays_exist and buffer.is_sharded(dst_buf.array) and type(value) is not buffer.Lazy:
             # loading weights into a sharded model (load_state_dict) keeps each chip's shard
-            value = jax.device_put(value, dst_buf.array.sharding)
+            value = buffer.put_sharded(value, dst_buf.array.sharding)
         dst_buf.array = value
         return dst
     return dispatch.run_lowered(dispatch.signature(aten.copy_.default), [dst, src, False])
@@ -164,7 +164,7 @@ def copy(self, src, non_blocking=False):
 @kernel(aten._to_copy.default)
 def to_copy(sig, values):
     self = values[0]
-    dtype, _layout, device = values[1], values[2], values[3]
+    dtype, device = values[1], values[3]  # layout: tpu tensors are strided
     dtype = dtype or self.dtype
     target = torch.device(device) if device is not None else self.device
     if target.type == "cpu":
