@@ -71,6 +71,15 @@ def _register_backend() -> None:
 _register_backend()
 
 
+def __getattr__(name: str):
+    """`hf_tpu.distributed` loads on first use, so single-chip programs never import it."""
+    if name == "distributed":
+        import importlib
+
+        return importlib.import_module(".distributed", __name__)
+    raise AttributeError(f"module 'hf_tpu' has no attribute {name!r}")
+
+
 def platform_name() -> str:
     """The JAX platform behind `tpu` in this process: 'tpu', 'gpu' or 'cpu'."""
     return platform.name()
