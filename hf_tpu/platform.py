@@ -65,8 +65,8 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     """Join a multi-process run through JAX's distributed runtime, so that meshes span the chips of
     every process (`hf_tpu.distributed.initialize`). Each argument left None is read from its
     environment variable (HF_TPU_COORDINATOR_ADDRESS as host:port of process 0, HF_TPU_NUM_PROCESSES,
-    HF_TPU_PROCESS_ID). JAX allows this only before it creates its backends, which importing the rest
-    of hf_tpu does: `import hf_tpu` calls it first when the three variables are set."""
+    HF_TPU_PROCESS_ID). JAX allows this only before it creates its backends (the first `tpu` tensor
+    does): call it right after `import hf_tpu`, or set the three variables and `import hf_tpu` joins."""
     given = dict(coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id)
     settings = {arg: os.environ.get(variable) if given[arg] is None else given[arg]
                 for arg, variable in _DISTRIBUTED_VARIABLES.items()}
@@ -91,7 +91,8 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     if xla_bridge.backends_are_initialized():
         raise RuntimeError(
             "joining a multi-process run must happen before JAX creates its backends, and they already exist "
-            "in this process (importing hf_tpu creates them): set HF_TPU_COORDINATOR_ADDRESS, "
+            "in this process (the first tpu tensor or JAX computation creates them): call "
+            "hf_tpu.distributed.initialize() before any, or set HF_TPU_COORDINATOR_ADDRESS, "
             "HF_TPU_NUM_PROCESSES and HF_TPU_PROCESS_ID before `import hf_tpu`, which then joins the run first"
         )
     if "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in os.environ:

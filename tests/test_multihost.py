@@ -70,9 +70,19 @@ def test_two_processes_run_one_sharded_model_like_one_process(tmp_path):
             torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5, msg=name)
 
 
+def test_initialize_called_after_import_joins_the_run():
+    program = (f"import hf_tpu, torch; import hf_tpu.distributed as dist; "
+               f"dist.initialize('localhost:{free_port()}', num_processes=1, process_id=0); "
+               "assert dist.process_count() == 1; print(torch.ones(2, device='tpu').sum().item())")
+    env = dict(os.environ, HF_TPU_PLATFORM="cpu")
+    done = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "2.0", done.stderr
+
+
 def test_initialize_errors_say_what_to_do():
     with pytest.raises(ValueError, match=r"needs num_processes \(HF_TPU_NUM_PROCESSES\), process_id"):
         dist.initialize("localhost:1234")
+    torch.ones(1, device="tpu")  # JAX's backends exist from here on
     with pytest.raises(RuntimeError, match="set HF_TPU_COORDINATOR_ADDRESS, HF_TPU_NUM_PROCESSES and HF_TPU_PROCESS_ID before"):
         dist.initialize("localhost:1234", num_processes=2, process_id=0)
     env = dict(os.environ, HF_TPU_PLATFORM="cpu", HF_TPU_NUM_PROCESSES="2")
