@@ -203,9 +203,11 @@ def _plan_styles(plan: dict) -> dict:
 
 
 def _check_tensor_parallel(cls, pretrained_model_name_or_path, kwargs, degree: int) -> None:
-    chips = torch.tpu.device_count()
+    from .. import distributed
+
+    chips = distributed.device_count()  # every process's chips after hf_tpu.distributed.initialize
     if degree > chips:
-        raise ValueError(f"tp_degree={degree} needs {degree} tpu chips but this process has {chips} (on the CPU, "
+        raise ValueError(f"tp_degree={degree} needs {degree} tpu chips but this run has {chips} (on the CPU, "
                          "HF_TPU_NUM_DEVICES=N simulates N chips). Nothing was loaded.")
     if not getattr(cls, "_tp_plan", None):
         raise ValueError(f"{cls.__name__} has no tensor-parallel plan (`_tp_plan`). Nothing was loaded.")

@@ -200,10 +200,13 @@ _TENSOR_PARALLEL_ARGUMENTS = ("tp_plan", "tp_size", "distributed_config")
 
 def _tensor_parallel_request(kwargs) -> tuple:
     """(plan, size) from `tp_plan=`/`tp_size=` or a `DistributedConfig`, removed from `kwargs`: on tpu
-    they shard over the local chips in this process instead of starting `torch.distributed`."""
+    they shard over the chips of the run (this process's, or every process's after
+    `hf_tpu.distributed.initialize`) instead of starting `torch.distributed`."""
+    from .. import distributed
+
     config = kwargs.pop("distributed_config", None)
     plan = kwargs.pop("tp_plan", None) or getattr(config, "tp_plan", None) or "auto"
-    size = kwargs.pop("tp_size", None) or getattr(config, "tp_size", None) or torch.tpu.device_count()
+    size = kwargs.pop("tp_size", None) or getattr(config, "tp_size", None) or distributed.device_count()
     return plan, size
 
 
@@ -211,9 +214,11 @@ def _check_tensor_parallel(pretrained_model_name_or_path, kwargs, size: int) -> 
     """The errors a sharded load raises before any weight is read."""
     from transformers import AutoConfig
 
-    chips = torch.tpu.device_count()
+    from .. import distributed
+
+    chips = distributed.device_count()
     if size > chips:
-        raise ValueError(f"tp_size={size} needs {size} tpu chips but this process has {chips} "
+        raise ValueError(f"tp_size={size} needs {size} tpu chips but this run has {chips} "
                          "(on the CPU, HF_TPU_NUM_DEVICES=N simulates N chips). Nothing was loaded.")
     config = kwargs.get("config")
     if not hasattr(config, "get_text_config"):

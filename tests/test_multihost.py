@@ -47,6 +47,7 @@ def free_port() -> int:
 
 @pytest.mark.skipif(not hasattr(_jax, "make_gloo_tcp_collectives"), reason="this jaxlib has no gloo collectives")
 def test_two_processes_run_one_sharded_model_like_one_process(tmp_path):
+    tiny_llama().save_pretrained(tmp_path / "checkpoint")
     port = free_port()
     workers = []
     for process in range(PROCESSES):
@@ -55,7 +56,9 @@ def test_two_processes_run_one_sharded_model_like_one_process(tmp_path):
                    HF_TPU_PROCESS_ID=str(process))
         workers.append(subprocess.Popen([sys.executable, __file__, str(tmp_path)], env=env, text=True,
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    expected_logits, expected_loss, expected_params = train_step(tiny_llama().train(), token_ids())  # meanwhile
+    with torch.no_grad():  # meanwhile
+        expected_loaded = tiny_llama()(token_ids()).logits
+    expected_logits, expected_loss, expected_params = train_step(tiny_llama().train(), token_ids())
     try:
         outputs = [worker.communicate(timeout=240)[0] for worker in workers]
     finally:
@@ -63,7 +66,8 @@ def test_two_processes_run_one_sharded_model_like_one_process(tmp_path):
             worker.kill()
     for process, (worker, output) in enumerate(zip(workers, outputs)):
         assert worker.returncode == 0, f"process {process}:\n{output}"
-        logits, loss, params = torch.load(tmp_path / f"process{process}.pt")
+        logits, loss, params, loaded = torch.load(tmp_path / f"process{process}.pt")
+        torch.testing.assert_close(loaded, expected_loaded, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(logits, expected_logits, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-5)
         for name, value in expected_params.items():
@@ -109,7 +113,12 @@ def run_one_process(out_dir):
     per_chip = [torch.tpu.memory_allocated(i) for i in range(CHIPS_PER_PROCESS)]  # this process's chips
     assert all(weights / 2 <= used < weights * 0.55 for used in per_chip), (per_chip, weights)
     result = train_step(model, dist.shard(token_ids(), mesh, ("dp", None)))
-    torch.save(result, os.path.join(out_dir, f"process{dist.process_index()}.pt"))
+    # Transformers' tensor-parallel load: tp over every process's chips, each placing its own shards
+    loaded = LlamaForCausalLM.from_pretrained(os.path.join(out_dir, "checkpoint"), device_map="tpu", tp_plan="auto")
+    assert dist.sharding(loaded.model.layers[0].self_attn.q_proj.weight).mesh.size == PROCESSES * CHIPS_PER_PROCESS
+    with torch.no_grad():
+        logits = loaded(token_ids().to("tpu")).logits.cpu()
+    torch.save((*result, logits), os.path.join(out_dir, f"process{dist.process_index()}.pt"))
 
 
 if __name__ == "__main__":
