@@ -31,6 +31,7 @@ _TIMESTEP_HOOK = "_hf_tpu_timestep_hook"
 
 # the pipeline components that take a `timestep` at every denoising step
 DENOISERS = ("unet", "transformer", "prior", "controlnet")
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
 def _is_tpu(device) -> bool:
@@ -107,8 +108,8 @@ def _timestep_to_device(module, args, kwargs):
     return args, kwargs
 
 
-def _denoisers(pipe):
-    for name in DENOISERS:
+def _modules(pipe, names):
+    for name in names:
         module = getattr(pipe, name, None)
         if isinstance(module, torch.nn.Module):
             yield name, module
@@ -117,7 +118,7 @@ def _denoisers(pipe):
 def prepare_pipeline(pipe, device: torch.device) -> None:
     """Each denoiser of a pipeline that runs on `device` (a `tpu`) takes the scheduler's host-side
     timestep onto it; once per model."""
-    for _, module in _denoisers(pipe):
+    for _, module in _modules(pipe, DENOISERS):
         if getattr(module, _TIMESTEP_HOOK, None) is not None:
             continue
         parameters = list(inspect.signature(module.forward).parameters)
@@ -146,16 +147,21 @@ def _on_tpu(module) -> bool:
     return parameter is not None and parameter.device.type == "tpu"
 
 
-def compile_pipeline(pipe, *, vae_decoder: bool = True, dynamic: bool = False):
-    """Compiles the pipeline's denoiser (`unet`, `transformer`, ...) and, with `vae_decoder`, the VAE's
-    decoder with `torch.compile(backend="tpu")`. The pipeline must be on `tpu` already.
+def compile_pipeline(pipe, *, vae_decoder: bool = True, text_encoders: bool = True, dynamic: bool = False):
+    """Compiles the pipeline's denoiser (`unet`, `transformer`, ...) and, with `vae_decoder` and
+    `text_encoders`, the VAE's decoder and the text encoders with `torch.compile(backend="tpu")`. The
+    pipeline must be on `tpu` already. Prompts are padded to the tokenizer's maximum length, so the text
+    encoders compile once; with classifier-free guidance they run twice per call and each eager run costs
+    hundreds of op launches.
 
     Each model's `forward` is compiled, not its `__call__`, so the forward hooks (the timestep upload
     among them) run before it and the compiled graph only ever sees `tpu` tensors. With
     `dynamic=False`, a new resolution or batch size compiles its own graph once; repeating one compiles
     nothing. Returns `pipe`.
     """
-    targets = list(_denoisers(pipe))
+    targets = list(_modules(pipe, DENOISERS))
+    if text_encoders:
+        targets += _modules(pipe, TEXT_ENCODERS)
     if vae_decoder and getattr(getattr(pipe, "vae", None), "decoder", None) is not None:
         targets.append(("vae.decoder", pipe.vae.decoder))
     if not targets:
