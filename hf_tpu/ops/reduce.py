@@ -233,6 +233,22 @@ def norm(self, p=2, dim=None, keepdim=False, *, dtype=None):
     return _vector_norm(self, 2 if p is None else p, dim, keepdim, dtype)
 
 
+@lowering(aten.renorm.default)
+def renorm(self, p, dim, maxnorm):
+    """Slices along `dim` whose p-norm exceeds `maxnorm` are scaled down to it. As on CPU, the norm
+    is accumulated in float32 and the scale rounded to self's dtype before the product."""
+    dim = dim % self.ndim
+    others = [d for d in range(self.ndim) if d != dim]
+    norm = _vector_norm(self, p, others, True, None)
+    scale = jnp.where(norm > maxnorm, maxnorm / (norm + 1e-7), 1)
+    return self * scale.astype(self.dtype)
+
+
+@lowering(aten.trace.default)
+def trace(self):
+    return jnp.sum(jnp.diagonal(_accumulator(self)))
+
+
 # --- Logical reductions and counts.
 
 
