@@ -399,6 +399,22 @@ def hardswish_backward(grad_output, self):
     return jnp.where(self < -3, 0, inside)
 
 
+@lowering(aten.hardshrink.default, promote=Promote.DEFAULT)
+def hardshrink(self, lambd=0.5):
+    return jnp.where((self >= -lambd) & (self <= lambd), 0, self)
+
+
+@lowering(aten.softshrink.default, promote=Promote.DEFAULT)
+def softshrink(self, lambd=0.5):
+    # inside the band self * 0, not 0: NaN stays NaN, as on CPU
+    return jnp.where(self > lambd, self - lambd, jnp.where(self < -lambd, self + lambd, self * 0))
+
+
+@lowering(aten.hardshrink_backward.default, aten.softshrink_backward.default, promote=Promote.DEFAULT)
+def shrink_backward(grad_out, self, lambd):
+    return jnp.where((self >= -lambd) & (self <= lambd), 0, grad_out)
+
+
 def _glu(x, dim):
     a, b = jnp.split(x, 2, axis=dim)
     return a * jax.nn.sigmoid(b)
@@ -435,6 +451,35 @@ def _prelu_kernel_backward(grad_output, self, weight):
     grad_input = jnp.where(positive, grad_output, weight * grad_output)
     # the weight gradient keeps the broadcast shape, as on CPU: autograd sums it to the weight's
     return grad_input, jnp.where(positive, 0, self * grad_output)
+
+
+@lowering(aten.rrelu_with_noise_functional.default, promote=Promote.DEFAULT)
+def rrelu_with_noise_functional(self, noise, lower=0.125, upper=1 / 3, training=False, generator=None):
+    """(output, noise). Training: each negative element is scaled by a slope drawn uniformly from
+    [lower, upper], which becomes its noise (1 for the others); eval: the mean slope, noise kept."""
+    if not training:
+        return jnp.where(self > 0, self, self * ((lower + upper) / 2)), noise
+    slopes = jax.random.uniform(generator, self.shape, self.dtype, lower, upper)
+    noise = jnp.where(self <= 0, slopes, 1)
+    return self * noise, noise
+
+
+_RRELU_FUNCTIONAL = aten.rrelu_with_noise_functional.default
+
+
+@kernel(aten.rrelu_with_noise.default)
+def rrelu_with_noise(sig, values):
+    """rrelu_with_noise writes its noise argument without returning it: the functional op computes
+    it and it is copied in here (the backward reads the slopes from it)."""
+    output, noise = dispatch.run_lowered(dispatch.signature(_RRELU_FUNCTIONAL), values)
+    values[1].copy_(noise)
+    return output
+
+
+@kernel(aten.rrelu_with_noise_.default)
+def rrelu_with_noise_(sig, values):
+    values[0].copy_(rrelu_with_noise(sig, values))
+    return values[0]
 
 
 @lowering(aten.native_dropout_backward.default, promote=Promote.DEFAULT)
@@ -535,6 +580,49 @@ def smooth_l1_loss_backward(grad_output, self, target, reduction, beta):
     d = self - target
     grad = jnp.sign(d) if beta == 0 else jnp.clip(d / beta, -1, 1)
     return grad * _grad_of_reduction(grad_output, reduction, self.size)
+
+
+def _margin_grad_scale(grad_output, self, reduction):
+    """The factor each sample's hinge terms are scaled by in the margin losses' backward: the output
+    gradient (per sample without reduction) over the classes, and over the samples for a mean."""
+    classes = self.shape[-1] if self.ndim else 1
+    samples = self.shape[0] if self.ndim == 2 else 1
+    g = _opmath(grad_output) / classes
+    if reduction == _REDUCTION_NONE:
+        return g.reshape(samples, 1)
+    return jnp.broadcast_to(g / samples if reduction == _REDUCTION_MEAN else g, (samples, 1))
+
+
+@lowering(aten.multi_margin_loss_backward.default)
+def multi_margin_loss_backward(grad_output, self, target, p, margin, weight=None, reduction=_REDUCTION_MEAN):
+    """Each class d other than the target t with margin - x[t] + x[d] > 0 (strictly, as on CPU) gets
+    that term's derivative; the target gets minus their sum."""
+    x = _opmath(self).reshape(-1, self.shape[-1] if self.ndim else 1)
+    target = target.reshape(-1, 1)
+    z = margin - jnp.take_along_axis(x, target, axis=1) + x
+    is_target = jnp.arange(x.shape[1]) == target
+    hinge = jnp.where(p == 1, 1, 2 * z)
+    if weight is not None:
+        hinge = hinge * _opmath(weight)[target]
+    grad = jnp.where((z > 0) & ~is_target, hinge, 0) * _margin_grad_scale(grad_output, self, reduction)
+    return (grad - is_target * jnp.sum(grad, axis=1, keepdims=True)).reshape(self.shape)
+
+
+@lowering(aten.multilabel_margin_loss_backward.default)
+def multilabel_margin_loss_backward(grad_output, self, target, reduction, is_target):
+    """For every listed target j (up to the first -1) and every non-target class d with
+    1 - x[j] + x[d] > 0, class d gains the sample's scale and class j loses it."""
+    classes = self.shape[-1] if self.ndim else 1
+    x = _opmath(self).reshape(-1, classes)
+    target = target.reshape(-1, classes)
+    listed = jnp.cumprod(target >= 0, axis=1).astype(bool)
+    target = jnp.where(listed, target, 0)
+    z = 1 - jnp.take_along_axis(x, target, axis=1)[:, :, None] + x[:, None, :]
+    active = (z > 0) & listed[:, :, None] & (is_target.reshape(-1, 1, classes) == 0)
+    scale = _margin_grad_scale(grad_output, self, reduction)
+    gained = jnp.sum(active, axis=1)
+    lost = jnp.zeros_like(x).at[jnp.arange(x.shape[0])[:, None], target].add(jnp.sum(active, axis=2))
+    return ((gained - lost) * scale).reshape(self.shape)
 
 
 @lowering(aten.huber_loss.default, promote=Promote.DEFAULT)
