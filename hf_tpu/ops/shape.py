@@ -41,6 +41,14 @@ def repeat(self, repeats):
     return jnp.tile(self.reshape((1,) * (len(repeats) - self.ndim) + self.shape), tuple(repeats))
 
 
+@lowering(aten.channel_shuffle.default)
+def channel_shuffle(self, groups):
+    """Channels (dim 1) read as groups x per-group, written as per-group x groups."""
+    batch, channels, *rest = self.shape
+    grouped = self.reshape(batch, groups, channels // groups, *rest)
+    return jnp.swapaxes(grouped, 1, 2).reshape(self.shape)
+
+
 @lowering(aten.tril.default)
 def tril(self, diagonal=0):
     return jnp.tril(self, diagonal)
