@@ -309,6 +309,88 @@ def embedding_dense_backward(grad_output, indices, num_weights, padding_idx, sca
     return jnp.zeros((num_weights, grad.shape[1]), accumulate).at[indices].add(grad)
 
 
+# --- Embedding bags. mode: 0 sum, 1 mean, 2 max. Bag b holds the indices from offsets[b] up to the
+# next bag's offset; the last bag runs to the end of `indices` (with include_last_offset too, as on
+# CPU). Indices equal to padding_idx take no part. offset2bag (each index's bag), bag_size (its
+# non-padding count, 0 in sum mode as on CPU) and max_indices (the weight row each maximum came from,
+# first one among ties) are the forward's saved values, which the backward reads back.
+
+_BAG_SUM, _BAG_MEAN, _BAG_MAX = 0, 1, 2
+
+
+def _accumulated(x):
+    """Low-precision floats summed in float32, as on CPU."""
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def _bag_of_each_index(indices, offsets, bags):
+    return jnp.clip(jnp.searchsorted(offsets[:bags], jnp.arange(indices.shape[0]), side="right") - 1, 0, bags - 1)
+
+
+@lowering(aten._embedding_bag.default, aten._embedding_bag_forward_only.default)
+def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=_BAG_SUM, sparse=False,
+                   per_sample_weights=None, include_last_offset=False, padding_idx=-1):
+    bags = offsets.shape[0] - 1 if include_last_offset else offsets.shape[0]
+    offset2bag = _bag_of_each_index(indices, offsets, bags)
+    counted = indices != padding_idx
+    rows = _accumulated(weight)[indices]
+    if per_sample_weights is not None:
+        rows = rows * _accumulated(per_sample_weights)[:, None]
+    bag_size = jnp.zeros(offsets.shape[0], jnp.int64).at[offset2bag].add(counted)
+    if mode == _BAG_MAX:
+        # bags are scanned in index order: a later row replaces the maximum only if strictly larger
+        ranked = jnp.where(counted[:, None], rows, -jnp.inf)
+        best = jax.ops.segment_max(ranked, offset2bag, num_segments=bags)
+        is_best = counted[:, None] & (ranked == best[offset2bag])
+        position = jnp.where(is_best, jnp.arange(indices.shape[0])[:, None], indices.shape[0])
+        first = jax.ops.segment_min(position, offset2bag, num_segments=bags)
+        nonempty = bag_size[:bags, None] > 0
+        max_indices = jnp.where(nonempty, indices[jnp.clip(first, 0, indices.shape[0] - 1)], 0)
+        output = jnp.where(nonempty, best, 0)
+        return output, offset2bag, bag_size, max_indices
+    output = jax.ops.segment_sum(jnp.where(counted[:, None], rows, 0), offset2bag, num_segments=bags)
+    if mode == _BAG_MEAN:
+        output = output / jnp.maximum(bag_size[:bags], 1)[:, None]
+    else:
+        bag_size = jnp.zeros_like(bag_size)
+    return output, offset2bag, bag_size, jnp.zeros((0,), jnp.int64)
+
+
+@lowering(aten._embedding_bag_dense_backward.default)
+def _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
+                                  scale_grad_by_freq, mode, per_sample_weights, padding_idx=-1):
+    grad = _accumulated(grad)
+    if mode == _BAG_MAX:
+        nonempty = bag_size[: grad.shape[0], None] > 0
+        columns = jnp.arange(grad.shape[1])
+        return jnp.zeros((num_weights, grad.shape[1]), grad.dtype).at[maximum_indices, columns].add(
+            jnp.where(nonempty, grad, 0))
+    scale = jnp.where(indices != padding_idx, 1, 0).astype(grad.dtype)
+    if per_sample_weights is not None:
+        scale = scale * _accumulated(per_sample_weights)
+    if mode == _BAG_MEAN:
+        scale = scale / jnp.maximum(bag_size[offset2bag], 1)
+    if scale_grad_by_freq:
+        scale = scale / jnp.zeros(num_weights, grad.dtype).at[indices].add(1)[indices]
+    return jnp.zeros((num_weights, grad.shape[1]), grad.dtype).at[indices].add(grad[offset2bag] * scale[:, None])
+
+
+@lowering(aten._embedding_bag_backward.default)
+def _embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximum_indices, num_weights,
+                            scale_grad_by_freq, mode, sparse, per_sample_weights, padding_idx=-1):
+    if sparse:
+        raise NotImplementedError("embedding_bag(sparse=True): tpu has no sparse tensors; use sparse=False")
+    return _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
+                                         scale_grad_by_freq, mode, per_sample_weights, padding_idx)
+
+
+@lowering(aten._embedding_bag_per_sample_weights_backward.default)
+def _embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, offset2bag, mode, padding_idx=-1):
+    """Each sample's weight multiplied its row into its bag's sum: its gradient is their dot product."""
+    products = jnp.sum(_accumulated(grad)[offset2bag] * _accumulated(weight)[indices], axis=1)
+    return jnp.where(indices != padding_idx, products, 0)
+
+
 # --- Sorted search and histograms.
 
 
