@@ -390,6 +390,31 @@ def _flat(array, dtype):
     return _reinterpret(array.reshape(-1), dtypes.to_jax(dtype))
 
 
+def _aligned(plan: _Dense, offset: int, total: int):
+    """The plan's block laid over the whole buffer instead of over a segment starting at `offset`:
+    (the buffer's shape as blocks, the view's start in it), or None when the view's range crosses a
+    block boundary there. Reads and writes then reshape and slice the buffer's own array, which XLA's
+    partitioner follows through a sharded array; a flat segment of it would make it gather the whole."""
+    outer = math.prod(plan.block[1:])
+    if total % outer:
+        return None
+    whole = (total // outer,) + plan.block[1:]
+    start, rest = [], offset
+    for i in range(len(whole)):
+        radix = math.prod(whole[i + 1:])
+        start.append(rest // radix)
+        rest %= radix
+        if start[-1] + plan.take[i] > whole[i]:
+            return None
+    return whole, tuple(start)
+
+
+def _shaped(array, flat, shape):
+    """The buffer's values (`flat`, in the view's dtype) in `shape`, reshaped from the array itself when
+    no reinterpretation was needed: one reshape the partitioner can follow, not two."""
+    return array.reshape(shape) if flat.dtype == array.dtype else flat.reshape(shape)
+
+
 def _segment(flat, offset, length):
     """flat[offset:offset+length], padded with zeros where the range runs past the end."""
     end = min(flat.shape[0], offset + length)
@@ -420,15 +445,18 @@ def read(array, view: View | None):
     numel = math.prod(view.shape)
     if numel == 0:
         return jnp.zeros(view.shape, flat.dtype)
-    if view.strides == _contiguous_strides(view.shape):
-        if view.offset == 0 and numel == flat.shape[0]:
-            return flat.reshape(view.shape)
-        return lax.slice(flat, (view.offset,), (view.offset + numel,)).reshape(view.shape)
+    if view.offset == 0 and numel == flat.shape[0] and view.strides == _contiguous_strides(view.shape):
+        return _shaped(array, flat, view.shape)
     plan = _dense_plan(view)
     if plan is None:
         return flat[_gather_index(view, flat.shape[0])]
-    block = _segment(flat, view.offset, plan.length).reshape(plan.block)
-    value = lax.slice(block, (0,) * len(plan.block), plan.take)
+    aligned = _aligned(plan, view.offset, flat.shape[0])
+    if aligned is not None:
+        whole, start = aligned
+        value = lax.slice(_shaped(array, flat, whole), start, tuple(a + n for a, n in zip(start, plan.take)))
+    else:
+        block = _segment(flat, view.offset, plan.length).reshape(plan.block)
+        value = lax.slice(block, (0,) * len(plan.block), plan.take)
     value = value.reshape(plan.take[:-1])
     # sorted dims -> the view's order, then size-1 and broadcast dims back in
     order = sorted(range(len(plan.dims)), key=lambda i: plan.dims[i])
@@ -456,21 +484,22 @@ def write(array, view: View | None, value):
         shape = tuple(1 if d in broadcast else n for d, n in enumerate(view.shape))
         view = View(shape, view.strides, view.offset, view.dtype)
         numel = math.prod(shape)
-    if view.strides == _contiguous_strides(view.shape):
-        flat = lax.dynamic_update_slice(flat, value.reshape(-1), (view.offset,))
-    else:
-        plan = _dense_plan(view)
-        if plan is None:
-            flat = flat.at[_gather_index(view, flat.shape[0]).reshape(-1)].set(value.reshape(-1))
-        else:
-            squeezed = value.reshape([view.shape[d] for d in sorted(plan.dims)])
-            rank = {d: i for i, d in enumerate(sorted(plan.dims))}
-            sorted_value = jnp.transpose(squeezed, [rank[d] for d in plan.dims]) if plan.dims else squeezed
-            block = _segment(flat, view.offset, plan.length).reshape(plan.block)
-            start = (0,) * len(plan.block)
-            block = lax.dynamic_update_slice(block, sorted_value.reshape(plan.take), start)
-            valid = min(plan.length, flat.shape[0] - view.offset)
-            flat = lax.dynamic_update_slice(flat, block.reshape(-1)[:valid], (view.offset,))
+    plan = _dense_plan(view)
+    if plan is None:
+        flat = flat.at[_gather_index(view, flat.shape[0]).reshape(-1)].set(value.reshape(-1))
+        return _reinterpret(flat, array.dtype).reshape(array.shape)
+    squeezed = value.reshape([view.shape[d] for d in sorted(plan.dims)])
+    rank = {d: i for i, d in enumerate(sorted(plan.dims))}
+    sorted_value = jnp.transpose(squeezed, [rank[d] for d in plan.dims]) if plan.dims else squeezed
+    aligned = _aligned(plan, view.offset, flat.shape[0])
+    if aligned is not None:
+        whole, start = aligned
+        written = lax.dynamic_update_slice(_shaped(array, flat, whole), sorted_value.reshape(plan.take), start)
+        return _reinterpret(written.reshape(-1), array.dtype).reshape(array.shape)
+    block = _segment(flat, view.offset, plan.length).reshape(plan.block)
+    block = lax.dynamic_update_slice(block, sorted_value.reshape(plan.take), (0,) * len(plan.block))
+    valid = min(plan.length, flat.shape[0] - view.offset)
+    flat = lax.dynamic_update_slice(flat, block.reshape(-1)[:valid], (view.offset,))
     return _reinterpret(flat, array.dtype).reshape(array.shape)
 
 
