@@ -436,7 +436,10 @@ def _upsample_nearest(self, output_size, scales, taps):
 
 
 def _upsample_interpolated(self, output_size, align_corners, scales, taps):
-    return _upsample(self, output_size, lambda size, out, d: taps(size, out, scales[d], align_corners))
+    taps_of = lambda size, out, d: taps(size, out, scales[d], align_corners)  # noqa: E731
+    if self.dtype == jnp.uint8:
+        return _uint8_resize(self, output_size, taps_of)
+    return _upsample(self, output_size, taps_of)
 
 
 @lowering(aten.upsample_nearest1d.default, aten.upsample_nearest2d.default, aten.upsample_nearest3d.default)
@@ -581,6 +584,39 @@ def upsample_bilinear2d_aa_backward(grad_output, output_size, input_size, align_
 @lowering(aten._upsample_bicubic2d_aa_backward.default)
 def upsample_bicubic2d_aa_backward(grad_output, output_size, input_size, align_corners, *scales):
     return _antialiased_backward(grad_output, output_size, input_size, align_corners, scales, _antialiased_cubic_taps)
+
+
+# --- uint8 images (bilinear and bicubic, antialiased or not): PyTorch's CPU kernel resizes them as
+# PIL does, whatever the channel count: one pass per resized dim, the last dim first, each in int16
+# fixed point (weights scaled by 2**precision, the most bits up to 22 that keep the largest weight
+# below 2**15), rounded and clamped back to uint8 before the next pass.
+
+
+def _fixed_point(weights):
+    """Float64 weights as PyTorch's int16 weights, and their precision in bits."""
+    precision = 0
+    while precision < 22 and int(0.5 + weights.max() * (1 << (precision + 1))) < (1 << 15):
+        precision += 1
+    scaled = weights * (1 << precision)
+    return np.trunc(np.where(scaled < 0, scaled - 0.5, scaled + 0.5)).astype(np.int32), precision
+
+
+def _uint8_resize(self, output_size, taps_of):
+    x = self
+    dims = len(output_size)
+    for d in reversed(range(dims)):
+        axis = x.ndim - dims + d
+        in_size, out_size = x.shape[axis], output_size[d]
+        if in_size == out_size:  # PyTorch skips the pass
+            continue
+        taps, weights = taps_of(in_size, out_size, d)
+        # one weight per input position: taps clamped to the same edge position add up first
+        matrix = np.zeros((out_size, in_size))
+        np.add.at(matrix, (np.arange(out_size)[:, None], taps), weights.astype(np.float64))
+        matrix, precision = _fixed_point(matrix)
+        total = jnp.moveaxis(jnp.tensordot(x.astype(jnp.int32), matrix.T, axes=([axis], [0])), -1, axis)
+        x = jnp.clip((total + (1 << (precision - 1))) >> precision, 0, 255).astype(jnp.uint8)
+    return x
 
 
 # --- Grid sampling: `F.grid_sample` over NCHW input at (x, y) positions in [-1, 1]
