@@ -10,7 +10,7 @@ and the head's collectives are not counted as a layer's. Each chip count runs in
 8 simulated chips and no compilation cache (a cached program is not compiled, so not dumped). On the
 CPU the simulated chips share the host's cores: the times show overheads, not speed-ups.
 
-Run: python -m benchmarks.sharding [--layers 2] [--iters 5]   (about 4 minutes on 2 CPU cores)
+Run: python -m benchmarks.sharding [--layers 2] [--iters 5] [--attention tpu|sdpa]   (about 4 minutes on 2 CPU cores)
 """
 
 from __future__ import annotations
@@ -26,12 +26,13 @@ import tempfile
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
-def tiny_llama(layers: int):
+def tiny_llama(layers: int, attention: str):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=layers, num_attention_heads=8,
-                         num_key_value_heads=8, vocab_size=1024, max_position_embeddings=512)
+                         num_key_value_heads=8, vocab_size=1024, max_position_embeddings=512,
+                         attn_implementation=attention)
     torch.manual_seed(0)
     return LlamaForCausalLM(config).eval()
 
@@ -75,7 +76,7 @@ def cache_bytes_per_chip(model, ids, chips: int) -> tuple:
     return whole, max(then - torch.tpu.memory_allocated(i) for i, then in enumerate(holding))
 
 
-def measure(chips: int, layers: int, iters: int, dump_dir: str) -> dict:
+def measure(chips: int, layers: int, iters: int, dump_dir: str, attention: str) -> dict:
     """In a process with 8 simulated chips: one chip count's memory, times and collectives."""
     import jax
     import torch
@@ -88,7 +89,7 @@ def measure(chips: int, layers: int, iters: int, dump_dir: str) -> dict:
     result = {"chips": chips}
     collectives = {}
     for num_layers in (layers, 2 * layers):
-        model = tiny_llama(num_layers)
+        model = tiny_llama(num_layers, attention)
         before = [torch.tpu.memory_allocated(i) for i in range(chips)]
         dist.shard_model(model, model.tp_plan, mesh)
         inputs = dist.replicate(ids, mesh)
@@ -117,11 +118,13 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--attention", default="tpu",
+                        help="attn_implementation: 'tpu' (what a tensor-parallel from_pretrained picks) or 'sdpa'")
     parser.add_argument("--chips", type=int, help=argparse.SUPPRESS)  # one measurement, in a child process
     parser.add_argument("--dump-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.chips:
-        print(json.dumps(measure(args.chips, args.layers, args.iters, args.dump_dir)))
+        print(json.dumps(measure(args.chips, args.layers, args.iters, args.dump_dir, args.attention)))
         return
 
     from benchmarks.common import table
@@ -133,7 +136,7 @@ def main():
                        XLA_FLAGS=f"--xla_dump_to={dump_dir} --xla_dump_hlo_as_text")
             done = subprocess.run(
                 [sys.executable, "-m", "benchmarks.sharding", "--chips", str(chips), "--layers", str(args.layers),
-                 "--iters", str(args.iters), "--dump-dir", dump_dir],
+                 "--iters", str(args.iters), "--dump-dir", dump_dir, "--attention", args.attention],
                 env=env, capture_output=True, text=True, check=False,
             )
         if done.returncode:
@@ -145,7 +148,8 @@ def main():
                      f"{100 * r['per_chip_over_ideal']:+.1f}%",
                      f"{r['per_chip_cache_bytes'] / 2**10:.0f} of {r['cache_bytes'] / 2**10:.0f}", f"{r['DEFER_NEVER ms']:.1f}",
                      f"{r['DEFER_AND_FUSE ms']:.1f}", per_layer or "none", outside or "none"])
-    print(f"tiny Llama, {args.layers} layers, hidden 256, 8 heads, batch 4x64, float32; Transformers' tp_plan; KV cache: generate() of 2 tokens")
+    print(f"tiny Llama, {args.layers} layers, hidden 256, 8 heads, batch 4x64, float32, attention {args.attention!r}; "
+          "Transformers' tp_plan; KV cache: generate() of 2 tokens")
     print(table(["chips", "weights MiB per chip", "vs 1/N", "KV cache KiB per chip", "strict ms", "deferred ms",
                  "collectives per layer", "outside the layers"], rows))
 
