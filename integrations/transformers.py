@@ -279,13 +279,17 @@ def _wrap_from_pretrained(original):
 # --- Generation
 
 
+_ADAPTER_CHOSE_STATIC_CACHE = "_hf_tpu_default_static_cache"
+
+
 def _wrap_prepare_generation_config(original):
     @functools.wraps(original)
     def _prepare_generation_config(self, generation_config=None, **kwargs):
         generation_config, model_kwargs = original(self, generation_config, **kwargs)
+        if not _on_tpu(self):
+            return generation_config, model_kwargs
         if (
             settings.static_cache
-            and _on_tpu(self)
             and generation_config.cache_implementation is None
             and model_kwargs.get("cache") is None
             and model_kwargs.get("past_key_values") is None
@@ -294,16 +298,38 @@ def _wrap_prepare_generation_config(original):
             and getattr(self, "_can_compile_fullgraph", False)
         ):
             generation_config.cache_implementation = "static"
+            setattr(generation_config, _ADAPTER_CHOSE_STATIC_CACHE, True)
+        compile_config = generation_config.compile_config
+        if compile_config is not None and compile_config.backend == "inductor":
+            generation_config.compile_config = _tpu_compile_config(compile_config)
         return generation_config, model_kwargs
 
     return _prepare_generation_config
+
+
+def _tpu_compile_config(compile_config):
+    """A `CompileConfig` left at Inductor (its default backend, e.g. `CompileConfig(fullgraph=True)`) with the
+    `tpu` backend instead: Inductor cannot generate code for `tpu` (it looks for a `torch_tpu` module), so
+    this is the only backend under which the user's other settings can take effect."""
+    _warn_inductor_replaced()
+    tpu_config = dataclasses.replace(compile_config, backend="tpu", mode="default")
+    tpu_config._compile_all_devices = compile_config._compile_all_devices
+    return tpu_config
+
+
+@functools.cache
+def _warn_inductor_replaced() -> None:
+    warnings.warn("hf_tpu: generate() compiles decoding for tpu with torch.compile(backend='tpu'); the "
+                  "compile_config's 'inductor' backend cannot compile for tpu.", stacklevel=3)
 
 
 def _wrap_prepare_cache_for_generation(original):
     @functools.wraps(original)
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
                                       max_cache_length, *args, **kwargs):
-        if _on_tpu(self) and generation_config.cache_implementation == "static":
+        """The static cache the adapter chose is rounded up to `cache_length_multiple` so that other lengths
+        reuse its decode graph; one the user asked for keeps the length Transformers gives it."""
+        if _on_tpu(self) and getattr(generation_config, _ADAPTER_CHOSE_STATIC_CACHE, False):
             multiple = settings.cache_length_multiple
             max_cache_length = -(-max_cache_length // multiple) * multiple
         result = original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length,
@@ -405,14 +431,26 @@ def _is_plain_prompt(model, input_ids, model_kwargs) -> bool:
     )
 
 
+def _loop_runs_on_the_host(generation_config, kwargs) -> bool:
+    """Greedy search, sampling and beam search move each step's inputs to the model and its logits back;
+    assisted generation (an assistant model or prompt lookup) mixes the ids with the model's tensors."""
+    from transformers.generation import GenerationMode
+
+    mode = generation_config.get_generation_mode(kwargs.get("assistant_model"))
+    return mode in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH,
+                    GenerationMode.BEAM_SAMPLE)
+
+
 def _padding_keeps_the_result(generation_config) -> bool:
     """Left padding leaves the result unchanged when nothing reads the prompt's length (lengths are
-    given as new tokens) or its n-grams."""
+    given as new tokens) or its n-grams, and only the sequences come back: the attentions, hidden states
+    and cache of a `return_dict_in_generate` output would hold the padded prompt."""
     return (
         generation_config.max_new_tokens is not None
         and not generation_config.min_length
         and not generation_config.no_repeat_ngram_size
         and generation_config.prefill_chunk_size is None
+        and not generation_config.return_dict_in_generate
     )
 
 
@@ -468,7 +506,7 @@ def _wrap_generate(original):
         if args or not isinstance(input_ids, torch.Tensor) or input_ids.device.type != "tpu":
             return original(self, inputs, generation_config, *args, **kwargs)
         resolved, model_kwargs = self._prepare_generation_config(generation_config, **kwargs)
-        if not _is_plain_prompt(self, input_ids, model_kwargs):
+        if not _is_plain_prompt(self, input_ids, model_kwargs) or not _loop_runs_on_the_host(resolved, kwargs):
             return original(self, inputs, generation_config, *args, **kwargs)
         kwargs.pop("input_ids", None)
         mask = kwargs.pop("attention_mask", None)

@@ -150,6 +150,47 @@ def test_prompt_lengths_pad_to_buckets(models):
         adapter.configure(prompt_buckets=(0, 16))
 
 
+def test_a_static_cache_the_user_chose_keeps_the_length_transformers_gives_it(models):
+    cpu, tpu = models
+    kwargs = dict(max_new_tokens=6, do_sample=False, cache_implementation="static", return_dict_in_generate=True)
+    expected = cpu.generate(PROMPT, **kwargs)
+    actual = tpu.generate(PROMPT.to("tpu"), **kwargs)
+    assert actual.cache.layers[0].keys.shape == expected.cache.layers[0].keys.shape
+    assert torch.equal(actual.sequences.cpu(), expected.sequences)
+
+
+def test_dict_outputs_hold_the_prompt_as_given_and_continue_like_cpu(models):
+    """No prompt padding when generate() returns its hidden states and cache: they would hold the padding."""
+    cpu, tpu = models
+    kwargs = dict(do_sample=False, return_dict_in_generate=True, output_hidden_states=True)
+    expected = cpu.generate(PROMPT, max_new_tokens=3, **kwargs)
+    actual = tpu.generate(PROMPT.to("tpu"), max_new_tokens=3, **kwargs)
+    assert actual.hidden_states[0][0].shape == expected.hidden_states[0][0].shape
+    continued = tpu.generate(actual.sequences, cache=actual.cache, max_new_tokens=3, **kwargs)
+    assert torch.equal(continued.sequences.cpu(), cpu.generate(PROMPT, max_new_tokens=6, **kwargs).sequences)
+
+
+@pytest.mark.parametrize("assistance", ["prompt_lookup", "assistant_model"])
+def test_assisted_generation_generates_the_cpu_tokens(models, assistance):
+    cpu, tpu = models
+    expected = cpu.generate(PROMPT, max_new_tokens=6, do_sample=False)
+    helper = dict(prompt_lookup_num_tokens=2) if assistance == "prompt_lookup" else dict(assistant_model=tpu)
+    actual = tpu.generate(PROMPT.to("tpu"), max_new_tokens=6, do_sample=False, **helper)
+    assert torch.equal(actual.cpu(), expected)
+
+
+def test_a_compile_config_left_at_inductor_compiles_for_tpu(models):
+    from transformers import CompileConfig
+
+    expected, _ = _both(models, max_new_tokens=6, do_sample=False)
+    _, tpu = models
+    with pytest.warns(UserWarning, match="inductor"):
+        actual = tpu.generate(PROMPT.to("tpu"), max_new_tokens=6, do_sample=False,
+                              compile_config=CompileConfig(fullgraph=True, dynamic=False))
+    assert torch.equal(actual.cpu(), expected)
+    assert tpu._last_compile_config.backend == "tpu"
+
+
 def _run(code: str) -> str:
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                             env={**__import__("os").environ, "HF_TPU_NUM_DEVICES": "1"}, timeout=120)
