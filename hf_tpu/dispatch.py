@@ -222,11 +222,13 @@ class _Call:
                 key.append(tuple(type(x) for x in v))
             elif kind == TENSOR_LIST:
                 key.append(len(v))
+                # PyTorch lets CPU index tensors index an accelerator's tensor (`x[:, torch.arange(n)]`)
+                host_indices = sig.names[i] == "indices"
                 for t in v:
                     if t is None:
                         key.append(None)
                     else:
-                        device_index = self._operand(t, operands, key, device_index)
+                        device_index = self._operand(t, operands, key, device_index, host_indices)
             else:  # GENERATOR
                 rng = True
                 key.append(GENERATOR)
@@ -237,12 +239,12 @@ class _Call:
         self.device_index = device_index
         self.rng = rng
 
-    def _operand(self, t, operands, key, device_index):
+    def _operand(self, t, operands, key, device_index, host_ok=False):
         if t.device.type != "tpu":
-            if t.device.type == "cpu" and t.dim() == 0:
-                # PyTorch lets a CPU scalar tensor join an op on an accelerator
+            if t.device.type == "cpu" and (t.dim() == 0 or host_ok):
+                # PyTorch lets a CPU scalar tensor join an op on an accelerator: its value is an input
                 operands.append(_Operand(t, None, buffer.host_array(t)))
-                key.append(("cpu-scalar", t.dtype))
+                key.append(("cpu", tuple(t.shape), t.dtype))
                 return device_index
             raise _device_mismatch(self.sig, f"tpu:{device_index or 0}", t.device)
         buf = buffer.buffer_of(t)

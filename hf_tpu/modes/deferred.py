@@ -166,7 +166,7 @@ class Deferred:
         donated = []
         for i, array in enumerate(graph.inputs):
             kind = (tuple(array.shape), array.dtype)
-            if wanted[kind] and not held[id(array)]:
+            if wanted[kind] and not held[id(array)] and isinstance(array, jax.Array):  # not a host value
                 wanted[kind] -= 1
                 donated.append(i)
         return tuple(donated)

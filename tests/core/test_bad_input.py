@@ -15,6 +15,20 @@ def test_cpu_scalar_tensor_joins_like_on_cuda():
     assert (torch.ones(3, device="tpu") * torch.tensor(2.0)).cpu().tolist() == [2.0, 2.0, 2.0]
 
 
+def test_cpu_index_tensors_index_a_tpu_tensor_like_on_cuda():
+    x = torch.arange(30.0).reshape(2, 3, 5)
+    rows, cols = torch.arange(2), torch.tensor([1, 4])
+    assert torch.equal(x.to("tpu")[:, rows, cols].cpu(), x[:, rows, cols])  # Transformers' speculative sampling
+    written, expected = x.to("tpu"), x.clone()
+    written[:, torch.tensor([0, 2])] = -1.0
+    expected[:, torch.tensor([0, 2])] = -1.0
+    written.index_put_((torch.tensor([1]),), torch.tensor(5.0, device="tpu"), accumulate=True)
+    expected.index_put_((torch.tensor([1]),), torch.tensor(5.0), accumulate=True)
+    assert torch.equal(written.cpu(), expected)
+    with pytest.raises(RuntimeError, match="found at least two devices"):  # only as indices
+        torch.ones(2, 5, device="tpu") + torch.ones(5)
+
+
 def test_shape_mismatch_raises_runtime_error_like_cpu():
     with pytest.raises(RuntimeError, match="must match the size|broadcast"):
         torch.ones(3, device="tpu") + torch.ones(4, device="tpu")
