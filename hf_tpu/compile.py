@@ -62,20 +62,23 @@ class _CompiledGraph:
         self.gm = gm
         self.overwritten = overwritten
         # without donation when an overwritten input's array is also held elsewhere (see _donatable)
-        self.jitted = {True: jax.jit(self._trace, donate_argnums=(0,)), False: jax.jit(self._trace)}
+        # the graph's non-tensor inputs (sizes, under dynamic shapes) are static: each set of values traces
+        # anew, as each new set of input shapes does, so the sizes the graph returns are Python numbers
+        self.jitted = {True: jax.jit(self._trace, donate_argnums=(0,), static_argnums=(2,)),
+                       False: jax.jit(self._trace, static_argnums=(2,))}
         self.eager = False
-        self.out_meta = None
+        self.out_meta = {}  # per (input shapes, non-tensor inputs): each output's (dtype, device) or value
 
-    def _trace(self, overwritten_arrays, other_arrays, rng_base):
+    def _trace(self, overwritten_arrays, other_arrays, values, rng_base):
         _counters["compiles"] += 1
         _counters["compiles_by_mode"]["COMPILE"] += 1
         arrays = list(other_arrays)
         for position, array in zip(self.overwritten, overwritten_arrays):
             arrays.insert(position, array)
         inputs = []
-        for spec, array in zip(self.in_specs, arrays):
+        for spec, array, value in zip(self.in_specs, arrays, values):
             if spec is None:
-                inputs.append(array)
+                inputs.append(value)
             else:
                 inputs.append(buffer.new_tensor(array.shape, spec[0], spec[1], array))
         saved = modes._current[0]
@@ -88,7 +91,9 @@ class _CompiledGraph:
             modes._current[0] = saved
         if not isinstance(outputs, (list, tuple)):
             outputs = (outputs,)
-        self.out_meta = [(o.dtype, o.device.index) if isinstance(o, torch.Tensor) else o for o in outputs]
+        self.out_meta[_meta_key(arrays, values)] = [
+            (o.dtype, o.device.index) if isinstance(o, torch.Tensor) else o for o in outputs
+        ]
         return [_array_of(o) if isinstance(o, torch.Tensor) else None for o in outputs]
 
     def __call__(self, *args):
@@ -96,7 +101,8 @@ class _CompiledGraph:
             return self.gm(*args)
         modes.current().sync("a compiled graph runs")
         self.in_specs = [(a.dtype, a.device.index) if isinstance(a, torch.Tensor) else None for a in args]
-        arrays = [_array_of(a) if isinstance(a, torch.Tensor) else a for a in args]
+        arrays = [_array_of(a) if isinstance(a, torch.Tensor) else None for a in args]
+        values = tuple(None if isinstance(a, torch.Tensor) else a for a in args)
         if buffer.sharded_arrays_exist:  # a sharded model meets single-chip inputs (the token ids)
             arrays = buffer.place_together(arrays)
         device_index = next((a.device.index for a in args if isinstance(a, torch.Tensor)), dispatch.current_device_index())
@@ -104,13 +110,13 @@ class _CompiledGraph:
         others = [a for i, a in enumerate(arrays) if i not in self.overwritten]
         jitted = self.jitted[self._donatable(args, overwritten)]
         try:
-            results = jitted(overwritten, others, random.next_key(device_index))
+            results = jitted(overwritten, others, values, random.next_key(device_index))
         except (_Untraceable, NotImplementedError, jax.errors.JAXTypeError, TypeError) as e:
             self.eager = True
             log.warning("hf_tpu: a compiled graph runs in the eager mode instead (%s: %s)", type(e).__name__, e)
             return self.gm(*args)
         outs = []
-        for meta, array in zip(self.out_meta, results):
+        for meta, array in zip(self.out_meta[_meta_key(arrays, values)], results):
             if array is None:
                 outs.append(meta)
             else:
@@ -128,6 +134,10 @@ class _CompiledGraph:
             if buffer.view_of(t, buffer.buffer_of(t)) is not None or held[id(array)] != 1:
                 return False
         return len({id(a) for a in overwritten_arrays}) == len(overwritten_arrays)
+
+
+def _meta_key(arrays, values) -> tuple:
+    return tuple(None if a is None else a.shape for a in arrays), values
 
 
 def _overwritten_inputs(gm: torch.fx.GraphModule, example_inputs) -> tuple:
