@@ -294,6 +294,7 @@ def _wrap_prepare_generation_config(original):
             and model_kwargs.get("cache") is None
             and model_kwargs.get("past_key_values") is None
             and generation_config.use_cache is not False
+            and not generation_config.output_attentions  # their key length would be the static cache's
             and self._supports_default_dynamic_cache()
             and getattr(self, "_can_compile_fullgraph", False)
         ):

@@ -16,8 +16,8 @@ PROMPT = torch.tensor([[3, 14, 15, 92, 65]])
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+def checkpoint(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=128, max_position_embeddings=256,
@@ -25,7 +25,14 @@ def models(tmp_path_factory):
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny-llama")
     LlamaForCausalLM(config).save_pretrained(path)
-    return AutoModelForCausalLM.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path, device_map="tpu")
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(checkpoint), AutoModelForCausalLM.from_pretrained(checkpoint, device_map="tpu")
 
 
 def _both(models, prompt=PROMPT, **kwargs):
@@ -150,8 +157,12 @@ def test_prompt_lengths_pad_to_buckets(models):
         adapter.configure(prompt_buckets=(0, 16))
 
 
-def test_a_static_cache_the_user_chose_keeps_the_length_transformers_gives_it(models):
-    cpu, tpu = models
+def test_a_static_cache_the_user_chose_keeps_the_length_transformers_gives_it(models, checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    cpu, _ = models
+    tpu = AutoModelForCausalLM.from_pretrained(checkpoint, device_map="tpu")  # Transformers reuses a model's
+    # static cache while it is long enough: a model that generated with the adapter's keeps that length
     kwargs = dict(max_new_tokens=6, do_sample=False, cache_implementation="static", return_dict_in_generate=True)
     expected = cpu.generate(PROMPT, **kwargs)
     actual = tpu.generate(PROMPT.to("tpu"), **kwargs)
@@ -168,6 +179,18 @@ def test_dict_outputs_hold_the_prompt_as_given_and_continue_like_cpu(models):
     assert actual.hidden_states[0][0].shape == expected.hidden_states[0][0].shape
     continued = tpu.generate(actual.sequences, cache=actual.cache, max_new_tokens=3, **kwargs)
     assert torch.equal(continued.sequences.cpu(), cpu.generate(PROMPT, max_new_tokens=6, **kwargs).sequences)
+
+
+def test_attentions_asked_for_have_the_cpu_shapes(checkpoint):
+    """Attentions over the adapter's static cache would be as long as the cache: Transformers' own cache then."""
+    from transformers import AutoModelForCausalLM
+
+    cpu = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager")
+    tpu = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager", device_map="tpu")
+    kwargs = dict(max_new_tokens=3, do_sample=False, return_dict_in_generate=True, output_attentions=True)
+    expected, actual = cpu.generate(PROMPT, **kwargs), tpu.generate(PROMPT.to("tpu"), **kwargs)
+    assert [step[0].shape for step in actual.attentions] == [step[0].shape for step in expected.attentions]
+    assert torch.equal(actual.sequences.cpu(), expected.sequences)
 
 
 @pytest.mark.parametrize("assistance", ["prompt_lookup", "assistant_model"])
