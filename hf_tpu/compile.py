@@ -61,9 +61,9 @@ class _CompiledGraph:
     def __init__(self, gm: torch.fx.GraphModule, overwritten: tuple = ()):
         self.gm = gm
         self.overwritten = overwritten
-        # without donation when an overwritten input's array is also held elsewhere (see _donatable)
-        # the graph's non-tensor inputs (sizes, under dynamic shapes) are static: each set of values traces
-        # anew, as each new set of input shapes does, so the sizes the graph returns are Python numbers
+        # keyed by whether the overwritten inputs are donated (see _donatable). The graph's non-tensor
+        # inputs (sizes, under dynamic shapes) are static: each set of values traces anew, as each new set
+        # of input shapes does, so the sizes the graph returns are Python numbers.
         self.jitted = {True: jax.jit(self._trace, donate_argnums=(0,), static_argnums=(2,)),
                        False: jax.jit(self._trace, static_argnums=(2,))}
         self.eager = False
