@@ -401,16 +401,24 @@ def _cubic_taps(in_size, out_size, scale, align_corners):
     source = _source_positions(in_size, out_size, scale, align_corners, cubic=True)
     low = np.floor(source)
     t = (source - low).astype(np.float32)
-    a = np.float32(-0.75)
-
-    def near(x):  # |x| <= 1
-        return ((a + 2) * x - (a + 3)) * x * x + 1
-
-    def far(x):  # 1 < |x| < 2
-        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
-
     taps = np.clip(low.astype(np.int64)[:, None] + np.arange(-1, 3), 0, in_size - 1)
-    return taps, np.stack([far(t + 1), near(t), near(1 - t), far(2 - t)], 1)
+    return taps, np.stack(_cubic_weights(t), 1)
+
+
+def _keys_near(x, a):
+    """Keys' cubic convolution kernel for |x| <= 1 (NumPy or JAX values)."""
+    return ((a + 2) * x - (a + 3)) * x * x + 1
+
+
+def _keys_far(x, a):
+    """Keys' cubic convolution kernel for 1 < |x| < 2."""
+    return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+
+
+def _cubic_weights(t, a=-0.75):
+    """The weights of the 4 neighbours at offsets -1..2 of a position `t` past the lower one, with
+    PyTorch's A = -0.75 (resize and grid sampling)."""
+    return [_keys_far(t + 1, a), _keys_near(t, a), _keys_near(1 - t, a), _keys_far(2 - t, a)]
 
 
 def _upsample(self, output_size, taps_of):
@@ -528,9 +536,7 @@ def _triangle_filter(x):
 def _keys_filter(x):
     """Keys' cubic with A = -0.5 (PIL's choice; non-antialiased bicubic uses -0.75)."""
     x, a = np.abs(x), -0.5
-    near = ((a + 2) * x - (a + 3)) * x * x + 1
-    far = ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
-    return np.where(x < 1, near, np.where(x < 2, far, 0))
+    return np.where(x < 1, _keys_near(x, a), np.where(x < 2, _keys_far(x, a), 0))
 
 
 def _antialiased_taps(filter_fn, filter_size):
@@ -665,13 +671,6 @@ def _taps_sum(image, taps):
         index = [jnp.clip(p, 0, n - 1).astype(jnp.int32) for p, n in zip(position, sizes)]
         total = total + image[(batch, *index)] * jnp.where(inside, weight, 0)[..., None]
     return total
-
-
-def _cubic_weights(t):
-    a = -0.75
-    near = lambda x: ((a + 2) * x - (a + 3)) * x * x + 1  # noqa: E731  |x| <= 1
-    far = lambda x: ((a * x - 5 * a) * x + 8 * a) * x - 4 * a  # noqa: E731  1 < |x| < 2
-    return [far(t + 1), near(t), near(1 - t), far(2 - t)]
 
 
 def _grid_sample(input, grid, interpolation_mode, padding_mode, align_corners):
