@@ -287,6 +287,24 @@ class View(NamedTuple):
     neg: bool = False
 
 
+class Transposed(NamedTuple):
+    """A matrix operand whose last two dims are swapped from its buffer's (`w.t()`, `k.transpose(-1, -2)`),
+    handed as the buffer's own array to a lowering that contracts it in place: XLA:CPU copies a
+    transposed matrix before a matrix-vector product instead of folding the transpose into the dot,
+    which in a decode step rewrote every weight on every token."""
+
+    array: object
+
+
+def swaps_last_two(view: View | None, shape: tuple, dtype: torch.dtype) -> bool:
+    """Whether `view` is its whole buffer (of `shape` and `dtype`) with the last two dims swapped."""
+    if view is None or view.offset or view.conj or view.neg or view.dtype != dtype or len(shape) < 2:
+        return False
+    swapped = shape[:-2] + (shape[-1], shape[-2])
+    strides = _contiguous_strides(shape)
+    return view.shape == swapped and view.strides == strides[:-2] + (strides[-1], strides[-2])
+
+
 def view_of(t: torch.Tensor, buf: Buffer):
     """None when `t` is exactly its buffer (the common case, read for free), else its `View`."""
     shape = tuple(t.shape)

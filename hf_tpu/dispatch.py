@@ -461,6 +461,13 @@ def _build(call: _Call) -> Program:
             t_index += 1
         elif kind == TENSOR_LIST:
             t_index += sum(t is not None for t in v)
+    # per operand: the buffer's shape where the lowering takes it as `buffer.Transposed`, else None
+    transposed = [None] * len(call.operands)
+    if compute_dtype is None:
+        for i, k in slot_of_arg.items():
+            op = call.operands[k]
+            if names[i] in low.transposed and op.buf is not None and buffer.swaps_last_two(op.view, op.buf.shape, op.buf.dtype):
+                transposed[k] = op.buf.shape
     returns_mutated = sig.returns_mutated
     is_out_variant = sig.functional is not None and not sig.op._schema.name.endswith("_")
     lowered_schema = (sig.functional or sig.op)._schema
@@ -471,7 +478,8 @@ def _build(call: _Call) -> Program:
     def fn(arrays, scalars, rng_data):
         rng_key = random.key_from_data(rng_data) if rng_data is not None else None
         arrays = [jnp.zeros(*blank[i]) if a is None else a for i, a in enumerate(arrays)]
-        vals = [buffer.read(a, v) for a, v in zip(arrays, views)]
+        vals = [buffer.read(a, v) if whole is None else buffer.Transposed(a.reshape(whole))
+                for a, v, whole in zip(arrays, views, transposed)]
         if jax_compute is not None:
             vals = [v.astype(jax_compute) if _promotable(v) else v for v in vals]
 

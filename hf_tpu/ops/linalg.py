@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from .. import dispatch, dtypes
+from .. import buffer, dispatch, dtypes
 from .registry import Promote, kernel, lowering
 
 aten = torch.ops.aten
@@ -51,9 +51,18 @@ def dot(a, b, dimension_numbers):
 
 
 def _matmul(a, b):
-    """(..., n, k) @ (..., k, m) with equal batch dims."""
+    """(..., n, k) @ (..., k, m) with equal batch dims; either side may be `buffer.Transposed`, whose
+    array holds the matrix with its last two dims swapped, contracted where it lies."""
+    if type(a) is buffer.Transposed:
+        a, lhs_contracted = a.array, a.array.ndim - 2
+    else:
+        lhs_contracted = a.ndim - 1
+    if type(b) is buffer.Transposed:
+        b, rhs_contracted = b.array, b.array.ndim - 1
+    else:
+        rhs_contracted = b.ndim - 2
     batch = tuple(range(a.ndim - 2))
-    return dot(a, b, (((a.ndim - 1,), (b.ndim - 2,)), (batch, batch)))
+    return dot(a, b, (((lhs_contracted,), (rhs_contracted,)), (batch, batch)))
 
 
 def _scaled_sum(self, product, beta, alpha):
@@ -64,22 +73,22 @@ def _scaled_sum(self, product, beta, alpha):
     return jnp.where(beta == 0, jnp.zeros_like(self), beta * self) + alpha * product
 
 
-@lowering(aten.mm.default, aten.bmm.default, aten._int_mm.default)
+@lowering(aten.mm.default, aten.bmm.default, aten._int_mm.default, transposed=("self", "mat2"))
 def mm(self, mat2):
     return _matmul(self, mat2)
 
 
-@lowering(aten.mm.dtype, aten.bmm.dtype)
+@lowering(aten.mm.dtype, aten.bmm.dtype, transposed=("self", "mat2"))
 def mm_out_dtype(self, mat2, out_dtype):
     return _matmul(self, mat2)
 
 
-@lowering(aten.addmm.default, aten.baddbmm.default)
+@lowering(aten.addmm.default, aten.baddbmm.default, transposed=("mat1", "mat2", "batch1", "batch2"))
 def addmm(self, mat1, mat2, beta=1, alpha=1):
     return _scaled_sum(self, _matmul(mat1, mat2), beta, alpha)
 
 
-@lowering(aten.addmm.dtype, aten.baddbmm.dtype)
+@lowering(aten.addmm.dtype, aten.baddbmm.dtype, transposed=("mat1", "mat2", "batch1", "batch2"))
 def addmm_out_dtype(self, mat1, mat2, out_dtype, beta=1, alpha=1):
     return _scaled_sum(self, _matmul(mat1, mat2), beta, alpha)
 

@@ -37,6 +37,9 @@ class Lowering:
     # result shapes and dtypes from tracing the lowering, not PyTorch's meta kernel: for the few ops
     # whose meta kernel rejects what tpu supports (it copies a CUDA-only restriction)
     own_shapes: bool = False
+    # names of matrix arguments that may arrive as `buffer.Transposed` (a whole buffer viewed with its
+    # last two dims swapped) for the lowering to contract directly instead of reading a transposed copy
+    transposed: frozenset = frozenset()
 
 
 LOWERINGS: dict[torch._ops.OpOverload, Lowering] = {}
@@ -48,12 +51,12 @@ def _overloads(op):
     return [op]
 
 
-def lowering(*ops, promote: Promote | None = None, static=(), own_shapes: bool = False):
+def lowering(*ops, promote: Promote | None = None, static=(), own_shapes: bool = False, transposed=()):
     """Register `fn` as the lowering of each op (an OpOverload, or a packet meaning its functional
     overloads)."""
 
     def register(fn):
-        entry = Lowering(fn, promote, frozenset(static), own_shapes)
+        entry = Lowering(fn, promote, frozenset(static), own_shapes, frozenset(transposed))
         for op in ops:
             for overload in _overloads(op):
                 if isinstance(op, torch._ops.OpOverloadPacket) and overload._schema.is_mutable:

@@ -216,3 +216,39 @@ def test_uint8_resize_is_bit_exact(mode, antialias, align_corners, channels):
         resize = lambda x: F.interpolate(x, size=size, mode=mode, antialias=antialias,  # noqa: E731
                                          align_corners=align_corners)
         torch.testing.assert_close(resize(image.to("tpu")).cpu(), resize(image), rtol=0, atol=0)
+
+
+_TRANSPOSED_MATMULS = [
+    ("mm", lambda x, w, b, q, k: torch.mm(x, w.t())),
+    ("mm, both transposed", lambda x, w, b, q, k: torch.mm(w.t().t().t().t(), x.t())),
+    ("addmm", lambda x, w, b, q, k: torch.addmm(b, x, w.t(), beta=0.5, alpha=2)),
+    ("bmm", lambda x, w, b, q, k: torch.bmm(q, k.transpose(1, 2))),
+    ("baddbmm", lambda x, w, b, q, k: torch.baddbmm(torch.ones(2, q.shape[1], 7, device=q.device), q, k.transpose(1, 2))),
+    ("linear", lambda x, w, b, q, k: F.linear(x, w, b)),
+]
+
+
+@pytest.mark.parametrize("eager_mode", ["DEFER_NEVER", "DEFER_AND_FUSE"])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_matmuls_contract_transposed_operands_in_place(eager_mode, rows, monkeypatch):
+    """`x @ w.t()` and friends equal CPU, and their programs hold no transpose: the operand is
+    contracted where it lies (XLA:CPU would copy a transposed weight before a matrix-vector product)."""
+    import jax
+
+    from hf_tpu import modes
+
+    torch.manual_seed(0)
+    operands = (torch.randn(rows, 6), torch.randn(4, 6), torch.randn(4), torch.randn(2, rows, 3), torch.randn(2, 7, 3))
+    device_operands = tuple(t.to("tpu") for t in operands)
+    programs = []
+    execute = modes._Eager.execute
+    monkeypatch.setattr(modes._Eager, "execute", lambda self, program, key, arrays, scalars, rng, index: (
+        programs.append((key[0], program, arrays, scalars)), execute(self, program, key, arrays, scalars, rng, index))[1])
+    with torch.tpu.use_eager_mode(eager_mode):
+        for name, fn in _TRANSPOSED_MATMULS:
+            torch.testing.assert_close(fn(*device_operands).cpu(), fn(*operands), **TOLERANCE, msg=name)
+    products = [p for p in programs if p[0]._schema.name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")]
+    assert len(products) == (len(_TRANSPOSED_MATMULS) if eager_mode == "DEFER_NEVER" else 0)
+    for op, program, arrays, scalars in products:
+        jaxpr = str(jax.make_jaxpr(program.fn)(arrays, scalars, None))
+        assert "dot_general" in jaxpr and "transpose" not in jaxpr, (op, jaxpr)
