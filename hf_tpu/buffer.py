@@ -43,14 +43,14 @@ from . import dtypes, platform
 # the user's error into a SystemError.
 
 
-# DLTensor's leading fields (data, device type and id, ndim, dtype code/bits/lanes), then at byte 24
-# the shape pointer (NumPy's copy, which we overwrite), the strides pointer and byte_offset (zeroed:
-# compact row-major). Written with two memmoves: field-by-field ctypes assignment cost more than the
-# whole op's launch.
-_DL_HEADER = struct.Struct("<QiiiBBH")
-_DL_SHAPE_FIELD = 24
-_DL_STRIDES_FIELD = 32
-_SHAPE_FORMATS = [struct.Struct(f"<{n}q") for n in range(65)]
+# DLTensor's fields (data, device type and id, ndim, dtype code/bits/lanes, shape pointer, strides
+# pointer, byte offset), written with one memmove: field-by-field ctypes assignment cost more than the
+# whole op's launch. The shape pointer points at a cached int64 array of the shape (PyTorch copies the
+# sizes while it builds the tensor; NumPy frees its own shape copy with the struct, not through the
+# pointer), the strides pointer is NULL (compact row-major) and the offset 0.
+_DL_TENSOR = struct.Struct("<QiiiBBHQQQ")
+_SHAPES: dict = {}  # shape -> (int64 ctypes array, its address)
+_SHAPES_CACHED = 4096
 _DL_EXT_DEV = 12  # kDLExtDev: PyTorch maps it to PrivateUse1, i.e. `tpu`
 _capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
 _capsule_pointer.restype = ctypes.c_void_p
@@ -159,10 +159,15 @@ class _Allocator:
             self.num_allocs[device_index] = self.num_allocs.get(device_index, 0) + 1
         del owner  # the capsule holds it now; it dies with the storage
         code, bits = _dlpack_code(dtype)
-        ctypes.memmove(dl, _DL_HEADER.pack(address, _DL_EXT_DEV, device_index, ndim, code, bits, 1), _DL_HEADER.size)
-        ctypes.memmove(ctypes.c_void_p.from_address(dl + _DL_SHAPE_FIELD).value, _SHAPE_FORMATS[ndim].pack(*shape), 8 * ndim)
-        ctypes.memset(dl + _DL_STRIDES_FIELD, 0, 16)
-        return _from_dlpack(capsule), buf
+        sizes = _SHAPES.get(shape)
+        if sizes is None:
+            if len(_SHAPES) >= _SHAPES_CACHED:
+                _SHAPES.clear()
+            array = (ctypes.c_int64 * max(ndim, 1))(*shape)
+            sizes = _SHAPES[shape] = (array, ctypes.addressof(array))
+        ctypes.memmove(dl, _DL_TENSOR.pack(address, _DL_EXT_DEV, device_index, ndim, code, bits, 1, sizes[1], 0, 0),
+                       _DL_TENSOR.size)
+        return _from_dlpack(capsule), buf  # `sizes` holds the shape array until PyTorch has read it
 
     def _release(self, ref):
         with self.lock:
@@ -307,17 +312,21 @@ def swaps_last_two(view: View | None, shape: tuple, dtype: torch.dtype) -> bool:
 
 def view_of(t: torch.Tensor, buf: Buffer):
     """None when `t` is exactly its buffer (the common case, read for free), else its `View`."""
-    shape = tuple(t.shape)
+    dtype = t.dtype
+    if dtype in _COMPLEX and (t.is_conj() or t.is_neg()):
+        return View(tuple(t.shape), tuple(t.stride()), t.storage_offset(), dtype, t.is_conj(), t.is_neg())
     offset = t.storage_offset()
-    if t.dtype.is_complex and (t.is_conj() or t.is_neg()):
-        return View(shape, tuple(t.stride()), offset, t.dtype, t.is_conj(), t.is_neg())
     if offset == 0 and t.is_contiguous():
-        if shape == buf.shape and t.dtype == buf.dtype:
+        shape = t.shape  # a torch.Size: equal to the buffer's tuple when the sizes are
+        if dtype == buf.dtype and shape == buf.shape:
             return None
-        if t.dtype != buf.dtype and math.prod(shape) * t.dtype.itemsize == buf.nbytes:
-            _adopt_layout(buf, shape, t.dtype)  # e.g. bytes restored by torch.load, read as float32
+        if dtype != buf.dtype and math.prod(shape) * dtype.itemsize == buf.nbytes:
+            _adopt_layout(buf, tuple(shape), dtype)  # e.g. bytes restored by torch.load, read as float32
             return None
-    return View(shape, tuple(t.stride()), offset, t.dtype)
+    return View(tuple(t.shape), tuple(t.stride()), offset, dtype)
+
+
+_COMPLEX = frozenset(d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_complex)
 
 
 def _adopt_layout(buf: Buffer, shape, dtype):

@@ -240,14 +240,19 @@ class _Call:
         self.rng = rng
 
     def _operand(self, t, operands, key, device_index, host_ok=False):
-        if t.device.type != "tpu":
-            if t.device.type == "cpu" and (t.dim() == 0 or host_ok):
+        if t.is_cpu:
+            if t.dim() == 0 or host_ok:
                 # PyTorch lets a CPU scalar tensor join an op on an accelerator: its value is an input
                 operands.append(_Operand(t, None, buffer.host_array(t)))
                 key.append(("cpu", tuple(t.shape), t.dtype))
                 return device_index
             raise _device_mismatch(self.sig, f"tpu:{device_index or 0}", t.device)
-        buf = buffer.buffer_of(t)
+        entry = buffer.allocator.live.get(t.untyped_storage().data_ptr())
+        if entry is None:
+            if t.device.type != "tpu":
+                raise _device_mismatch(self.sig, f"tpu:{device_index or 0}", t.device)
+            buffer.buffer_of(t)  # raises its error
+        buf = entry[0]
         if device_index is not None and buf.device_index != device_index:
             raise _device_mismatch(self.sig, f"tpu:{device_index}", f"tpu:{buf.device_index}")
         view = buffer.view_of(t, buf)
