@@ -72,6 +72,7 @@ class Signature:
     num_returns: int
     written_list: int | None  # an in-place foreach op: the Tensor[] argument it writes, returning nothing
     static_args: tuple  # per argument: True where the lowering asked for the Python value
+    static_values: tuple  # per argument: the values compiled in when passed (Lowering.static_values), or None
 
     @property
     def name(self) -> str:
@@ -148,6 +149,7 @@ def signature(op) -> Signature:
         num_returns=len(schema.returns),
         written_list=next((i for i in mutated if _kind(args[i]) == TENSOR_LIST), None) if not schema.returns else None,
         static_args=tuple(low is not None and a.name in low.static for a in args),
+        static_values=tuple(dict(low.static_values).get(a.name) if low is not None else None for a in args),
     )
 
 
@@ -205,7 +207,7 @@ class _Call:
                 elif v is None:
                     key.append(None)
                 elif _is_static_scalar(sig, i, v):
-                    key.append(_hashable(v))
+                    key.append((type(v), v))
                 else:  # a Python number PyTorch wrapped as a tensor: a scalar here
                     scalars.append(v)
                     key.append(type(v))
@@ -213,7 +215,7 @@ class _Call:
                 key.append(_hashable(v))
             elif kind == SCALAR:
                 if _is_static_scalar(sig, i, v):
-                    key.append(_hashable(v))
+                    key.append((type(v), v))  # typed: 2 and 2.0 promote differently
                 else:
                     scalars.append(v)
                     key.append(type(v))
@@ -272,11 +274,14 @@ def _is_number(v) -> bool:
 
 def _is_static_scalar(sig: Signature, i: int, v) -> bool:
     """A scalar that is compiled into the program rather than passed to it: one the lowering asked for
-    as a Python value, or one equal to the schema's default (`alpha=1`), which is cheaper to bake in
-    than to transfer on every call and does not vary in practice."""
+    as a Python value (always, or for the values it special-cases), or one equal to the schema's default
+    (`alpha=1`), which is cheaper to bake in than to transfer on every call and does not vary in practice."""
     if not _is_number(v):
         return False
     if sig.static_args[i]:
+        return True
+    values = sig.static_values[i]
+    if values is not None and v in values and type(v) is not bool:
         return True
     default = sig.defaults[i]
     return default is not None and type(v) is type(default) and v == default

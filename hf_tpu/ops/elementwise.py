@@ -417,8 +417,17 @@ def floor_divide(self, other):
     return _floor_divide(self, other)
 
 
-@lowering(aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar, promote=Promote.BOOL_TO_LONG)
+# PyTorch computes these powers of a float tensor by multiplication and square roots, not exp(log):
+# compiled in, they get the same values, and XLA fuses a multiply where a traced exponent costs a pow.
+_SPECIAL_POWERS = {2: lambda x: x * x, 3: lambda x: x * x * x, 0.5: jnp.sqrt, -0.5: jax.lax.rsqrt,
+                   -1: jnp.reciprocal, -2: lambda x: jnp.reciprocal(x * x)}
+
+
+@lowering(aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar, promote=Promote.BOOL_TO_LONG,
+          static_values={"exponent": _SPECIAL_POWERS})
 def power(self, exponent):
+    if isinstance(exponent, (int, float)) and _is_float(self):
+        return _SPECIAL_POWERS[exponent](self)
     if _is_float(self) or _is_float(exponent):
         return jnp.power(self, exponent)
     # integers to negative powers: 0, except 1 for a base of 1 and +-1 for a base of -1

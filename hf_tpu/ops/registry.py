@@ -37,6 +37,9 @@ class Lowering:
     # result shapes and dtypes from tracing the lowering, not PyTorch's meta kernel: for the few ops
     # whose meta kernel rejects what tpu supports (it copies a CUDA-only restriction)
     own_shapes: bool = False
+    # per Scalar argument name, values compiled into the program when the call passes one of them
+    # (others stay traced): common constants a lowering computes faster as special cases, e.g. x ** 2
+    static_values: tuple = ()  # ((name, frozenset of values), ...)
     # names of matrix arguments that may arrive as `buffer.Transposed` (a whole buffer viewed with its
     # last two dims swapped) for the lowering to contract directly instead of reading a transposed copy
     transposed: frozenset = frozenset()
@@ -51,12 +54,15 @@ def _overloads(op):
     return [op]
 
 
-def lowering(*ops, promote: Promote | None = None, static=(), own_shapes: bool = False, transposed=()):
+def lowering(*ops, promote: Promote | None = None, static=(), own_shapes: bool = False, transposed=(),
+             static_values=None):
     """Register `fn` as the lowering of each op (an OpOverload, or a packet meaning its functional
     overloads)."""
 
     def register(fn):
-        entry = Lowering(fn, promote, frozenset(static), own_shapes, frozenset(transposed))
+        entry = Lowering(fn, promote, frozenset(static), own_shapes,
+                         tuple((name, frozenset(values)) for name, values in (static_values or {}).items()),
+                         frozenset(transposed))
         for op in ops:
             for overload in _overloads(op):
                 if isinstance(op, torch._ops.OpOverloadPacket) and overload._schema.is_mutable:
