@@ -426,8 +426,9 @@ _SPECIAL_POWERS = {2: lambda x: x * x, 3: lambda x: x * x * x, 0.5: jnp.sqrt, -0
 @lowering(aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar, promote=Promote.BOOL_TO_LONG,
           static_values={"exponent": _SPECIAL_POWERS})
 def power(self, exponent):
-    if isinstance(exponent, (int, float)) and _is_float(self):
-        return _SPECIAL_POWERS[exponent](self)
+    special = _SPECIAL_POWERS.get(exponent) if type(exponent) in (int, float) else None
+    if special is not None and _is_float(self):
+        return special(self)
     if _is_float(self) or _is_float(exponent):
         return jnp.power(self, exponent)
     # integers to negative powers: 0, except 1 for a base of 1 and +-1 for a base of -1
