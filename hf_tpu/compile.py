@@ -100,12 +100,22 @@ class _CompiledGraph:
         if self.eager:
             return self.gm(*args)
         modes.current().sync("a compiled graph runs")
-        self.in_specs = [(a.dtype, a.device.index) if isinstance(a, torch.Tensor) else None for a in args]
-        arrays = [_array_of(a) if isinstance(a, torch.Tensor) else None for a in args]
-        values = tuple(None if isinstance(a, torch.Tensor) else a for a in args)
+        in_specs, arrays, values = [], [], []
+        for a in args:  # one pass: this runs before every call of the graph (each decoded token)
+            if isinstance(a, torch.Tensor):
+                in_specs.append((a.dtype, a.device.index))
+                arrays.append(_array_of(a))
+                values.append(None)
+            else:
+                in_specs.append(None)
+                arrays.append(None)
+                values.append(a)
+        self.in_specs, values = in_specs, tuple(values)
         if buffer.sharded_arrays_exist:  # a sharded model meets single-chip inputs (the token ids)
             arrays = buffer.place_together(arrays)
-        device_index = next((a.device.index for a in args if isinstance(a, torch.Tensor)), dispatch.current_device_index())
+        device_index = next((spec[1] for spec in in_specs if spec is not None), None)
+        if device_index is None:
+            device_index = dispatch.current_device_index()
         overwritten = [arrays[i] for i in self.overwritten]
         others = [a for i, a in enumerate(arrays) if i not in self.overwritten]
         jitted = self.jitted[self._donatable(args, overwritten)]
