@@ -64,9 +64,10 @@ _FIRST_ADDRESS = 1 << 48  # above every user-space address: never a real pointer
 
 
 class Lazy:
-    """A result of a deferred op, not computed yet: the shape and dtype of the array it will be."""
+    """A result of a deferred op, not computed yet: the shape and dtype of the array it will be, and
+    once its graph ran, the array (`concrete`) for an op that read it before that flush."""
 
-    __slots__ = ("shape", "dtype", "graph", "node", "index")
+    __slots__ = ("shape", "dtype", "graph", "node", "index", "concrete")
 
     def __init__(self, shape, dtype, graph, node, index):
         self.shape = shape
@@ -74,6 +75,7 @@ class Lazy:
         self.graph = graph
         self.node = node
         self.index = index
+        self.concrete = None
 
 
 # Buffers that hold a Lazy value, so a flush knows which results are still referenced.

@@ -47,6 +47,24 @@ def test_deferred_fuses_a_chain_into_one_cached_program():
     assert m["host_syncs"] == 20
 
 
+def test_graph_size_cap_flushes_between_an_op_and_its_pending_operands(monkeypatch):
+    """The cap's flush runs while an op is being recorded: the operands it had read as pending results
+    of the flushed graph become that flush's arrays."""
+    from hf_tpu.modes import deferred
+
+    monkeypatch.setattr(deferred, "MAX_GRAPH_OPS", 3)
+    x = torch.randn(8, 8)
+    expected = x
+    for step in range(10):
+        expected = (expected @ x).tanh() + expected * step
+    with torch.tpu.use_eager_mode(Mode.DEFER_AND_FUSE):
+        actual = y = x.to("tpu")
+        for step in range(10):
+            actual = (actual @ y).tanh() + actual * step
+        actual = actual.cpu()
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "sync",
     [

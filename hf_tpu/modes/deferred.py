@@ -37,11 +37,13 @@ class _Graph:
     def wire(self, array):
         if array is None:  # an uninitialised buffer: the program makes it
             return ("u",)
-        if type(array) is buffer.Lazy and array.graph is self:
-            return ("n", array.node, array.index)
-        if type(array) is buffer.Lazy:  # a result pending on another device's graph
-            buffer.flush("an op used a result pending on another device")
-            raise RuntimeError("internal error: a deferred value outlived its flush")
+        if type(array) is buffer.Lazy:
+            if array.graph is self:
+                return ("n", array.node, array.index)
+            if array.concrete is None:  # a result pending on another device's graph
+                buffer.flush("an op used a result pending on another device")
+            # computed by a flush since the op read its operands (another device's, or the size cap's)
+            array = array.concrete
         position = self.input_ids.get(id(array))
         if position is None:
             position = self.input_ids[id(array)] = len(self.inputs)
@@ -154,6 +156,7 @@ class Deferred:
             raise_out_of_memory(e, graph.device_index, f"a fused graph of {len(graph.nodes)} ops")
             raise
         for (value, bufs), array in zip(holders, results):
+            value.concrete = array
             for buf in bufs:
                 buf.array = array
 
