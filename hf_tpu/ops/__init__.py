@@ -7,6 +7,7 @@ from . import (  # noqa: F401
     factory,
     fft,
     foreach,
+    histogram,
     index,
     linalg,
     nn,
@@ -14,5 +15,6 @@ from . import (  # noqa: F401
     reduce,
     shape,
     sort,
+    special,
     storage,
 )
