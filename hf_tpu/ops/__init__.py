@@ -15,6 +15,5 @@ from . import (  # noqa: F401
     reduce,
     shape,
     sort,
-    special,
     storage,
 )
