@@ -15,5 +15,6 @@ from . import (  # noqa: F401
     reduce,
     shape,
     sort,
+    special,
     storage,
 )
