@@ -16,6 +16,7 @@ import torch
 
 from .. import dtypes
 from .factory import _linspace
+from .linalg import accumulation_dtype
 from .registry import lowering
 
 aten = torch.ops.aten
@@ -105,3 +106,112 @@ def histogramdd_from_bin_cts(self, bins, *, range=None, weight=None, density=Fal
 @lowering(aten._histogramdd_from_bin_tensors.default)
 def histogramdd_from_bin_tensors(self, bins, *, weight=None, density=False):
     return _histogramdd(_points(self), bins, weight, density)
+
+
+# --- Segment reductions: data of shape (*batch, M, *inner) reduced along `axis` (the last dim of
+# `lengths`/`offsets`, of shape (*batch, S) or (*batch, S + 1)) in S contiguous segments.
+
+_SEGMENT_REDUCTIONS = ("max", "mean", "min", "sum", "prod")
+
+
+def _segment_layout(data, lengths, offsets, axis):
+    """Data as (B, M, K) rows, and per row its flat segment id: b * (S + 1) + segment, where
+    segment S collects the rows in no segment (before the first offset, or past the lengths' sum
+    with `unsafe`). Also the segments' lengths as (B, S)."""
+    axis = axis % data.ndim
+    batch, rows = math.prod(data.shape[:axis]), data.shape[axis]
+    if offsets is not None:
+        offsets = offsets.reshape(batch, -1).astype(jnp.int64)
+        starts, ends = offsets[:, :-1], offsets[:, 1:]
+    else:
+        ends = jnp.cumsum(lengths.reshape(batch, -1).astype(jnp.int64), axis=1)
+        starts = jnp.concatenate([jnp.zeros((batch, 1), jnp.int64), ends[:, :-1]], axis=1)
+    count = ends.shape[1]
+    position = jnp.arange(rows)
+    segment = jax.vmap(lambda e: jnp.searchsorted(e, position, side="right"))(ends)
+    first_start = starts[:, :1] if count else jnp.zeros((batch, 1), jnp.int64)
+    segment = jnp.where(position >= first_start, segment, count)
+    ids = (jnp.arange(batch)[:, None] * (count + 1) + segment).reshape(-1)
+    return data.reshape(batch * rows, -1), ids, count, ends - starts
+
+
+def _per_segment(values, batch, count):
+    """Rows of a (B * (S + 1), ...) segment result back to (B, S, ...), dropping the no-segment bucket."""
+    return values.reshape(batch, count + 1, *values.shape[1:])[:, :count]
+
+
+@lowering(aten.segment_reduce.default)
+def segment_reduce(data, reduce, *, lengths=None, indices=None, offsets=None, axis=0, unsafe=False, initial=None):
+    """Without `initial`, an empty segment gives max -inf, min +inf, sum 0, prod 1, mean NaN; with
+    it, `initial` also takes part in every segment's reduction (mean: (initial + sum) / length).
+    bfloat16/float16 accumulate in float32 and round once (the CPU rounds after every element)."""
+    if reduce not in _SEGMENT_REDUCTIONS:
+        raise RuntimeError(f"unsupported reduction given! {reduce}")
+    if lengths is None and offsets is None:
+        raise RuntimeError("segment_reduce(): Either lengths or offsets must be defined.")
+    rows, ids, count, segment_lengths = _segment_layout(data, lengths, offsets, axis)
+    rows = rows.astype(accumulation_dtype(rows.dtype))
+    if initial is not None:  # rounded to data's dtype first, as on CPU
+        initial = jnp.asarray(initial, data.dtype).astype(rows.dtype)
+    batch = segment_lengths.shape[0]
+    buckets = batch * (count + 1)
+    reduce_by_segment = {"max": jax.ops.segment_max, "min": jax.ops.segment_min, "prod": jax.ops.segment_prod}
+    if reduce in ("sum", "mean"):
+        result = _per_segment(jax.ops.segment_sum(rows, ids, buckets), batch, count)
+        if initial is not None:
+            result = result + initial
+    else:
+        result = _per_segment(reduce_by_segment[reduce](rows, ids, buckets), batch, count)
+        if initial is not None:
+            combine = {"max": jnp.maximum, "min": jnp.minimum, "prod": jnp.multiply}[reduce]
+            result = combine(initial, result)
+        if reduce != "prod":  # the CPU kernel's max/min keep the first NaN they meet
+            has_nan = _per_segment(jax.ops.segment_max(jnp.isnan(rows), ids, buckets), batch, count)
+            result = jnp.where(has_nan, jnp.nan, result)
+    if reduce == "mean":
+        length = segment_lengths[:, :, None].astype(result.dtype)
+        empty = jnp.nan if initial is None else initial
+        result = jnp.where(length > 0, result / jnp.maximum(length, 1), empty)
+    out_shape = list(data.shape)
+    out_shape[axis % data.ndim] = count
+    return result.reshape(out_shape)
+
+
+@lowering(aten._segment_reduce_backward.default)
+def segment_reduce_backward(grad, output, data, reduce, *, lengths=None, offsets=None, axis=0, initial=None):
+    """PyTorch's CPU gradient: max/min send the gradient to every element equal to the result (or
+    NaN), divided among them only where it is positive; prod divides the result by each element,
+    except at zeros and NaNs, whose gradient is the product of the others."""
+    rows, ids, count, segment_lengths = _segment_layout(data, lengths, offsets, axis)
+    batch = segment_lengths.shape[0]
+    buckets = batch * (count + 1)
+
+    def at_rows(per_segment):
+        """A (B, S, ...) per-segment value at each data row (zeros in the no-segment bucket)."""
+        padded = jnp.concatenate([per_segment, jnp.zeros_like(per_segment[:, :1])], axis=1)
+        return padded.reshape(buckets, *per_segment.shape[2:])[ids]
+
+    def per_segment(values):
+        return _per_segment(jax.ops.segment_sum(values, ids, buckets), batch, count)
+
+    g = at_rows(grad.reshape(batch, count, -1))
+    in_segment = at_rows(jnp.ones((batch, count, 1), bool))
+    if reduce == "sum":
+        result = g
+    elif reduce == "mean":
+        result = g / at_rows(jnp.maximum(segment_lengths, 1)[:, :, None]).astype(g.dtype)
+    elif reduce in ("max", "min"):
+        chosen = jnp.isnan(rows) | (rows == at_rows(output.reshape(batch, count, -1)))
+        ties = at_rows(per_segment(chosen.astype(jnp.int64)))
+        result = jnp.where(chosen, g, 0)
+        result = jnp.where(chosen & (ties >= 2) & (result > 0), result / ties.astype(g.dtype), result)
+    else:  # prod
+        zero, nan = rows == 0, jnp.isnan(rows)
+        regular = at_rows(_per_segment(jax.ops.segment_prod(jnp.where(zero | nan, 1, rows), ids, buckets), batch, count))
+        other_zeros = at_rows(per_segment(zero.astype(jnp.int64))) - zero
+        other_nans = at_rows(per_segment(nan.astype(jnp.int64))) - nan
+        start = jnp.asarray(1 if initial is None else initial, rows.dtype)
+        others = start * regular * jnp.where(other_nans > 0, jnp.nan, jnp.where(other_zeros > 0, 0, 1))
+        divided = g * at_rows(output.reshape(batch, count, -1)) / rows
+        result = jnp.where(zero | nan, g * others, divided)
+    return jnp.where(in_segment, result, 0).reshape(data.shape)
