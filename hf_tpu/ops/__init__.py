@@ -4,6 +4,7 @@ from . import (  # noqa: F401
     attention,
     conv,
     elementwise,
+    factorizations,
     factory,
     fft,
     foreach,
