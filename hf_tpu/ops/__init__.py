@@ -3,6 +3,7 @@
 from . import (  # noqa: F401
     attention,
     conv,
+    ctc,
     elementwise,
     factorizations,
     factory,
