@@ -118,3 +118,20 @@ def test_geqrf_and_ormqr(dtype):
     reflectors, tau = torch.geqrf(a)
     _assert_same(torch.ormqr, reflectors, tau, c, transpose=True, rtol=1e-4, atol=1e-5)
     _assert_same(torch.ormqr, reflectors, tau, c.mT.conj(), left=False, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.complex64])
+def test_ldl_factor_takes_lapacks_pivots_and_solves(dtype):
+    torch.manual_seed(0)
+    indefinite = torch.randn(3, 7, 7, dtype=dtype)
+    indefinite = indefinite + indefinite.mT
+    indefinite[0].diagonal().zero_()  # small diagonals: 2x2 pivots
+    indefinite[1, 2:4, 2:4] = 0  # and an interchange past a zero block
+    _assert_same(torch.linalg.ldl_factor_ex, indefinite, rtol=1e-4, atol=1e-4)
+    LD, pivots = torch.linalg.ldl_factor(indefinite)
+    _assert_same(torch.linalg.ldl_solve, LD, pivots, torch.randn(3, 7, 2, dtype=dtype), rtol=1e-4, atol=1e-4)
+
+
+def test_ldl_factor_reports_a_singular_column_in_info():
+    singular = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0], [1.0, 0.0, 2.0]])
+    _assert_same(torch.linalg.ldl_factor_ex, singular)
