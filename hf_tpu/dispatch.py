@@ -26,7 +26,7 @@ from torch._prims_common import elementwise_dtypes
 
 from . import buffer, counters, dtypes, index_checks, platform, random
 from . import modes as _modes
-from .ops.registry import KERNELS, LOWERINGS, Lowering
+from .ops.registry import CPU_VIEW_KERNELS, KERNELS, LOWERINGS, Lowering
 
 aten = torch.ops.aten
 _counters = counters.counters
@@ -871,13 +871,26 @@ def _kernel(sig: Signature):
     return kernel
 
 
+_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+
+
+def _cpu_view_kernel(op):
+    redispatch = op._handle.redispatch_boxed
+
+    def kernel(*args, **kwargs):
+        return redispatch(_CPU, *args, **kwargs)
+
+    return kernel
+
+
 def _fallback(op, *args, **kwargs):
     return dispatch(signature(op), args, kwargs)
 
 
 def register_kernels() -> None:
     """Register a tpu kernel for every op with a lowering (and its derived variants) or a storage
-    kernel; everything else reaches the same entry point through the PrivateUse1 fallback."""
+    kernel, and PyTorch's CPU kernel for the view ops that only compute sizes and strides; everything
+    else reaches the same entry point through the PrivateUse1 fallback."""
     ops = set(KERNELS)
     for functional in LOWERINGS:
         if not _is_composite_implicit(functional):
@@ -891,10 +904,15 @@ def register_kernels() -> None:
         if namespace not in libraries:
             libraries[namespace] = torch.library.Library(namespace, "IMPL")
         libraries[namespace].impl(op, _kernel(signature(op)), "PrivateUse1")
+    for op in CPU_VIEW_KERNELS:
+        if op.namespace not in libraries:
+            libraries[op.namespace] = torch.library.Library(op.namespace, "IMPL")
+        libraries[op.namespace].impl(op, _cpu_view_kernel(op), "PrivateUse1")
     fallback = torch.library.Library("_", "IMPL")
     fallback.fallback(_fallback, "PrivateUse1")
     _libraries.extend([*libraries.values(), fallback])
-    _hide_from_dynamo(_kernel(signature(aten.add.Tensor)).__code__, _fallback.__code__)
+    _hide_from_dynamo(_kernel(signature(aten.add.Tensor)).__code__, _cpu_view_kernel(aten.view.default).__code__,
+                      _fallback.__code__)
 
 
 def _hide_from_dynamo(*entry_points) -> None:

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as Promote
 
-__all__ = ["Lowering", "LOWERINGS", "lowering", "KERNELS", "kernel", "Promote"]
+__all__ = ["Lowering", "LOWERINGS", "lowering", "KERNELS", "kernel", "CPU_VIEW_KERNELS", "reuse_cpu_kernel", "Promote"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,3 +88,13 @@ def kernel(*ops):
         return fn
 
     return register
+
+
+# View ops whose CPU kernel only computes sizes and strides over the tensor's own storage: on tpu that
+# very kernel runs, registered as a direct redispatch with nothing in Python between PyTorch's
+# dispatcher and it (a third of a decoding step's ops are views).
+CPU_VIEW_KERNELS: set = set()
+
+
+def reuse_cpu_kernel(*ops):
+    CPU_VIEW_KERNELS.update(ops)

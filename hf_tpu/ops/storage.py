@@ -13,18 +13,14 @@ import jax
 import torch
 
 from .. import buffer, counters, dispatch, platform
-from .registry import kernel, lowering
+from .registry import kernel, lowering, reuse_cpu_kernel
 
 aten = torch.ops.aten
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _counters = counters.counters
 
 
-def _redispatch_to_cpu(sig, values):
-    return dispatch._call_with(sig, lambda *a, **k: sig.op.redispatch(_CPU, *a, **k), values)
-
-
-for _op in (
+reuse_cpu_kernel(
     aten.view.default,
     aten.as_strided.default,
     aten._reshape_alias.default,
@@ -35,8 +31,7 @@ for _op in (
     aten.set_.source_Storage_storage_offset,
     aten.set_.source_Tensor,
     aten.is_set_to.default,
-):
-    kernel(_op)(_redispatch_to_cpu)
+)
 
 
 def _sync(reason: str):
