@@ -90,7 +90,16 @@ def _reflect(self, padding):
 
 
 def _replicate(self, padding):
-    return _pad(self, padding, "edge")
+    """Output position i of a dim takes input position clamp(i - before, 0, n - 1), as PyTorch's kernel
+    does: with a negative pad the copied edge is the input's own edge, not the cropped one's."""
+    pairs = _pairs(padding, self.ndim)
+    if all(lo >= 0 and hi >= 0 for lo, hi in pairs):
+        return jnp.pad(self, pairs, mode="edge")
+    for axis, (lo, hi) in enumerate(pairs):
+        n = self.shape[axis]
+        if lo or hi:
+            self = jnp.take(self, jnp.clip(jnp.arange(n + lo + hi) - lo, 0, n - 1), axis=axis)
+    return self
 
 
 def _pad_backward(pad):
