@@ -250,11 +250,12 @@ class _Call:
                 return device_index
             raise _device_mismatch(self.sig, f"tpu:{device_index or 0}", t.device)
         entry = buffer.allocator.live.get(t.untyped_storage().data_ptr())
-        if entry is None:
-            if t.device.type != "tpu":
-                raise _device_mismatch(self.sig, f"tpu:{device_index or 0}", t.device)
-            buffer.buffer_of(t)  # raises its error
-        buf = entry[0]
+        if entry is not None:
+            buf = entry[0]
+        elif t.device.type != "tpu":
+            raise _device_mismatch(self.sig, f"tpu:{device_index or 0}", t.device)
+        else:
+            buf = buffer.buffer_of(t)  # raises its error for a storage hf_tpu did not create
         if device_index is not None and buf.device_index != device_index:
             raise _device_mismatch(self.sig, f"tpu:{device_index}", f"tpu:{buf.device_index}")
         view = buffer.view_of(t, buf)
