@@ -112,12 +112,17 @@ class Buffer:
 
     @array.setter
     def array(self, value):
+        old = self._array
+        if old is not None and type(old) is not Lazy:
+            allocator.let_go(old)
         self._array = value
         if type(value) is Lazy:
             pending.add(self)
-        elif value is None:
             return
-        elif sharded_arrays_exist and (self.chip_bytes is not None or is_sharded(value)):
+        if value is None:
+            return
+        allocator.hold(value)
+        if sharded_arrays_exist and (self.chip_bytes is not None or is_sharded(value)):
             allocator.count(self, value)  # where the bytes sit may have changed with the new array
         elif not self.counted:
             allocator.count(self)
@@ -145,6 +150,7 @@ class _Allocator:
         self.allocated: dict[int, int] = {}
         self.peak: dict[int, int] = {}
         self.num_allocs: dict[int, int] = {}
+        self.holding: dict[int, int] = {}  # id(array) -> how many live buffers hold that concrete array
 
     def new_tensor(self, shape: tuple, dtype: torch.dtype, device_index: int):
         """A new contiguous tpu tensor and its (uninitialised) buffer; `shape` a tuple of ints."""
@@ -178,6 +184,8 @@ class _Allocator:
                 buf = entry[0]
                 if buf.counted:
                     self._uncount(buf)
+                if buf._array is not None and type(buf._array) is not Lazy:
+                    self.let_go(buf._array)
                 buf._array = None
 
     def count(self, buf: Buffer, sharded_array=None):
@@ -210,10 +218,24 @@ class _Allocator:
     def buffer(self, address: int) -> Buffer:
         return self.live[address][0]
 
-    def holders(self) -> collections.Counter:
-        """How many live buffers hold each array (by id): an array none or only one holds can be
-        donated to a program that overwrites it."""
-        return collections.Counter(id(entry[0]._array) for entry in list(self.live.values()))
+    def hold(self, array):
+        with self.lock:
+            key = id(array)
+            self.holding[key] = self.holding.get(key, 0) + 1
+
+    def let_go(self, array):
+        with self.lock:
+            key = id(array)
+            left = self.holding[key] - 1
+            if left:
+                self.holding[key] = left
+            else:
+                del self.holding[key]
+
+    def holders(self, array) -> int:
+        """How many live buffers hold `array`: one that none or only the overwritten buffer holds can be
+        donated to a program that overwrites it. (A held array is alive, so its id is its own.)"""
+        return self.holding.get(id(array), 0)
 
 
 allocator = _Allocator()

@@ -138,10 +138,9 @@ class _CompiledGraph:
         shares and that are passed once may be given to XLA."""
         if not overwritten_arrays:
             return False
-        held = buffer.allocator.holders()
         for i, array in zip(self.overwritten, overwritten_arrays):
             t = args[i]
-            if buffer.view_of(t, buffer.buffer_of(t)) is not None or held[id(array)] != 1:
+            if buffer.view_of(t, buffer.buffer_of(t)) is not None or buffer.allocator.holders(array) != 1:
                 return False
         return len({id(a) for a in overwritten_arrays}) == len(overwritten_arrays)
 

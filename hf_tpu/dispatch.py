@@ -338,11 +338,17 @@ class Program:
     out_specs: tuple | None  # per return: (shape, torch dtype) or ("mutated", operand, shape, jax dtype)
     device_index: int | None
     jitted: object = None
+    jitted_donating: object = None  # the same program taking the overwritten operands' arrays as donations
     # output shapes depend on the data (nonzero, masked_select, unique): run on concrete arrays,
     # a sync point, and take the specs from the results
     data_dependent: bool = False
     # per schema return: False where PyTorch returns an undefined tensor (None)
     defined: tuple = ()
+
+    @functools.cached_property
+    def overwritten(self) -> tuple:
+        """The operand slots whose buffers the results overwrite (in-place and out= ops), ascending."""
+        return tuple(sorted({spec[1] for spec in self.out_specs or () if spec[0] == "mutated"}))
 
 
 def _to_meta(values, sig: Signature):

@@ -233,6 +233,21 @@ def test_deferred_flush_reuses_memory_of_arrays_overwritten_in_place():
         assert x.sum().item() == 3.0 * 256 * 256
 
 
+def test_strict_in_place_ops_reuse_memory_unless_the_array_is_shared():
+    """An in-place op gives XLA the array it overwrites when only that buffer holds it; an array another
+    tensor shares (clone and copy_ share until one is written) is read, never donated."""
+    x = torch.ones(256, 256, device="tpu")
+    address = _array_address(x)
+    x.mul_(2.0)
+    torch._foreach_add_([x], [torch.ones_like(x)])
+    assert _array_address(x) == address
+    shared = x.clone()
+    x.add_(1.0)
+    x.add_(x)  # read twice: not donated either
+    assert shared.sum().item() == 3.0 * 256 * 256
+    assert x.sum().item() == 8.0 * 256 * 256
+
+
 def test_torch_compile_graph_break_runs_tpu_ops_eagerly():
     """A graph break (autograd.grad inside the compiled function) runs its ops eagerly on tpu;
     dynamo must not try to trace the backend's own kernels then."""

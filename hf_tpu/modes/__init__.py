@@ -9,6 +9,7 @@ defer-and-fuse records it and runs the pending ops as one program at the next sy
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import enum
 import logging
@@ -39,30 +40,42 @@ class _Eager:
         self.name = mode.value
         self.blocking = blocking
 
-    def _compiled(self, program):
-        fn = program.fn
+    def _compiled(self, program, donating: bool):
+        fn, overwritten = program.fn, program.overwritten
 
-        def traced(arrays, scalars, rng):
+        def traced(donated, kept, scalars, rng):
             _counters["compiles"] += 1
             _counters["compiles_by_mode"][self.name] += 1
+            arrays = list(kept)
+            for position, array in zip(overwritten, donated):
+                arrays.insert(position, array)
             return fn(arrays, scalars, rng)
 
-        program.jitted = jax.jit(traced)
+        if donating:
+            program.jitted_donating = jax.jit(traced, donate_argnums=(0,))
+            return program.jitted_donating
+        program.jitted = jax.jit(lambda arrays, scalars, rng: traced((), arrays, scalars, rng))
         return program.jitted
 
     def execute(self, program, key, arrays, scalars, rng, device_index):
-        jitted = program.jitted
+        donating = _donatable(program.overwritten, arrays)
+        jitted = program.jitted_donating if donating else program.jitted
         if jitted is None:
-            jitted = self._compiled(program)
+            jitted = self._compiled(program, donating)
         else:
             _counters["compile_cache_hits"] += 1
             _counters["compile_cache_hits_by_mode"][self.name] += 1
+        if donating:
+            overwritten = program.overwritten
+            args = ([arrays[i] for i in overwritten], [a for i, a in enumerate(arrays) if i not in overwritten])
+        else:
+            args = (arrays,)
         try:
             if arrays:
-                out = jitted(arrays, scalars, rng)
+                out = jitted(*args, scalars, rng)
             else:
                 with jax.default_device(platform.jax_device(device_index)):
-                    out = jitted(arrays, scalars, rng)
+                    out = jitted(*args, scalars, rng)
             if self.blocking:
                 jax.block_until_ready(out)
         except jax.errors.JaxRuntimeError as e:
@@ -72,6 +85,21 @@ class _Eager:
 
     def sync(self, reason: str) -> None:
         """Nothing is pending in an eager mode."""
+
+
+def _donatable(overwritten: tuple, arrays: list) -> bool:
+    """Whether an in-place op may give XLA the arrays it overwrites, so the result takes their memory
+    (an optimizer step rewrites every parameter and moment; without donation each op allocates them
+    anew): each must be a device array that only the overwritten buffer holds and that the op reads
+    once."""
+    if not overwritten:
+        return False
+    for i in overwritten:
+        array = arrays[i]
+        if not isinstance(array, jax.Array) or buffer.allocator.holders(array) != 1:
+            return False
+    reads = collections.Counter(map(id, arrays))
+    return all(reads[id(arrays[i])] == 1 for i in overwritten)
 
 
 def raise_out_of_memory(error, device_index: int, what: str) -> None:

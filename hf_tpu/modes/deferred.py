@@ -164,12 +164,11 @@ class Deferred:
     def _donatable(graph: _Graph, results) -> tuple:
         """Inputs no live buffer holds any more (overwritten in place) whose memory a result of the same
         shape and dtype can take over; XLA cannot use any other donation and warns about it."""
-        held = buffer.allocator.holders()
         wanted = collections.Counter((tuple(r.shape), jnp.dtype(r.dtype)) for r in results)
         donated = []
         for i, array in enumerate(graph.inputs):
             kind = (tuple(array.shape), array.dtype)
-            if wanted[kind] and not held[id(array)] and isinstance(array, jax.Array):  # not a host value
+            if wanted[kind] and not buffer.allocator.holders(array) and isinstance(array, jax.Array):  # not a host value
                 wanted[kind] -= 1
                 donated.append(i)
         return tuple(donated)
