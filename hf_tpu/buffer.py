@@ -13,7 +13,6 @@ a deferred graph just the same. See docs/design/memory-model.md.
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import functools
 import math
