@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from . import buffer, counters, dispatch, modes, random
+from . import buffer, counters, dispatch, donation, modes, random
 
 log = logging.getLogger("hf_tpu.compile")
 _counters = counters.counters
@@ -72,9 +72,7 @@ class _CompiledGraph:
     def _trace(self, overwritten_arrays, other_arrays, values, rng_base):
         _counters["compiles"] += 1
         _counters["compiles_by_mode"]["COMPILE"] += 1
-        arrays = list(other_arrays)
-        for position, array in zip(self.overwritten, overwritten_arrays):
-            arrays.insert(position, array)
+        arrays = donation.join(self.overwritten, overwritten_arrays, other_arrays)
         inputs = []
         for spec, array, value in zip(self.in_specs, arrays, values):
             if spec is None:
@@ -116,8 +114,7 @@ class _CompiledGraph:
         device_index = next((spec[1] for spec in in_specs if spec is not None), None)
         if device_index is None:
             device_index = dispatch.current_device_index()
-        overwritten = [arrays[i] for i in self.overwritten]
-        others = [a for i, a in enumerate(arrays) if i not in self.overwritten]
+        overwritten, others = donation.split(arrays, self.overwritten)
         jitted = self.jitted[self._donatable(args, overwritten)]
         try:
             results = jitted(overwritten, others, values, random.next_key(device_index))
@@ -165,7 +162,7 @@ def _overwritten_inputs(gm: torch.fx.GraphModule, example_inputs) -> tuple:
                 and example.device.type == "tpu" and isinstance(new, torch.Tensor)
                 and new.shape == example.shape and new.dtype == example.dtype):
             positions.append(i)
-    return tuple(positions)
+    return tuple(sorted(positions))
 
 
 def _compile_graph(gm: torch.fx.GraphModule, example_inputs, overwritten: tuple = ()):

@@ -19,7 +19,7 @@ import traceback
 import jax
 import torch
 
-from .. import buffer, counters, platform
+from .. import buffer, counters, donation, platform
 from .deferred import Deferred
 
 _counters = counters.counters
@@ -46,10 +46,7 @@ class _Eager:
         def traced(donated, kept, scalars, rng):
             _counters["compiles"] += 1
             _counters["compiles_by_mode"][self.name] += 1
-            arrays = list(kept)
-            for position, array in zip(overwritten, donated):
-                arrays.insert(position, array)
-            return fn(arrays, scalars, rng)
+            return fn(donation.join(overwritten, donated, kept), scalars, rng)
 
         if donating:
             program.jitted_donating = jax.jit(traced, donate_argnums=(0,))
@@ -65,11 +62,7 @@ class _Eager:
         else:
             _counters["compile_cache_hits"] += 1
             _counters["compile_cache_hits_by_mode"][self.name] += 1
-        if donating:
-            overwritten = program.overwritten
-            args = ([arrays[i] for i in overwritten], [a for i, a in enumerate(arrays) if i not in overwritten])
-        else:
-            args = (arrays,)
+        args = donation.split(arrays, program.overwritten) if donating else (arrays,)
         try:
             if arrays:
                 out = jitted(*args, scalars, rng)

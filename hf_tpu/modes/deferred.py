@@ -17,7 +17,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from .. import buffer, counters, dtypes, platform
+from .. import buffer, counters, donation, dtypes, platform
 
 _counters = counters.counters
 log = logging.getLogger("hf_tpu.compile")
@@ -54,21 +54,20 @@ class _Graph:
 class _Fused:
     """The one jitted function replaying a graph structure."""
 
-    def __init__(self, nodes, outputs, num_inputs, donated):
+    def __init__(self, nodes, outputs, donated):
         self.programs = [node[0] for node in nodes]
         self.wirings = [node[2] for node in nodes]
         self.outputs = outputs
         self.donated = donated
-        self.kept = tuple(i for i in range(num_inputs) if i not in set(donated))
         self.jitted = jax.jit(self._run, donate_argnums=(0,) if donated else ())
 
     def __call__(self, inputs, scalars, rngs):
-        return self.jitted([inputs[i] for i in self.donated], [inputs[i] for i in self.kept], scalars, rngs)
+        return self.jitted(*donation.split(inputs, self.donated), scalars, rngs)
 
     def _run(self, donated, kept, scalars, rngs):
         _counters["compiles"] += 1
         _counters["compiles_by_mode"]["DEFER_AND_FUSE"] += 1
-        inputs = dict(zip(self.donated, donated)) | dict(zip(self.kept, kept))
+        inputs = donation.join(self.donated, donated, kept)
         env = {}
         for n, (program, wiring) in enumerate(zip(self.programs, self.wirings)):
             args = [inputs[w[1]] if w[0] == "i" else env[(w[1], w[2])] if w[0] == "n" else None for w in wiring]
@@ -131,7 +130,7 @@ class Deferred:
         key = (structure, tuple((a.shape, a.dtype) for a in graph.inputs))
         fused = self.cache.get(key)
         if fused is None:
-            fused = self.cache[key] = _Fused(graph.nodes, outputs, len(graph.inputs), donated)
+            fused = self.cache[key] = _Fused(graph.nodes, outputs, donated)
             if os.environ.get("HF_TPU_LOG_COMPILES") == "1":
                 why = "new input shapes" if structure in self.seen_structures else "new graph"
                 log.warning("hf_tpu: compiling a fused graph of %d ops (%s), flushed because %s",
