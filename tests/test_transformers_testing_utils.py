@@ -57,6 +57,9 @@ def test_testing_utils_device_functions_work_on_tpu():
     assert result["accelerator_tests_run"]
 
 
+# A test file the runner is checked against, one test per outcome it must count: a test that passes
+# everywhere (its `assert True` is the point), one that fails only on tpu, one that fails everywhere,
+# one skipped on cpu.
 _SUITE = '''
 from transformers.testing_utils import torch_device
 
