@@ -35,6 +35,7 @@ _check_privateuse1_is_free()
 from . import device as _device_module  # noqa: E402
 from . import accelerator, autocast, dispatch, ops, storage  # noqa: E402,F401
 from .counters import metrics, reset_metrics  # noqa: E402,F401
+from .loops import while_loop  # noqa: E402,F401
 from .modes import EagerMode  # noqa: E402,F401
 
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from . import buffer, counters, dispatch, donation, modes, random
+from . import buffer, counters, dispatch, donation, loops, modes, random
 
 log = logging.getLogger("hf_tpu.compile")
 _counters = counters.counters
@@ -58,7 +58,7 @@ def _array_of(t: torch.Tensor):
 class _CompiledGraph:
     """One ATen graph as one jitted JAX function over its tensor inputs."""
 
-    def __init__(self, gm: torch.fx.GraphModule, overwritten: tuple = ()):
+    def __init__(self, gm: torch.fx.GraphModule, overwritten: tuple = (), loopable: bool = False):
         self.gm = gm
         self.overwritten = overwritten
         # keyed by whether the overwritten inputs are donated (see _donatable). The graph's non-tensor
@@ -66,6 +66,9 @@ class _CompiledGraph:
         # of input shapes does, so the sizes the graph returns are Python numbers.
         self.jitted = {True: jax.jit(self._trace, donate_argnums=(0,), static_argnums=(2,)),
                        False: jax.jit(self._trace, static_argnums=(2,))}
+        self.loop_jitted = {True: jax.jit(self._loop, donate_argnums=(0,), static_argnums=(2, 4)),
+                            False: jax.jit(self._loop, static_argnums=(2, 4))}
+        self.loopable = loopable
         self.eager = False
         self.out_meta = {}  # per (input shapes, non-tensor inputs): each output's (dtype, device) or value
 
@@ -95,9 +98,24 @@ class _CompiledGraph:
         return [_array_of(o) if isinstance(o, torch.Tensor) else None for o in outputs]
 
     def __call__(self, *args):
+        if loops.pending[0] is not None:
+            return self._run_loop(args, loops.take_request())
         if self.eager:
             return self.gm(*args)
         modes.current().sync("a compiled graph runs")
+        arrays, values, device_index = self._read_inputs(args)
+        overwritten, others = donation.split(arrays, self.overwritten)
+        jitted = self.jitted[self._donatable(args, overwritten)]
+        try:
+            results = jitted(overwritten, others, values, random.next_key(device_index))
+        except (_Untraceable, NotImplementedError, jax.errors.JAXTypeError, TypeError) as e:
+            self.eager = True
+            log.warning("hf_tpu: a compiled graph runs in the eager mode instead (%s: %s)", type(e).__name__, e)
+            return self.gm(*args)
+        return self._outputs(arrays, values, results)
+
+    def _read_inputs(self, args) -> tuple:
+        """(arrays, non-tensor values, device index) of a call's inputs; notes their specs for tracing."""
         in_specs, arrays, values = [], [], []
         for a in args:  # one pass: this runs before every call of the graph (each decoded token)
             if isinstance(a, torch.Tensor):
@@ -114,14 +132,9 @@ class _CompiledGraph:
         device_index = next((spec[1] for spec in in_specs if spec is not None), None)
         if device_index is None:
             device_index = dispatch.current_device_index()
-        overwritten, others = donation.split(arrays, self.overwritten)
-        jitted = self.jitted[self._donatable(args, overwritten)]
-        try:
-            results = jitted(overwritten, others, values, random.next_key(device_index))
-        except (_Untraceable, NotImplementedError, jax.errors.JAXTypeError, TypeError) as e:
-            self.eager = True
-            log.warning("hf_tpu: a compiled graph runs in the eager mode instead (%s: %s)", type(e).__name__, e)
-            return self.gm(*args)
+        return arrays, values, device_index
+
+    def _outputs(self, arrays, values, results) -> list:
         outs = []
         for meta, array in zip(self.out_meta[_meta_key(arrays, values)], results):
             if array is None:
@@ -129,6 +142,53 @@ class _CompiledGraph:
             else:
                 outs.append(buffer.new_tensor(array.shape, meta[0], meta[1], array))
         return outs
+
+    # --- hf_tpu.while_loop: this graph is one iteration, returning the mutated inputs' new values, then
+    # the new carried tensors, then whether to go on
+
+    def _run_loop(self, args, request):
+        if self.eager or not self.loopable:
+            raise loops.NotLoopable("the step's graph cannot be traced, or it mutates an input that it cannot carry")
+        if any(isinstance(a, torch.Tensor) and a.device.type != "tpu" for a in args):
+            raise loops.NotLoopable("the step reads a tensor that is not on tpu")
+        slots = []  # each carried tensor's position among the non-overwritten inputs (None: not an input)
+        for t in request.carried:
+            position = next((i for i, a in enumerate(args) if a is t), None)
+            if position in self.overwritten:
+                raise loops.NotLoopable("the step updates a carried tensor in place")
+            slots.append(None if position is None else position - sum(p < position for p in self.overwritten))
+        modes.current().sync("a compiled loop runs")
+        arrays, values, device_index = self._read_inputs(args)
+        overwritten, others = donation.split(arrays, self.overwritten)
+        carried = [_array_of(t) for t in request.carried]
+        jitted = self.loop_jitted[self._donatable(args, overwritten)]
+        try:
+            overwritten, carried, keep_going = jitted(overwritten, others, values, random.next_key(device_index),
+                                                      tuple(slots), carried, _array_of(request.keep_going))
+        except (_Untraceable, NotImplementedError, jax.errors.JAXTypeError, TypeError) as e:
+            raise loops.NotLoopable(f"{type(e).__name__}: {e}") from e
+        return self._outputs(arrays, values, [*overwritten, *carried, keep_going])
+
+    def _loop(self, overwritten_arrays, other_arrays, values, rng_base, slots, carried, keep_going):
+        def go_on(state):
+            return jnp.reshape(state[2], ()).astype(bool)
+
+        def iteration(state):
+            overwritten, carried, _, count = state
+            others = list(other_arrays)
+            for slot, array in zip(slots, carried):
+                if slot is not None:
+                    others[slot] = array
+            # each iteration draws its random numbers from its own keys
+            results = self._trace(list(overwritten), others, values, rng_base.at[3].add(count))
+            k, n = len(overwritten), len(carried)
+            if len(results) != k + n + 1 or any(r is None for r in results):
+                raise TypeError("a while_loop step must return as many tensors as it carries")
+            return results[:k], results[k:k + n], results[k + n], count + jnp.uint32(1)
+
+        state = (list(overwritten_arrays), list(carried), keep_going, jnp.uint32(0))
+        overwritten, carried, keep_going, _ = jax.lax.while_loop(go_on, iteration, state)
+        return overwritten, carried, keep_going
 
     def _donatable(self, args, overwritten_arrays) -> bool:
         """A donated array is gone after the call: only whole buffers that no other live buffer
@@ -146,14 +206,19 @@ def _meta_key(arrays, values) -> tuple:
     return tuple(None if a is None else a.shape for a in arrays), values
 
 
-def _overwritten_inputs(gm: torch.fx.GraphModule, example_inputs) -> tuple:
-    """Positions of the `tpu` inputs the graph overwrites whole (AOT autograd returns their new values
-    as its first outputs, e.g. a static KV cache written by `index_copy_`): donated to XLA, their
-    update is written in place instead of into a copy of the whole buffer on every call."""
+def _mutated_inputs(gm: torch.fx.GraphModule, example_inputs) -> tuple:
+    """(positions of the `tpu` inputs the graph overwrites whole, whether it can be a `while_loop` step).
+
+    AOT autograd returns the overwritten inputs' new values as its first outputs (e.g. a static KV cache
+    written by `index_copy_`): donated to XLA, their update is written in place instead of into a copy
+    of the whole buffer on every call. A loop carries them from one iteration to the next, so it needs
+    every mutated input among them and the graph's own outputs to be new tensors, not views."""
+    from torch._functorch._aot_autograd.schemas import OutputType
+
     context = torch._guards.TracingContext.try_get()
     meta = getattr(context, "fw_metadata", None)
     if meta is None or len(meta.input_info) != len(example_inputs):  # e.g. synthetic bases of aliased inputs
-        return ()
+        return (), False
     outputs = gm.graph.find_nodes(op="output")[0].args[0]
     positions = []
     for k, i in enumerate(meta.mutated_inp_runtime_indices):
@@ -162,13 +227,15 @@ def _overwritten_inputs(gm: torch.fx.GraphModule, example_inputs) -> tuple:
                 and example.device.type == "tpu" and isinstance(new, torch.Tensor)
                 and new.shape == example.shape and new.dtype == example.dtype):
             positions.append(i)
-    return tuple(sorted(positions))
+    loopable = (len(positions) == len(meta.mutated_inp_runtime_indices) and not meta.num_intermediate_bases
+                and all(out.output_type == OutputType.non_alias for out in meta.output_info))
+    return tuple(sorted(positions)), loopable
 
 
-def _compile_graph(gm: torch.fx.GraphModule, example_inputs, overwritten: tuple = ()):
+def _compile_graph(gm: torch.fx.GraphModule, example_inputs, overwritten: tuple = (), loopable: bool = False):
     if os.environ.get("HF_TPU_LOG_COMPILES") == "1":
         log.warning("hf_tpu: compiling a torch.compile graph of %d nodes", len(gm.graph.nodes))
-    return _CompiledGraph(gm, overwritten)
+    return _CompiledGraph(gm, overwritten, loopable)
 
 
 def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
@@ -177,7 +244,7 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     from torch._dynamo.backends.common import aot_autograd
 
     def forward_compiler(graph, inputs):
-        return make_boxed_func(_compile_graph(graph, inputs, _overwritten_inputs(graph, inputs)))
+        return make_boxed_func(_compile_graph(graph, inputs, *_mutated_inputs(graph, inputs)))
 
     def backward_compiler(graph, inputs):
         return make_boxed_func(_compile_graph(graph, inputs))

@@ -1,0 +1,97 @@
+"""`hf_tpu.while_loop`: a loop whose every iteration runs on the device, in one program.
+
+A Python loop over device ops (a decoding loop: one forward and a few small ops per token) costs a
+launch, and often a host read for its stopping test, per iteration. `while_loop(cond_fn, body_fn,
+carried_inputs)` has the signature of `torch._higher_order_ops.while_loop`; on `tpu` it compiles
+one iteration (`body_fn`, then `cond_fn` on its results) with `torch.compile(backend="tpu")` and runs
+the iterations inside one XLA while loop, with no host read between them. Unlike the higher-order op,
+`body_fn` may also update tensors in place (a static KV cache): such tensors are carried through the
+loop and hold their final values afterwards, as after the Python loop. Anything the device loop
+cannot take (a graph break, a tensor that needs gradients, a CPU tensor) runs as the Python loop
+`while cond_fn(*carried): carried = body_fn(*carried)`, which defines the result in every case.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger("hf_tpu.loops")
+
+
+class NotLoopable(Exception):
+    """Raised by a compiled graph asked to loop that cannot (the loop then runs in Python)."""
+
+
+class LoopRequest:
+    """What the compiled step needs to run as a loop: the carried tensors (to find among the graph's
+    inputs) and `cond_fn` of them (whether the first iteration runs)."""
+
+    def __init__(self, carried: tuple, keep_going: torch.Tensor):
+        self.carried = carried
+        self.keep_going = keep_going
+
+
+# the request for the next compiled graph call; set only around the call of `_step` below
+pending: list = [None]
+
+
+def take_request() -> LoopRequest | None:
+    request, pending[0] = pending[0], None
+    return request
+
+
+def _step(cond_fn, body_fn, *carried):
+    new = body_fn(*carried)
+    # a tensor returned unchanged (or a view of one) would not be an output of the graph: the loop needs
+    # one new value per carried tensor; XLA drops the copy
+    new = tuple(t.clone() for t in (new if isinstance(new, (tuple, list)) else (new,)))
+    return (*new, cond_fn(*new))
+
+
+_compiled_step = None
+
+
+def _compiled():
+    global _compiled_step
+    if _compiled_step is None:
+        _compiled_step = torch.compile(_step, backend="tpu", fullgraph=True, dynamic=False)
+    return _compiled_step
+
+
+def _on_device(carried: tuple) -> bool:
+    return bool(carried) and all(
+        isinstance(t, torch.Tensor) and t.device.type == "tpu" and not (t.requires_grad and torch.is_grad_enabled())
+        for t in carried)
+
+
+def while_loop(cond_fn, body_fn, carried_inputs):
+    """Run `carried = body_fn(*carried)` while `cond_fn(*carried)` is true; return `carried` (a tuple).
+
+    `cond_fn` returns a one-element bool tensor; `body_fn` returns tensors of the same shapes and
+    dtypes as `carried_inputs`. No gradient flows through the loop.
+    """
+    carried = tuple(carried_inputs)
+    if _on_device(carried):
+        import torch._dynamo.exc as dynamo_errors
+
+        request = LoopRequest(carried, cond_fn(*carried))
+        pending[0] = request
+        try:
+            with torch.no_grad():
+                outputs = _compiled()(cond_fn, body_fn, *carried)
+            if pending[0] is None:  # the step's graph ran the whole loop
+                return tuple(outputs[:-1])
+            # no graph: the step has no tensor op, so running it once had no effect but its results
+            if not bool(request.keep_going):
+                return carried
+            carried = tuple(outputs[:-1])
+        except (NotLoopable, dynamo_errors.TorchDynamoException) as e:  # raised before any iteration ran
+            log.info("hf_tpu: while_loop runs its iterations from Python (%s: %s)", type(e).__name__, e)
+        finally:
+            pending[0] = None
+    while bool(cond_fn(*carried)):
+        new = body_fn(*carried)
+        carried = tuple(new) if isinstance(new, (tuple, list)) else (new,)
+    return carried

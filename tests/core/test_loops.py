@@ -1,0 +1,115 @@
+"""`hf_tpu.while_loop` against the Python loop it stands for: the same results, in-place updates that
+persist, no host read between iterations, and the Python loop wherever the device loop cannot run."""
+
+import pytest
+import torch
+
+import hf_tpu
+
+
+def _python_loop(cond_fn, body_fn, carried):
+    while bool(cond_fn(*carried)):
+        carried = body_fn(*carried)
+    return carried
+
+
+def _counting_to(limit):
+    return lambda x, i: i < limit
+
+
+def test_a_loop_computes_what_the_python_loop_computes():
+    weights = {"cpu": torch.randn(8, 8) / 3}
+    weights["tpu"] = weights["cpu"].to("tpu")
+
+    def body(x, i):
+        return torch.tanh(x @ weights[x.device.type] + 1), i + 1
+
+    cond = _counting_to(6)
+    expected, count = _python_loop(cond, body, (torch.ones(2, 8), torch.tensor(0)))
+    actual, actual_count = hf_tpu.while_loop(cond, body, (torch.ones(2, 8, device="tpu"), torch.tensor(0, device="tpu")))
+    torch.testing.assert_close(actual.cpu(), expected, rtol=1e-5, atol=1e-6)
+    assert int(actual_count) == int(count) == 6
+
+
+def test_iterations_make_no_host_read_and_a_second_loop_compiles_nothing():
+    def body(x, i):
+        return x * 2, i + 1
+
+    carried = (torch.ones(3, device="tpu"), torch.tensor([0], device="tpu"))
+    # a bound held in a tensor is an input of the compiled step; a Python number would be compiled in
+    bounds = [torch.tensor(n, device="tpu") for n in (3, 3, 10)]  # twice: a deferred flush sees new ops first
+    for bound in bounds:
+        hf_tpu.reset_metrics()
+        x, i = hf_tpu.while_loop(_counting_to(bound), body, carried)
+    assert hf_tpu.metrics()["compiles"] == 0 and hf_tpu.metrics()["host_syncs"] == 0
+    assert torch.equal(x.cpu(), torch.full((3,), 1024.0)) and i.item() == 10
+
+
+def test_tensors_updated_in_place_keep_their_final_values():
+    cache = torch.zeros(4, 6, device="tpu")
+    total = torch.zeros((), device="tpu")
+
+    def body(x, i):
+        cache.index_copy_(1, i, x[:, None])  # a KV cache written at the step's position
+        total.add_(x.sum())
+        return x + 1, i + 1
+
+    x, i = hf_tpu.while_loop(_counting_to(6), body, (torch.arange(4.0, device="tpu"), torch.tensor([0], device="tpu")))
+    expected = torch.arange(4.0)[:, None] + torch.arange(6.0)
+    assert torch.equal(cache.cpu(), expected)
+    assert total.item() == expected.sum().item()
+    assert torch.equal(x.cpu(), torch.arange(4.0) + 6)
+
+
+def test_a_false_condition_runs_no_iteration():
+    seen = torch.zeros((), device="tpu")
+
+    def body(x):
+        seen.add_(1)
+        return x + 1
+
+    (x,) = hf_tpu.while_loop(lambda x: x.sum() > 100, body, (torch.ones(2, device="tpu"),))
+    assert torch.equal(x.cpu(), torch.ones(2)) and seen.item() == 0
+
+
+def test_the_condition_can_stop_on_data():
+    def body(x, n):
+        return torch.where(x == 1, x, torch.where(x % 2 == 0, x // 2, 3 * x + 1)), n + 1
+
+    (x, steps) = hf_tpu.while_loop(lambda x, n: (x != 1).any(), body,
+                                   (torch.tensor([27, 7], device="tpu"), torch.tensor(0, device="tpu")))
+    assert x.tolist() == [1, 1] and steps.item() == 111  # Collatz: 27 takes 111 steps, 7 fewer
+
+
+def test_each_iteration_draws_new_random_numbers():
+    draws = torch.zeros(5, 3, device="tpu")
+
+    def body(i):
+        draws.index_copy_(0, i, torch.rand(1, 3, device="tpu"))
+        return i + 1
+
+    torch.manual_seed(0)
+    hf_tpu.while_loop(lambda i: i < 5, body, (torch.tensor([0], device="tpu"),))
+    rows = draws.cpu()
+    assert len({tuple(row.tolist()) for row in rows}) == 5 and bool((rows > 0).all())
+
+
+@pytest.mark.parametrize("case", ["host read in the body", "cpu tensor carried", "cpu tensor read", "needs gradients"])
+def test_what_the_device_loop_cannot_take_runs_as_the_python_loop(case):
+    device = "cpu" if case == "cpu tensor carried" else "tpu"
+
+    three = torch.tensor(3.0)
+
+    def body(x, i):
+        if case == "host read in the body" and x.sum().item() > 1e9:  # a graph break
+            x = x * 0
+        if case == "cpu tensor read":
+            return x * three.to(x.device), i + 1
+        return x * 3, i + 1
+
+    x0 = torch.ones(2, device=device, requires_grad=case == "needs gradients")
+    x, i = hf_tpu.while_loop(_counting_to(4), body, (x0, torch.tensor(0, device=device)))
+    assert torch.equal(x.detach().cpu(), torch.full((2,), 81.0)) and int(i) == 4
+    if case == "needs gradients":
+        x.sum().backward()
+        assert torch.equal(x0.grad.cpu(), torch.full((2,), 81.0))
