@@ -3,8 +3,10 @@ default dynamic cache): prefill and decode tokens/s measured separately, and com
 
 Prefill time is a `generate()` of one new token; decode time per token is the difference to a
 `generate()` of 1 + N new tokens, divided by N. On tpu, "strict" and "deferred" keep Transformers'
-dynamic cache (eager decoding, `configure(static_cache=False)`); "compiled static cache" is the
-adapter's default: a static cache and decoding through `torch.compile(backend="tpu")`.
+dynamic cache (eager decoding, `configure(static_cache=False)`); "compiled static cache, device loop" is
+the adapter's default: a static cache, and every token after the first decoded in one `hf_tpu.while_loop`
+of the `torch.compile(backend="tpu")`-compiled step; "token by token" decodes the same compiled
+forward once per token from Transformers' Python loop (`configure(device_loop=False)`).
 
 Run: python -m benchmarks.generation [--prompt 64] [--new-tokens 32] [--batch 1] [--iters 5] [--cpu-threads N]
 """
@@ -20,8 +22,11 @@ import hf_tpu
 from benchmarks.common import table, timeit, tiny_llama
 from hf_tpu.integrations import transformers as adapter
 
-TPU_MODES = [("strict (DEFER_NEVER)", "DEFER_NEVER", False), ("deferred (DEFER_AND_FUSE)", "DEFER_AND_FUSE", False),
-             ("compiled static cache", "DEFER_NEVER", True)]
+# (name, eager mode, static cache, device loop)
+TPU_MODES = [("strict (DEFER_NEVER)", "DEFER_NEVER", False, False),
+             ("deferred (DEFER_AND_FUSE)", "DEFER_AND_FUSE", False, False),
+             ("compiled static cache, token by token", "DEFER_NEVER", True, False),
+             ("compiled static cache, device loop", "DEFER_NEVER", True, True)]
 
 
 def _generator(model, prompt, new_tokens):
@@ -64,10 +69,10 @@ def main(argv=None):
 
     cpu_prefill, cpu_decode = _measure(model, prompt, args.new_tokens, args.iters)
     rows = [["torch cpu eager, dynamic cache", f"{cpu_prefill:.0f}", f"{cpu_decode:.1f}", "1.00x", "", ""]]
-    saved = adapter.settings.static_cache
+    saved = adapter.settings.static_cache, adapter.settings.device_loop
     try:
-        for name, mode, static in TPU_MODES:
-            adapter.configure(static_cache=static)
+        for name, mode, static, device_loop in TPU_MODES:
+            adapter.configure(static_cache=static, device_loop=device_loop)
             device_model = copy.deepcopy(model).to("tpu")
             device_prompt = prompt.to("tpu")
             with torch.tpu.use_eager_mode(mode):
@@ -77,7 +82,7 @@ def main(argv=None):
                          str(second)])
             del device_model
     finally:
-        adapter.configure(static_cache=saved)
+        adapter.configure(static_cache=saved[0], device_loop=saved[1])
     print(f"tiny Llama, batch {args.batch}, prompt {args.prompt}, {args.new_tokens} new tokens (greedy), "
           f"{torch.get_num_threads()} torch CPU threads")
     print(table(["run", "prefill tok/s", "decode tok/s", "decode vs cpu", "compiles 1st call",

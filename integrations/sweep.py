@@ -442,8 +442,10 @@ def randomize_zero_matrices(model) -> None:
 
 
 def _greedy_tokens(model, inputs):
+    """NEW_TOKENS tokens (no end-of-sequence token stops them), made the way `generate()` makes them by
+    default: on tpu, a decoder-only model decodes all tokens after the first in one device loop."""
     generate_inputs = {k: v for k, v in inputs.items() if k != "decoder_input_ids"}
-    return model.generate(**generate_inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    return model.generate(**generate_inputs, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)
 
 
 # ---------------------------------------------------------------------------------------------- workers

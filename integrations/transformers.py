@@ -12,10 +12,13 @@ Installed by `hf_tpu.integrations.activate()` when `transformers.modeling_utils`
   the cache length rounded up to a multiple of `cache_length_multiple` and the prompt left-padded (with
   its attention mask) to the next of `prompt_buckets`, so that a new prompt length or `max_new_tokens`
   rarely compiles anew. The padding is removed from the returned sequences.
+- greedy search and sampling with a static cache: after Transformers' own prefill and first token, the
+  other tokens are decoded in one `hf_tpu.while_loop` on the device (forward, logits warpers, token
+  choice, end-of-sequence test), with no host round-trip per token.
 
 `configure(...)` or the environment variables `HF_TPU_PROMPT_BUCKETS` ("32,64,128"; "" turns bucketing
-off), `HF_TPU_CACHE_LENGTH_MULTIPLE` and `HF_TPU_STATIC_CACHE` ("0" keeps Transformers' dynamic cache)
-change these defaults.
+off), `HF_TPU_CACHE_LENGTH_MULTIPLE`, `HF_TPU_STATIC_CACHE` ("0" keeps Transformers' dynamic cache) and
+`HF_TPU_DEVICE_LOOP` ("0" decodes token by token from Python) change these defaults.
 """
 
 from __future__ import annotations
@@ -57,18 +60,22 @@ class Settings:
         default_factory=lambda: int(os.environ.get("HF_TPU_CACHE_LENGTH_MULTIPLE", "128"))
     )
     static_cache: bool = dataclasses.field(default_factory=lambda: os.environ.get("HF_TPU_STATIC_CACHE", "1") != "0")
+    device_loop: bool = dataclasses.field(default_factory=lambda: os.environ.get("HF_TPU_DEVICE_LOOP", "1") != "0")
 
 
 settings = Settings()
 
 
-def configure(*, prompt_buckets=None, cache_length_multiple: int | None = None, static_cache: bool | None = None):
+def configure(*, prompt_buckets=None, cache_length_multiple: int | None = None, static_cache: bool | None = None,
+              device_loop: bool | None = None):
     """Change how `generate()` runs on `tpu`.
 
     prompt_buckets: prompt lengths to left-pad to (a longer prompt goes to a multiple of the largest);
         `()` turns bucketing off.
     cache_length_multiple: the static cache length is rounded up to a multiple of this (1: exact).
     static_cache: False keeps Transformers' default dynamic cache (eager decoding, no compilation).
+    device_loop: False decodes a static cache token by token from Python, one compiled forward per token,
+        instead of all tokens after the first in one device loop.
     """
     if prompt_buckets is not None:
         settings.prompt_buckets = _valid_buckets(prompt_buckets)
@@ -78,6 +85,8 @@ def configure(*, prompt_buckets=None, cache_length_multiple: int | None = None, 
         settings.cache_length_multiple = int(cache_length_multiple)
     if static_cache is not None:
         settings.static_cache = bool(static_cache)
+    if device_loop is not None:
+        settings.device_loop = bool(device_loop)
 
 
 def bucketed_length(length: int) -> int:
@@ -526,6 +535,120 @@ def _wrap_generate(original):
     return generate
 
 
+# --- Decoding on the device: every token after the first in one hf_tpu.while_loop
+
+# warpers that read only the scores, not the ids generated so far (which the loop does not carry)
+_SCORE_ONLY_PROCESSORS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper")
+# what `_sample` may receive besides the ids for the loop to rebuild each step's inputs exactly
+_LOOP_MODEL_KWARGS = {"attention_mask", "position_ids", "cache", "use_cache", "logits_to_keep"}
+
+
+def _decodes_on_device(model, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
+                       model_kwargs) -> bool:
+    """Greedy search or sampling of a decoder-only model with Transformers' own input preparation, a static
+    cache that Transformers would decode with a compiled forward, and nothing that needs the host per token
+    (a streamer, returned scores, a processor or stopping criterion that reads the growing ids)."""
+    from transformers.cache_utils import StaticLayer
+    from transformers.generation import GenerationMixin
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+    cache = model_kwargs.get("cache")
+    return (
+        settings.device_loop
+        and _on_tpu(model)
+        and not model.config.is_encoder_decoder
+        and type(model).prepare_inputs_for_generation is GenerationMixin.prepare_inputs_for_generation
+        and type(model)._update_model_kwargs_for_generation is GenerationMixin._update_model_kwargs_for_generation
+        and not (synced_gpus or streamer is not None or generation_config.return_dict_in_generate
+                 or generation_config.is_assistant)
+        and set(model_kwargs) <= _LOOP_MODEL_KWARGS
+        and model_kwargs.get("position_ids") is not None
+        and model_kwargs.get("use_cache", True)
+        and cache is not None and all(type(layer) is StaticLayer for layer in getattr(cache, "layers", [None]))
+        and model._valid_auto_compile_criteria(model_kwargs, generation_config)
+        and all(type(p).__name__ in _SCORE_ONLY_PROCESSORS for p in logits_processor)
+        and all(type(c) in (MaxLengthCriteria, EosTokenCriteria) for c in stopping_criteria)
+        and sum(type(c) is MaxLengthCriteria for c in stopping_criteria) == 1
+    )
+
+
+def _wrap_sample(original):
+    @functools.wraps(original)
+    def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                streamer=None, **model_kwargs):
+        """Transformers' own loop makes the prefill and the first token; the rest is one device loop."""
+        if not _decodes_on_device(self, logits_processor, stopping_criteria, generation_config, synced_gpus,
+                                  streamer, model_kwargs):
+            return original(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
+                            streamer, **model_kwargs)
+        from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
+
+        max_length = next(c.max_length for c in stopping_criteria if type(c) is MaxLengthCriteria)
+        eos = next((c.eos_token_id for c in stopping_criteria if type(c) is not MaxLengthCriteria), None)
+        first_token_only = StoppingCriteriaList(
+            [MaxLengthCriteria(input_ids.shape[1] + 1) if type(c) is MaxLengthCriteria else c for c in stopping_criteria])
+        input_ids = original(self, input_ids, logits_processor, first_token_only, generation_config, synced_gpus,
+                             streamer, **model_kwargs)
+        finished = torch.isin(input_ids[:, -1], eos.to(input_ids.device)) if eos is not None else None
+        if input_ids.shape[1] >= max_length or (finished is not None and bool(finished.all())):
+            return input_ids
+        new_tokens = _decode_loop(self, input_ids, finished, max_length - input_ids.shape[1], eos,
+                                  logits_processor, generation_config, model_kwargs)
+        return torch.cat([input_ids, new_tokens.to(input_ids.device)], dim=-1)
+
+    return _sample
+
+
+def _decode_loop(model, input_ids, finished, steps: int, eos, logits_processor, generation_config, model_kwargs):
+    """Up to `steps` more tokens, as Transformers' `_sample` would make them after its first: each step
+    feeds the last token at the next position, against the whole static cache with the prompt's padding
+    masked (positions not yet written are masked as the future by the causal mask)."""
+    device = model.device
+    cache = model_kwargs["cache"]
+    batch, length = input_ids.shape
+    cache_length = cache.layers[0].max_cache_len
+    mask = torch.ones((batch, cache_length), dtype=torch.long)
+    if model_kwargs.get("attention_mask") is not None:
+        prompt_mask = model_kwargs["attention_mask"]
+        mask = mask.to(prompt_mask.dtype)
+        mask[:, :prompt_mask.shape[1]] = prompt_mask
+    mask = mask.to(device)
+    do_sample = generation_config.do_sample
+    limit = torch.tensor([steps], device=device)
+    if eos is not None:
+        eos = eos.to(device)
+        pad = generation_config._pad_token_tensor.to(device)
+    kwargs = {k: v for k, v in model_kwargs.items() if k not in ("attention_mask", "position_ids")}
+
+    def body(tokens, position_ids, unfinished, generated, index):
+        inputs = model.prepare_inputs_for_generation(tokens[:, None], next_sequence_length=1, attention_mask=mask,
+                                                     position_ids=position_ids, **kwargs)
+        logits = model(**inputs, return_dict=True).logits[:, -1].to(torch.float32)
+        scores = logits_processor(tokens[:, None], logits)
+        if do_sample:
+            tokens = torch.multinomial(torch.nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        else:
+            tokens = torch.argmax(scores, dim=-1)
+        if eos is not None:
+            tokens = tokens * unfinished + pad * (1 - unfinished)
+            unfinished = unfinished & ~torch.isin(tokens, eos)
+        generated = generated.index_copy(1, index, tokens[:, None])
+        return tokens, position_ids + 1, unfinished, generated, index + 1
+
+    def cond(tokens, position_ids, unfinished, generated, index):
+        go_on = index < limit
+        return go_on & (unfinished.max() > 0) if eos is not None else go_on
+
+    unfinished = torch.ones(batch, dtype=torch.long) if finished is None else (~finished).long()
+    position_ids = model_kwargs["position_ids"][:, -1:] + 1  # the first new token follows the prompt
+    carried = (input_ids[:, -1], position_ids, unfinished, torch.zeros((batch, cache_length), dtype=torch.long),
+               torch.zeros(1, dtype=torch.long))
+    from hf_tpu import while_loop
+
+    *_, generated, index = while_loop(cond, body, tuple(t.to(device) for t in carried))
+    return generated[:, :int(index)]
+
+
 # --- Installation
 
 
@@ -549,6 +672,7 @@ def install(module) -> None:
     elif module.__name__ == "transformers.generation.utils":
         mixin = module.GenerationMixin
         _patch(mixin, "generate", _wrap_generate)
+        _patch(mixin, "_sample", _wrap_sample)
         _patch(mixin, "_prepare_generation_config", _wrap_prepare_generation_config)
         _patch(mixin, "_prepare_cache_for_generation", _wrap_prepare_cache_for_generation)
         from transformers.cache_utils import StaticLayer  # imported by generation.utils already

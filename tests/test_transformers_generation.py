@@ -123,6 +123,56 @@ def test_a_new_prompt_in_the_same_bucket_compiles_nothing(models):
     assert hf_tpu.metrics()["compiles"] == 0
 
 
+def _a_token_generated_at(models, prompt, step: int) -> int:
+    cpu, _ = models
+    free = cpu.generate(prompt, max_new_tokens=step + 1, do_sample=False, eos_token_id=None)
+    return int(free[0, prompt.shape[1] + step])
+
+
+@pytest.mark.parametrize("rows", [1, 2], ids=["all rows stop early", "one row pads after its end"])
+def test_end_of_sequence_inside_the_device_loop_stops_where_cpu_stops(models, rows):
+    prompt = torch.tensor([[3, 14, 15, 92, 65], [7, 8, 9, 10, 11]])[:rows]
+    eos = _a_token_generated_at(models, prompt, step=3)
+    expected, actual = _both(models, prompt, max_new_tokens=12, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(actual, expected)
+    if rows == 1:
+        assert actual.shape[1] == prompt.shape[1] + 4
+
+
+def test_tokens_after_the_first_cost_no_host_read_each(models):
+    _, tpu = models
+    syncs = []
+    for new_tokens in (4, 4, 20):
+        hf_tpu.reset_metrics()
+        tpu.generate(PROMPT.to("tpu"), max_new_tokens=new_tokens, do_sample=False)
+        syncs.append(hf_tpu.metrics()["host_syncs"])
+    assert syncs[1] == syncs[2]  # a constant per call, whatever the number of tokens
+
+
+def test_the_device_loop_generates_what_decoding_token_by_token_generates(models):
+    _, tpu = models
+    prompt = torch.tensor([[0, 0, 7, 8, 9], [3, 14, 15, 92, 65]]).to("tpu")
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]).to("tpu")
+    outputs = []
+    for device_loop in (True, False):
+        adapter.configure(device_loop=device_loop)
+        try:
+            outputs.append(tpu.generate(prompt, attention_mask=mask, max_new_tokens=10, do_sample=False).cpu())
+        finally:
+            adapter.configure(device_loop=True)
+    assert torch.equal(outputs[0], outputs[1])
+
+
+def test_sampling_in_the_device_loop_applies_the_warpers(models):
+    """top_k=1 leaves one token to draw: the greedy one, however the random numbers fall."""
+    cpu, tpu = models
+    expected = cpu.generate(PROMPT, max_new_tokens=10, do_sample=False, eos_token_id=None)
+    torch.manual_seed(7)
+    actual = tpu.generate(PROMPT.to("tpu"), max_new_tokens=10, do_sample=True, top_k=1, temperature=0.5,
+                          eos_token_id=None)
+    assert torch.equal(actual.cpu(), expected)
+
+
 def test_a_cache_the_user_chose_is_kept(models):
     from transformers import DynamicCache
 
