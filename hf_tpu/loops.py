@@ -14,6 +14,7 @@ cannot take (a graph break, a tensor that needs gradients, a CPU tensor) runs as
 from __future__ import annotations
 
 import logging
+import types
 
 import torch
 
@@ -50,14 +51,19 @@ def _step(cond_fn, body_fn, *carried):
     return (*new, cond_fn(*new))
 
 
-_compiled_step = None
+# one compiled step per loop site (the code of its body and condition): each has its own Dynamo cache,
+# which recompiles for each model, shape or captured constant the site meets
+_compiled_steps: dict = {}
+_RECOMPILE_LIMIT = 64
 
 
-def _compiled():
-    global _compiled_step
-    if _compiled_step is None:
-        _compiled_step = torch.compile(_step, backend="tpu", fullgraph=True, dynamic=False)
-    return _compiled_step
+def _compiled(cond_fn, body_fn):
+    site = (getattr(body_fn, "__code__", body_fn), getattr(cond_fn, "__code__", cond_fn))
+    if site not in _compiled_steps:
+        code = _step.__code__.replace(co_name=f"_step_{len(_compiled_steps)}")
+        step = types.FunctionType(code, _step.__globals__, code.co_name)
+        _compiled_steps[site] = torch.compile(step, backend="tpu", fullgraph=True, dynamic=False)
+    return _compiled_steps[site]
 
 
 def _on_device(carried: tuple) -> bool:
@@ -79,15 +85,16 @@ def while_loop(cond_fn, body_fn, carried_inputs):
         request = LoopRequest(carried, cond_fn(*carried))
         pending[0] = request
         try:
-            with torch.no_grad():
-                outputs = _compiled()(cond_fn, body_fn, *carried)
+            with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+                outputs = _compiled(cond_fn, body_fn)(cond_fn, body_fn, *carried)
             if pending[0] is None:  # the step's graph ran the whole loop
                 return tuple(outputs[:-1])
             # no graph: the step has no tensor op, so running it once had no effect but its results
             if not bool(request.keep_going):
                 return carried
             carried = tuple(outputs[:-1])
-        except (NotLoopable, dynamo_errors.TorchDynamoException) as e:  # raised before any iteration ran
+        # raised before any iteration ran
+        except (NotLoopable, dynamo_errors.TorchDynamoException, dynamo_errors.FailOnRecompileLimitHit) as e:
             log.info("hf_tpu: while_loop runs its iterations from Python (%s: %s)", type(e).__name__, e)
         finally:
             pending[0] = None

@@ -601,26 +601,25 @@ def _wrap_sample(original):
 
 def _decode_loop(model, input_ids, finished, steps: int, eos, logits_processor, generation_config, model_kwargs):
     """Up to `steps` more tokens, as Transformers' `_sample` would make them after its first: each step
-    feeds the last token at the next position, against the whole static cache with the prompt's padding
-    masked (positions not yet written are masked as the future by the causal mask)."""
+    feeds the last token at the next position. The 2D attention mask is as long as the static cache and
+    zero past the token fed, which is what Transformers' growing mask is once padded to the cache."""
     device = model.device
     cache = model_kwargs["cache"]
     batch, length = input_ids.shape
-    cache_length = cache.layers[0].max_cache_len
-    mask = torch.ones((batch, cache_length), dtype=torch.long)
+    mask = torch.zeros((batch, cache.layers[0].max_cache_len), dtype=torch.long)
+    mask[:, :length] = 1
     if model_kwargs.get("attention_mask") is not None:
         prompt_mask = model_kwargs["attention_mask"]
-        mask = mask.to(prompt_mask.dtype)
         mask[:, :prompt_mask.shape[1]] = prompt_mask
-    mask = mask.to(device)
     do_sample = generation_config.do_sample
-    limit = torch.tensor([steps], device=device)
+    first_position, limit = torch.tensor([length - 1], device=device), torch.tensor([steps], device=device)
     if eos is not None:
         eos = eos.to(device)
         pad = generation_config._pad_token_tensor.to(device)
     kwargs = {k: v for k, v in model_kwargs.items() if k not in ("attention_mask", "position_ids")}
 
-    def body(tokens, position_ids, unfinished, generated, index):
+    def body(tokens, position_ids, mask, unfinished, generated, index):
+        mask = mask.index_fill(1, first_position + index, 1)
         inputs = model.prepare_inputs_for_generation(tokens[:, None], next_sequence_length=1, attention_mask=mask,
                                                      position_ids=position_ids, **kwargs)
         logits = model(**inputs, return_dict=True).logits[:, -1].to(torch.float32)
@@ -633,16 +632,16 @@ def _decode_loop(model, input_ids, finished, steps: int, eos, logits_processor, 
             tokens = tokens * unfinished + pad * (1 - unfinished)
             unfinished = unfinished & ~torch.isin(tokens, eos)
         generated = generated.index_copy(1, index, tokens[:, None])
-        return tokens, position_ids + 1, unfinished, generated, index + 1
+        return tokens, position_ids + 1, mask, unfinished, generated, index + 1
 
-    def cond(tokens, position_ids, unfinished, generated, index):
+    def cond(tokens, position_ids, mask, unfinished, generated, index):
         go_on = index < limit
         return go_on & (unfinished.max() > 0) if eos is not None else go_on
 
     unfinished = torch.ones(batch, dtype=torch.long) if finished is None else (~finished).long()
     position_ids = model_kwargs["position_ids"][:, -1:] + 1  # the first new token follows the prompt
-    carried = (input_ids[:, -1], position_ids, unfinished, torch.zeros((batch, cache_length), dtype=torch.long),
-               torch.zeros(1, dtype=torch.long))
+    generated = torch.zeros_like(mask)  # as long as the cache, so that any number of new tokens fits one program
+    carried = (input_ids[:, -1], position_ids, mask, unfinished, generated, torch.zeros(1, dtype=torch.long))
     from hf_tpu import while_loop
 
     *_, generated, index = while_loop(cond, body, tuple(t.to(device) for t in carried))
