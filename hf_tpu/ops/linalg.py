@@ -146,7 +146,7 @@ def _ragged_dot(lhs, rhs, group_sizes, lhs_ragged, rhs_group, contracting):
 
 
 # PyTorch's meta kernel accepts only bfloat16 off the CPU (a CUDA kernel's limit); XLA has none, and
-# Transformers' MoE layers call grouped_mm on tpu in every dtype.
+# Transformers' MoE layers call grouped_mm on tpu in every dtype (torch.compile's meta: below).
 @lowering(aten._grouped_mm.default, own_shapes=True)
 def grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
     """Groups are given by `offs` (cumulative ends) along the ragged dimension: the rows of a 2-D
@@ -156,6 +156,39 @@ def grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
     if bias is not None:
         result = result + bias
     return result.astype(dtypes.to_jax(out_dtype) if out_dtype is not None else self.dtype)
+
+
+def _grouped_mm_shape(mat_a, mat_b, offs) -> tuple:
+    if mat_a.dim() == 3 and mat_b.dim() == 3:
+        return (mat_a.shape[0], mat_a.shape[1], mat_b.shape[2])
+    if mat_a.dim() == 2 and mat_b.dim() == 3:
+        return (mat_a.shape[0], mat_b.shape[2])
+    if mat_a.dim() == 2:
+        return (offs.shape[0], mat_a.shape[0], mat_b.shape[1])
+    return (mat_a.shape[1], mat_b.shape[1])
+
+
+def _install_grouped_mm_meta() -> None:
+    """`torch.compile`'s fake tensors run PyTorch's meta kernel, which checks what the CUDA kernel needs
+    (bfloat16, 16-byte aligned strides): a float32 MoE decode step broke its graph there. On tpu the
+    lowering above has none of those limits, so tpu tensors get its shape rule; others keep PyTorch's."""
+    from torch._decomp import meta_table
+
+    op = aten._grouped_mm.default
+    pytorch_meta = meta_table[op]
+
+    def meta(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+        device = getattr(mat_a, "fake_device", mat_a.device)  # a fake tensor's own device reads "meta" here
+        if device.type != "tpu" or not (mat_a.is_floating_point() and mat_b.dtype == mat_a.dtype):
+            return pytorch_meta(mat_a, mat_b, offs, bias, out_dtype)
+        return mat_a.new_empty(_grouped_mm_shape(mat_a, mat_b, offs), dtype=out_dtype or mat_a.dtype)
+
+    meta_table[op] = meta
+    op.py_kernels.pop(torch._C.DispatchKey.Meta, None)
+    op.py_impl(torch._C.DispatchKey.Meta)(meta)
+
+
+_install_grouped_mm_meta()
 
 
 def _grouped_product(self, mat2, offs):

@@ -58,3 +58,17 @@ def test_gradients_match_cpu():
     torch.testing.assert_close(grads["tpu"][0][:used], grads["cpu"][0][:used], atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(grads["tpu"][1], grads["cpu"][1], atol=2e-2, rtol=2e-2)
     assert hf_tpu.metrics()["cpu_fallbacks"] == {}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shapes", [((13, 16), (4, 16, 8)), ((16, 13), (13, 8)), ((4, 5, 16), (4, 16, 8))],
+                         ids=["2d-3d", "2d-2d", "3d-3d"])
+def test_torch_compile_traces_grouped_mm_in_every_float_dtype(dtype, shapes):
+    """PyTorch's meta kernel (which torch.compile's fake tensors run) accepts only bfloat16."""
+    a, b = (x.to(dtype).to("tpu") for x in operands(*shapes))
+    offs = OFFSETS.to("tpu")
+    compiled = torch.compile(lambda a, b, offs: torch._grouped_mm(a, b, offs) + 1, backend="tpu", fullgraph=True)
+    expected = torch._grouped_mm(a, b, offs) + 1
+    actual = compiled(a, b, offs)
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    torch.testing.assert_close(actual.cpu(), expected.cpu())
