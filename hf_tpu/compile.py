@@ -161,11 +161,14 @@ class _CompiledGraph:
         arrays, values, device_index = self._read_inputs(args)
         overwritten, others = donation.split(arrays, self.overwritten)
         carried = [_array_of(t) for t in request.carried]
+        keep_going = _array_of(request.keep_going)
+        if buffer.sharded_arrays_exist:  # a sharded model's loop carries single-chip tokens
+            *carried, keep_going = buffer.place_together([*arrays, *carried, keep_going])[len(arrays):]
         jitted = self.loop_jitted[self._donatable(args, overwritten)]
         try:
             overwritten, carried, keep_going = jitted(overwritten, others, values, random.next_key(device_index),
-                                                      tuple(slots), carried, _array_of(request.keep_going))
-        except (_Untraceable, NotImplementedError, jax.errors.JAXTypeError, TypeError) as e:
+                                                      tuple(slots), carried, keep_going)
+        except (_Untraceable, NotImplementedError, jax.errors.JAXTypeError, TypeError, ValueError) as e:
             raise loops.NotLoopable(f"{type(e).__name__}: {e}") from e
         return self._outputs(arrays, values, [*overwritten, *carried, keep_going])
 
