@@ -151,40 +151,65 @@ class _Allocator:
         self.num_allocs: dict[int, int] = {}
         self.holding: dict[int, int] = {}  # id(array) -> how many live buffers hold that concrete array
 
-    def new_tensor(self, shape: tuple, dtype: torch.dtype, device_index: int):
-        """A new contiguous tpu tensor and its (uninitialised) buffer; `shape` a tuple of ints."""
+    def new_tensor(self, shape: tuple, dtype: torch.dtype, device_index: int, array=None):
+        """A new contiguous tpu tensor and its buffer, holding `array` (None: uninitialised, counted
+        as PyTorch counts an empty tensor's memory); `shape` a tuple of ints. This runs once per op
+        result, so an op's concrete single-chip result is held and counted here under the one lock
+        rather than through `Buffer.array`."""
         ndim = len(shape)
         nbytes = math.prod(shape) * dtype.itemsize
         owner = np.empty(_OWNER_SHAPES[ndim], np.uint8)
         capsule = owner.__dlpack__()
         dl = _capsule_pointer(capsule, b"dltensor")
+        release = self._release
         with self.lock:
             address = self.next_address
             self.next_address += (nbytes + 2 * _ALIGN - 1) // _ALIGN * _ALIGN
             buf = Buffer(shape, dtype, device_index, nbytes, address)
-            self.live[address] = (buf, weakref.KeyedRef(owner, self._release, address))
+            # a plain weakref with a closure: KeyedRef's Python-level constructor cost a microsecond
+            self.live[address] = (buf, weakref.ref(owner, lambda _, address=address: release(address)))
             self.num_allocs[device_index] = self.num_allocs.get(device_index, 0) + 1
+            if array is None or type(array) is Lazy or sharded_arrays_exist:
+                plain = False
+            else:
+                plain = True
+                buf._array = array
+                key = id(array)
+                self.holding[key] = self.holding.get(key, 0) + 1
+                buf.counted = True
+                self._add(device_index, nbytes)
         del owner  # the capsule holds it now; it dies with the storage
+        if not plain:
+            if array is None:
+                self.count(buf)
+            else:
+                buf.array = array
         code, bits = _dlpack_code(dtype)
         sizes = _SHAPES.get(shape)
         if sizes is None:
             if len(_SHAPES) >= _SHAPES_CACHED:
                 _SHAPES.clear()
-            array = (ctypes.c_int64 * max(ndim, 1))(*shape)
-            sizes = _SHAPES[shape] = (array, ctypes.addressof(array))
+            sizes_array = (ctypes.c_int64 * max(ndim, 1))(*shape)
+            sizes = _SHAPES[shape] = (sizes_array, ctypes.addressof(sizes_array))
         ctypes.memmove(dl, _DL_TENSOR.pack(address, _DL_EXT_DEV, device_index, ndim, code, bits, 1, sizes[1], 0, 0),
                        _DL_TENSOR.size)
         return _from_dlpack(capsule), buf  # `sizes` holds the shape array until PyTorch has read it
 
-    def _release(self, ref):
+    def _release(self, address: int):
         with self.lock:
-            entry = self.live.pop(ref.key, None)
+            entry = self.live.pop(address, None)
             if entry is not None:
                 buf = entry[0]
                 if buf.counted:
                     self._uncount(buf)
-                if buf._array is not None and type(buf._array) is not Lazy:
-                    self.let_go(buf._array)
+                array = buf._array
+                if array is not None and type(array) is not Lazy:
+                    key = id(array)
+                    left = self.holding[key] - 1
+                    if left:
+                        self.holding[key] = left
+                    else:
+                        del self.holding[key]
                 buf._array = None
 
     def count(self, buf: Buffer, sharded_array=None):
@@ -244,12 +269,7 @@ def new_tensor(shape, dtype: torch.dtype, device_index: int, array=None) -> torc
     """A contiguous `tpu` tensor with a fresh storage whose buffer holds `array` (None: uninitialised)."""
     if type(shape) is not tuple:  # torch.Size, a list of ints from a schema
         shape = tuple(map(int, shape))
-    t, buf = allocator.new_tensor(shape, dtype, device_index)
-    if array is None:
-        allocator.count(buf)  # PyTorch counts an uninitialised tensor's memory
-    else:
-        buf.array = array
-    return t
+    return allocator.new_tensor(shape, dtype, device_index, array)[0]
 
 
 def buffer_of(t: torch.Tensor) -> Buffer:

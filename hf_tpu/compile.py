@@ -117,10 +117,18 @@ class _CompiledGraph:
     def _read_inputs(self, args) -> tuple:
         """(arrays, non-tensor values, device index) of a call's inputs; notes their specs for tracing."""
         in_specs, arrays, values = [], [], []
-        for a in args:  # one pass: this runs before every call of the graph (each decoded token)
+        device_index = None
+        for a in args:  # one pass, inlining _array_of: this runs before every call (each decoded token)
             if isinstance(a, torch.Tensor):
-                in_specs.append((a.dtype, a.device.index))
-                arrays.append(_array_of(a))
+                buf = buffer.buffer_of(a)
+                if device_index is None:
+                    device_index = buf.device_index
+                in_specs.append((a.dtype, buf.device_index))
+                array = buf._array
+                if array is None or type(array) is buffer.Lazy:
+                    array = buf.value()
+                view = buffer.view_of(a, buf)
+                arrays.append(array if view is None else buffer.read(array, view))
                 values.append(None)
             else:
                 in_specs.append(None)
@@ -129,14 +137,17 @@ class _CompiledGraph:
         self.in_specs, values = in_specs, tuple(values)
         if buffer.sharded_arrays_exist:  # a sharded model meets single-chip inputs (the token ids)
             arrays = buffer.place_together(arrays)
-        device_index = next((spec[1] for spec in in_specs if spec is not None), None)
         if device_index is None:
             device_index = dispatch.current_device_index()
         return arrays, values, device_index
 
     def _outputs(self, arrays, values, results) -> list:
         outs = []
-        for meta, array in zip(self.out_meta[_meta_key(arrays, values)], results):
+        # the current inputs' entry was made when they were traced: with one entry (static shapes, the
+        # common case) it is that one, and 40-odd input shapes need not be hashed on every call
+        metas = next(iter(self.out_meta.values())) if len(self.out_meta) == 1 else \
+            self.out_meta[_meta_key(arrays, values)]
+        for meta, array in zip(metas, results):
             if array is None:
                 outs.append(meta)
             else:

@@ -177,6 +177,11 @@ class _Operand:
         self.view = view
 
 
+_LIVE = buffer.allocator.live
+_matmul_precision = torch._C._get_float32_matmul_precision
+_view_of = buffer.view_of
+
+
 def _device_mismatch(sig, a, b) -> RuntimeError:
     return RuntimeError(
         f"Expected all tensors to be on the same device, but found at least two devices, {a} and {b}! "
@@ -195,7 +200,7 @@ class _Call:
         operands = []
         scalars = []
         # the float32 matmul precision is read while a program is traced, so it decides the program
-        key = [sig.op, torch.get_float32_matmul_precision()]
+        key = [sig.op, _matmul_precision()]
         device_index = None
         rng = False
         i = 0
@@ -214,7 +219,8 @@ class _Call:
             elif kind == STATIC:
                 key.append(_hashable(v))
             elif kind == SCALAR:
-                if _is_static_scalar(sig, i, v):
+                default = sig.defaults[i]  # the schema's default (alpha=1) first: the common case
+                if (type(v) is type(default) and v == default) or _is_static_scalar(sig, i, v):
                     key.append((type(v), v))  # typed: 2 and 2.0 promote differently
                 else:
                     scalars.append(v)
@@ -249,7 +255,7 @@ class _Call:
                 key.append(("cpu", tuple(t.shape), t.dtype))
                 return device_index
             raise _device_mismatch(self.sig, f"tpu:{device_index or 0}", t.device)
-        entry = buffer.allocator.live.get(t.untyped_storage().data_ptr())
+        entry = _LIVE.get(t.untyped_storage().data_ptr())
         if entry is not None:
             buf = entry[0]
         elif t.device.type != "tpu":
@@ -258,7 +264,7 @@ class _Call:
             buf = buffer.buffer_of(t)  # raises its error for a storage hf_tpu did not create
         if device_index is not None and buf.device_index != device_index:
             raise _device_mismatch(self.sig, f"tpu:{device_index}", f"tpu:{buf.device_index}")
-        view = buffer.view_of(t, buf)
+        view = _view_of(t, buf)
         operands.append(_Operand(t, buf, view))
         key.append((buf.shape, buf.dtype, view, buf._array is None))
         return buf.device_index
@@ -344,6 +350,10 @@ class Program:
     data_dependent: bool = False
     # per schema return: False where PyTorch returns an undefined tensor (None)
     defined: tuple = ()
+
+    @functools.cached_property
+    def some_undefined(self) -> bool:
+        return not all(self.defined)
 
     @functools.cached_property
     def overwritten(self) -> tuple:
@@ -673,7 +683,7 @@ def run_lowered(sig: Signature, values: list):
             outputs.append(operand.tensor)
         else:
             outputs.append(buffer.new_tensor(spec[0], spec[1], device_index, array))
-    if program.defined and not all(program.defined):
+    if program.some_undefined:
         produced = iter(outputs)
         outputs = [next(produced) if defined else None for defined in program.defined]
     if sig.returns_list:

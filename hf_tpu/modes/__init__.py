@@ -55,14 +55,15 @@ class _Eager:
         return program.jitted
 
     def execute(self, program, key, arrays, scalars, rng, device_index):
-        donating = _donatable(program.overwritten, arrays)
+        overwritten = program.overwritten
+        donating = bool(overwritten) and _donatable(overwritten, arrays)
         jitted = program.jitted_donating if donating else program.jitted
         if jitted is None:
             jitted = self._compiled(program, donating)
         else:
             _counters["compile_cache_hits"] += 1
             _counters["compile_cache_hits_by_mode"][self.name] += 1
-        args = donation.split(arrays, program.overwritten) if donating else (arrays,)
+        args = donation.split(arrays, overwritten) if donating else (arrays,)
         try:
             if arrays:
                 out = jitted(*args, scalars, rng)
