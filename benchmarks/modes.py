@@ -3,6 +3,8 @@ warm-up, and peak device memory.
 
 (a) tiny Llama forward (4 layers, hidden 256, batch 2x64); (b) its AdamW training step; (c) a 128-layer
 MLP stack of small matmuls (launch-bound); (d) `generate()` of 32 tokens with the default dynamic cache.
+"compile" is `torch.compile(model, backend="tpu")`, and for (b) also `torch.compile(opt.step, backend="tpu")`,
+PyTorch's recipe for a compiled optimizer.
 
 Run: python -m benchmarks.modes [--iters 20]
 """
@@ -44,12 +46,13 @@ def workloads():
         model = model.train()
         run = torch.compile(model, backend="tpu") if compiled else model
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        update = torch.compile(opt.step, backend="tpu") if compiled else opt.step
         inp = ids.to(device)
 
         def step():
             loss = run(input_ids=inp, labels=inp).loss
             loss.backward()
-            opt.step()
+            update()
             opt.zero_grad()
             return _sync(loss.detach())
 

@@ -61,6 +61,14 @@ class _CompiledGraph:
     def __init__(self, gm: torch.fx.GraphModule, overwritten: tuple = (), loopable: bool = False):
         self.gm = gm
         self.overwritten = overwritten
+        # outputs PyTorch computes on the CPU (from CPU inputs, e.g. a non-capturable optimizer's step
+        # count): computed on the device with the rest, then read back, as the graph's users expect them
+        outputs = gm.graph.find_nodes(op="output")[0].args[0]
+        self.host_outputs = frozenset(
+            k for k, node in enumerate(outputs if isinstance(outputs, (list, tuple)) else (outputs,))
+            if isinstance(node, torch.fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
+            and node.meta["val"].device.type == "cpu"
+        )
         # keyed by whether the overwritten inputs are donated (see _donatable). The graph's non-tensor
         # inputs (sizes, under dynamic shapes) are static: each set of values traces anew, as each new set
         # of input shapes does, so the sizes the graph returns are Python numbers.
@@ -93,7 +101,8 @@ class _CompiledGraph:
         if not isinstance(outputs, (list, tuple)):
             outputs = (outputs,)
         self.out_meta[_meta_key(arrays, values)] = [
-            (o.dtype, o.device.index) if isinstance(o, torch.Tensor) else o for o in outputs
+            (o.dtype, None if k in self.host_outputs else o.device.index) if isinstance(o, torch.Tensor) else o
+            for k, o in enumerate(outputs)
         ]
         return [_array_of(o) if isinstance(o, torch.Tensor) else None for o in outputs]
 
@@ -118,8 +127,15 @@ class _CompiledGraph:
         """(arrays, non-tensor values, device index) of a call's inputs; notes their specs for tracing."""
         in_specs, arrays, values = [], [], []
         device_index = None
+        host = []  # positions of CPU tensors: uploaded once the call's device is known
         for a in args:  # one pass, inlining _array_of: this runs before every call (each decoded token)
             if isinstance(a, torch.Tensor):
+                if a.is_cpu:
+                    host.append(len(arrays))
+                    in_specs.append(None)
+                    arrays.append(None)
+                    values.append(None)
+                    continue
                 buf = buffer.buffer_of(a)
                 if device_index is None:
                     device_index = buf.device_index
@@ -134,11 +150,14 @@ class _CompiledGraph:
                 in_specs.append(None)
                 arrays.append(None)
                 values.append(a)
+        if device_index is None:
+            device_index = dispatch.current_device_index()
+        for i in host:
+            in_specs[i] = (args[i].dtype, device_index)
+            arrays[i] = buffer.from_host(args[i], device_index)
         self.in_specs, values = in_specs, tuple(values)
         if buffer.sharded_arrays_exist:  # a sharded model meets single-chip inputs (the token ids)
             arrays = buffer.place_together(arrays)
-        if device_index is None:
-            device_index = dispatch.current_device_index()
         return arrays, values, device_index
 
     def _outputs(self, arrays, values, results) -> list:
@@ -150,6 +169,9 @@ class _CompiledGraph:
         for meta, array in zip(metas, results):
             if array is None:
                 outs.append(meta)
+            elif meta[1] is None:
+                _sync_for_host_output()
+                outs.append(buffer.to_host(array, meta[0]))
             else:
                 outs.append(buffer.new_tensor(array.shape, meta[0], meta[1], array))
         return outs
@@ -216,6 +238,11 @@ class _CompiledGraph:
         return len({id(a) for a in overwritten_arrays}) == len(overwritten_arrays)
 
 
+def _sync_for_host_output() -> None:
+    modes.log_sync("a compiled graph returns a CPU tensor")
+    _counters["host_syncs"] += 1
+
+
 def _meta_key(arrays, values) -> tuple:
     return tuple(None if a is None else a.shape for a in arrays), values
 
@@ -266,3 +293,28 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     return aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler)(gm, example_inputs)
 
 
+
+
+def _capturable_on_tpu() -> None:
+    """Dynamo makes a compiled optimizer `capturable` when its parameters are on CUDA or XPU and its
+    state is still empty, so the step counts live on the device. It does the same here for `tpu`:
+    otherwise each compiled `opt.step()` ends by reading its step counts back to the host."""
+    from torch._dynamo.variables.optimizer import OptimizerVariable
+
+    original = OptimizerVariable._set_capturable
+    if getattr(original, "_hf_tpu", False):
+        return
+
+    def _set_capturable(self, tx):
+        for group in self.value.param_groups:
+            params = group.get("params", [])
+            if "capturable" in group and params and all(
+                    p.device.type == "tpu" and p not in self.value.state for p in params):
+                group["capturable"] = True
+        return original(self, tx)
+
+    _set_capturable._hf_tpu = True
+    OptimizerVariable._set_capturable = _set_capturable
+
+
+_capturable_on_tpu()

@@ -259,3 +259,49 @@ def test_torch_compile_graph_break_runs_tpu_ops_eagerly():
     x = torch.randn(3, device="tpu", requires_grad=True)
     compiled = torch.compile(grad_plus_one, backend="tpu")
     assert torch.equal(compiled(x).cpu(), torch.full((3,), 3.0))
+
+
+def test_torch_compile_takes_cpu_tensors_and_returns_them_on_the_cpu():
+    """A CPU tensor among a compiled graph's inputs (a step count, a scalar) is read like a CPU scalar in
+    eager mode; what PyTorch computes on the CPU comes back on the CPU, mutations included."""
+
+    def scale(x, count):
+        count.add_(1)
+        return x * count, count * 2
+
+    x = torch.randn(4)
+    count = torch.tensor(1.0)
+    compiled = torch.compile(scale, backend="tpu")
+    for expected_count in (2.0, 3.0):
+        scaled, doubled = compiled(x.to("tpu"), count)
+        assert scaled.device.type == "tpu" and doubled.device.type == "cpu"
+        assert count.item() == expected_count and doubled.item() == 2 * expected_count
+        assert torch.allclose(scaled.cpu(), x * expected_count)
+
+
+def test_compiled_optimizer_step_matches_cpu_and_keeps_its_state_on_tpu():
+    """`torch.compile(opt.step)`: Dynamo makes the optimizer capturable on tpu as it does on CUDA, so the
+    step counts stay on the device and a step reads nothing back to the host."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 2))
+    device_model = torch.nn.Sequential(*[torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 2)])
+    device_model.load_state_dict(model.state_dict())
+    device_model.to("tpu")
+    cpu_opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    tpu_opt = torch.optim.AdamW(device_model.parameters(), lr=0.05)
+    step = torch.compile(tpu_opt.step, backend="tpu")
+    x = torch.randn(4, 8)
+    for i in range(4):
+        model(x).square().sum().backward()
+        cpu_opt.step()
+        cpu_opt.zero_grad()
+        device_model(x.to("tpu")).square().sum().backward()
+        if i == 3:
+            torch.tpu.synchronize()
+            hf_tpu.reset_metrics()
+        step()
+        tpu_opt.zero_grad()
+    assert hf_tpu.metrics()["host_syncs"] == 0 and hf_tpu.metrics()["compiles"] == 0
+    for p, q in zip(model.parameters(), device_model.parameters()):
+        assert torch.allclose(p, q.cpu(), atol=1e-5)
+    assert all(state["step"].device.type == "tpu" for state in tpu_opt.state.values())
