@@ -174,8 +174,7 @@ class _Allocator:
             else:
                 plain = True
                 buf._array = array
-                key = id(array)
-                self.holding[key] = self.holding.get(key, 0) + 1
+                self._change_holders(array, 1)
                 buf.counted = True
                 self._add(device_index, nbytes)
         del owner  # the capsule holds it now; it dies with the storage
@@ -204,12 +203,7 @@ class _Allocator:
                     self._uncount(buf)
                 array = buf._array
                 if array is not None and type(array) is not Lazy:
-                    key = id(array)
-                    left = self.holding[key] - 1
-                    if left:
-                        self.holding[key] = left
-                    else:
-                        del self.holding[key]
+                    self._change_holders(array, -1)
                 buf._array = None
 
     def count(self, buf: Buffer, sharded_array=None):
@@ -244,17 +238,20 @@ class _Allocator:
 
     def hold(self, array):
         with self.lock:
-            key = id(array)
-            self.holding[key] = self.holding.get(key, 0) + 1
+            self._change_holders(array, 1)
 
     def let_go(self, array):
         with self.lock:
-            key = id(array)
-            left = self.holding[key] - 1
-            if left:
-                self.holding[key] = left
-            else:
-                del self.holding[key]
+            self._change_holders(array, -1)
+
+    def _change_holders(self, array, change: int):
+        """Under the lock: one more (or one fewer) live buffer holds `array`."""
+        key = id(array)
+        left = self.holding.get(key, 0) + change
+        if left:
+            self.holding[key] = left
+        else:
+            del self.holding[key]
 
     def holders(self, array) -> int:
         """How many live buffers hold `array`: one that none or only the overwritten buffer holds can be

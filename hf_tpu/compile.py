@@ -293,8 +293,6 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     return aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler)(gm, example_inputs)
 
 
-
-
 def _capturable_on_tpu() -> None:
     """Dynamo makes a compiled optimizer `capturable` when its parameters are on CUDA or XPU and its
     state is still empty, so the step counts live on the device. It does the same here for `tpu`:
