@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import os
 import threading
+import typing
 import warnings
 
 import jax
@@ -166,18 +167,20 @@ def _bind(sig: Signature, args, kwargs) -> list:
 # --- Analysing one call.
 
 
-class _Operand:
+class _Operand(typing.NamedTuple):
     """A tensor argument as the program sees it: its buffer and how it is viewed."""
 
-    __slots__ = ("tensor", "buf", "view")
+    tensor: torch.Tensor
+    buf: buffer.Buffer | None
+    view: object
 
-    def __init__(self, tensor, buf, view):
-        self.tensor = tensor
-        self.buf = buf
-        self.view = view
+
+# every op builds one per tensor argument: tuple.__new__ skips the NamedTuple's Python-level __new__
+_operand = functools.partial(tuple.__new__, _Operand)
 
 
 _LIVE = buffer.allocator.live
+_allocate = buffer.allocator.new_tensor
 _matmul_precision = torch._C._get_float32_matmul_precision
 _view_of = buffer.view_of
 
@@ -251,7 +254,7 @@ class _Call:
         if t.is_cpu:
             if t.dim() == 0 or host_ok:
                 # PyTorch lets a CPU scalar tensor join an op on an accelerator: its value is an input
-                operands.append(_Operand(t, None, buffer.host_array(t)))
+                operands.append(_operand((t, None, buffer.host_array(t))))
                 key.append(("cpu", tuple(t.shape), t.dtype))
                 return device_index
             raise _device_mismatch(self.sig, f"tpu:{device_index or 0}", t.device)
@@ -265,14 +268,14 @@ class _Call:
         if device_index is not None and buf.device_index != device_index:
             raise _device_mismatch(self.sig, f"tpu:{device_index}", f"tpu:{buf.device_index}")
         view = _view_of(t, buf)
-        operands.append(_Operand(t, buf, view))
+        operands.append(_operand((t, buf, view)))
         key.append((buf.shape, buf.dtype, view, buf._array is None))
         return buf.device_index
 
     def arrays(self):
         """The operands' arrays as they are: concrete, Lazy results of deferred ops, or None for an
         uninitialised buffer (the program makes its zeros, which XLA drops when they are overwritten)."""
-        return [op.buf.array if op.buf is not None else op.view for op in self.operands]
+        return [op.buf._array if op.buf is not None else op.view for op in self.operands]
 
 
 def _is_number(v) -> bool:
@@ -681,8 +684,8 @@ def run_lowered(sig: Signature, values: list):
             operand = call.operands[spec[1]]
             operand.buf.array = array
             outputs.append(operand.tensor)
-        else:
-            outputs.append(buffer.new_tensor(spec[0], spec[1], device_index, array))
+        else:  # spec[0] is a tuple of ints already: straight to the allocator
+            outputs.append(_allocate(spec[0], spec[1], device_index, array)[0])
     if program.some_undefined:
         produced = iter(outputs)
         outputs = [next(produced) if defined else None for defined in program.defined]

@@ -63,13 +63,14 @@ class _Eager:
         else:
             _counters["compile_cache_hits"] += 1
             _counters["compile_cache_hits_by_mode"][self.name] += 1
-        args = donation.split(arrays, overwritten) if donating else (arrays,)
         try:
-            if arrays:
-                out = jitted(*args, scalars, rng)
+            if donating:
+                out = jitted(*donation.split(arrays, overwritten), scalars, rng)
+            elif arrays:
+                out = jitted(arrays, scalars, rng)
             else:
                 with jax.default_device(platform.jax_device(device_index)):
-                    out = jitted(*args, scalars, rng)
+                    out = jitted(arrays, scalars, rng)
             if self.blocking:
                 jax.block_until_ready(out)
         except jax.errors.JaxRuntimeError as e:
