@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import warnings
 
@@ -539,6 +540,19 @@ def _wrap_generate(original):
 
 # warpers that read only the scores, not the ids generated so far (which the loop does not carry)
 _SCORE_ONLY_PROCESSORS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper")
+
+
+def _eos_hidden_below(processor) -> int | None:
+    """For a processor that hides the end-of-sequence tokens while the ids are shorter than some length
+    (`min_length`, `min_new_tokens`): that length. Transformers' processors read the length from the ids'
+    shape, which the loop does not grow; the loop applies them from its step count instead."""
+    name = type(processor).__name__
+    if name == "MinLengthLogitsProcessor":
+        return processor.min_length
+    if name == "MinNewTokensLengthLogitsProcessor":
+        return processor.prompt_length_to_skip + processor.min_new_tokens
+    return None
+
 # what `_sample` may receive besides the ids for the loop to rebuild each step's inputs exactly
 _LOOP_MODEL_KWARGS = {"attention_mask", "position_ids", "cache", "use_cache", "logits_to_keep"}
 
@@ -566,7 +580,8 @@ def _decodes_on_device(model, logits_processor, stopping_criteria, generation_co
         and model_kwargs.get("use_cache", True)
         and cache is not None and all(type(layer) is StaticLayer for layer in getattr(cache, "layers", [None]))
         and model._valid_auto_compile_criteria(model_kwargs, generation_config)
-        and all(type(p).__name__ in _SCORE_ONLY_PROCESSORS for p in logits_processor)
+        and all(type(p).__name__ in _SCORE_ONLY_PROCESSORS or _eos_hidden_below(p) is not None
+                for p in logits_processor)
         and all(type(c) in (MaxLengthCriteria, EosTokenCriteria) for c in stopping_criteria)
         and sum(type(c) is MaxLengthCriteria for c in stopping_criteria) == 1
     )
@@ -617,13 +632,27 @@ def _decode_loop(model, input_ids, finished, steps: int, eos, logits_processor, 
         eos = eos.to(device)
         pad = generation_config._pad_token_tensor.to(device)
     kwargs = {k: v for k, v in model_kwargs.items() if k not in ("attention_mask", "position_ids")}
+    # per processor: None, or (its end-of-sequence ids, for how many loop steps it hides them); tensors,
+    # so that another prompt length or minimum does not recompile the step
+    gates = []
+    for processor in logits_processor:
+        min_length = _eos_hidden_below(processor)
+        gates.append(None if min_length is None else
+                     (processor.eos_token_id.to(device), torch.tensor([min_length - length], device=device)))
 
     def body(tokens, position_ids, mask, unfinished, generated, index):
         mask = mask.index_fill(1, first_position + index, 1)
         inputs = model.prepare_inputs_for_generation(tokens[:, None], next_sequence_length=1, attention_mask=mask,
                                                      position_ids=position_ids, **kwargs)
         logits = model(**inputs, return_dict=True).logits[:, -1].to(torch.float32)
-        scores = logits_processor(tokens[:, None], logits)
+        scores = logits
+        for processor, gate in zip(logits_processor, gates):
+            if gate is None:
+                scores = processor(tokens[:, None], scores)
+            else:  # the ids are `length + index` long at this step
+                eos_ids, hidden_steps = gate
+                vocab = torch.arange(scores.shape[-1], device=scores.device)
+                scores = scores.masked_fill(torch.isin(vocab, eos_ids) & (index < hidden_steps), -math.inf)
         if do_sample:
             tokens = torch.multinomial(torch.nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
         else:

@@ -139,6 +139,25 @@ def test_end_of_sequence_inside_the_device_loop_stops_where_cpu_stops(models, ro
         assert actual.shape[1] == prompt.shape[1] + 4
 
 
+@pytest.mark.parametrize("minimum", ["min_new_tokens", "min_length"])
+def test_a_minimum_length_hides_end_of_sequence_inside_the_device_loop(models, minimum):
+    """The end-of-sequence token comes at step 4 unhindered; with a minimum of 6 new tokens CPU decodes on
+    and stops later. The loop applies the minimum from its step count, and stays one device loop."""
+    _, tpu = models
+    eos = _a_token_generated_at(models, PROMPT, step=4)
+    bound = {"min_new_tokens": 6, "min_length": PROMPT.shape[1] + 6}[minimum]
+    common = dict(max_new_tokens=12, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    expected, actual = _both(models, **common, **{minimum: bound})
+    assert torch.equal(actual, expected)
+    assert expected.shape[1] > PROMPT.shape[1] + 6  # the minimum changed where CPU stopped
+    syncs = []
+    for kwargs in (common, {**common, minimum: bound}):
+        hf_tpu.reset_metrics()
+        tpu.generate(PROMPT.to("tpu"), **kwargs)
+        syncs.append(hf_tpu.metrics()["host_syncs"])
+    assert syncs[0] == syncs[1]
+
+
 def test_tokens_after_the_first_cost_no_host_read_each(models):
     _, tpu = models
     syncs = []
