@@ -542,16 +542,21 @@ def _wrap_generate(original):
 _SCORE_ONLY_PROCESSORS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper")
 
 
-def _eos_hidden_below(processor) -> int | None:
-    """For a processor that hides the end-of-sequence tokens while the ids are shorter than some length
-    (`min_length`, `min_new_tokens`): that length. Transformers' processors read the length from the ids'
-    shape, which the loop does not grow; the loop applies them from its step count instead."""
+def _length_gate(processor) -> tuple | None:
+    """For a processor whose only input besides the scores is the ids' length: ("hide_eos", n) when it
+    hides the end-of-sequence tokens while the ids are shorter than n (`min_length`, `min_new_tokens`),
+    ("force_eos", n) when it leaves only them once the ids are n long (`forced_eos_token_id`). Transformers'
+    processors read that length from the ids' shape, which the loop does not grow; the loop applies them
+    from its step count instead."""
     name = type(processor).__name__
     if name == "MinLengthLogitsProcessor":
-        return processor.min_length
+        return "hide_eos", processor.min_length
     if name == "MinNewTokensLengthLogitsProcessor":
-        return processor.prompt_length_to_skip + processor.min_new_tokens
+        return "hide_eos", processor.prompt_length_to_skip + processor.min_new_tokens
+    if name == "ForcedEOSTokenLogitsProcessor":
+        return "force_eos", processor.max_length - 1
     return None
+
 
 # what `_sample` may receive besides the ids for the loop to rebuild each step's inputs exactly
 _LOOP_MODEL_KWARGS = {"attention_mask", "position_ids", "cache", "use_cache", "logits_to_keep"}
@@ -576,12 +581,10 @@ def _decodes_on_device(model, logits_processor, stopping_criteria, generation_co
         and not (synced_gpus or streamer is not None or generation_config.return_dict_in_generate
                  or generation_config.is_assistant)
         and set(model_kwargs) <= _LOOP_MODEL_KWARGS
-        and model_kwargs.get("position_ids") is not None
         and model_kwargs.get("use_cache", True)
         and cache is not None and all(type(layer) is StaticLayer for layer in getattr(cache, "layers", [None]))
         and model._valid_auto_compile_criteria(model_kwargs, generation_config)
-        and all(type(p).__name__ in _SCORE_ONLY_PROCESSORS or _eos_hidden_below(p) is not None
-                for p in logits_processor)
+        and all(type(p).__name__ in _SCORE_ONLY_PROCESSORS or _length_gate(p) is not None for p in logits_processor)
         and all(type(c) in (MaxLengthCriteria, EosTokenCriteria) for c in stopping_criteria)
         and sum(type(c) is MaxLengthCriteria for c in stopping_criteria) == 1
     )
@@ -632,27 +635,32 @@ def _decode_loop(model, input_ids, finished, steps: int, eos, logits_processor, 
         eos = eos.to(device)
         pad = generation_config._pad_token_tensor.to(device)
     kwargs = {k: v for k, v in model_kwargs.items() if k not in ("attention_mask", "position_ids")}
-    # per processor: None, or (its end-of-sequence ids, for how many loop steps it hides them); tensors,
-    # so that another prompt length or minimum does not recompile the step
+    # per processor: None, or (its kind of gate, its end-of-sequence ids, the loop step where the ids reach
+    # its length); the step is a tensor, so that another prompt length or bound does not recompile the step
     gates = []
     for processor in logits_processor:
-        min_length = _eos_hidden_below(processor)
-        gates.append(None if min_length is None else
-                     (processor.eos_token_id.to(device), torch.tensor([min_length - length], device=device)))
+        gate = _length_gate(processor)
+        gates.append(None if gate is None else
+                     (gate[0], processor.eos_token_id.to(device), torch.tensor([gate[1] - length], device=device)))
+    has_positions = model_kwargs.get("position_ids") is not None  # models like Bloom take none
 
     def body(tokens, position_ids, mask, unfinished, generated, index):
         mask = mask.index_fill(1, first_position + index, 1)
         inputs = model.prepare_inputs_for_generation(tokens[:, None], next_sequence_length=1, attention_mask=mask,
-                                                     position_ids=position_ids, **kwargs)
+                                                     position_ids=position_ids if has_positions else None, **kwargs)
         logits = model(**inputs, return_dict=True).logits[:, -1].to(torch.float32)
         scores = logits
         for processor, gate in zip(logits_processor, gates):
             if gate is None:
                 scores = processor(tokens[:, None], scores)
-            else:  # the ids are `length + index` long at this step
-                eos_ids, hidden_steps = gate
-                vocab = torch.arange(scores.shape[-1], device=scores.device)
-                scores = scores.masked_fill(torch.isin(vocab, eos_ids) & (index < hidden_steps), -math.inf)
+                continue
+            kind, eos_ids, step = gate  # the ids are `length + index` long at this step
+            is_eos = torch.isin(torch.arange(scores.shape[-1], device=scores.device), eos_ids)
+            if kind == "hide_eos":
+                scores = scores.masked_fill(is_eos & (index < step), -math.inf)
+            else:
+                scores = scores.masked_fill(~is_eos & (index == step), -math.inf).masked_fill(
+                    is_eos & (index == step), 0.0)
         if do_sample:
             tokens = torch.multinomial(torch.nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
         else:
@@ -668,7 +676,9 @@ def _decode_loop(model, input_ids, finished, steps: int, eos, logits_processor, 
         return go_on & (unfinished.max() > 0) if eos is not None else go_on
 
     unfinished = torch.ones(batch, dtype=torch.long) if finished is None else (~finished).long()
-    position_ids = model_kwargs["position_ids"][:, -1:] + 1  # the first new token follows the prompt
+    # the first new token follows the prompt (carried unused by a model that takes no positions)
+    position_ids = (model_kwargs["position_ids"][:, -1:] + 1 if has_positions
+                    else torch.zeros(batch, 1, dtype=torch.long))
     generated = torch.zeros_like(mask)  # as long as the cache, so that any number of new tokens fits one program
     carried = (input_ids[:, -1], position_ids, mask, unfinished, generated, torch.zeros(1, dtype=torch.long))
     from hf_tpu import while_loop

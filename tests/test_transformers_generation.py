@@ -158,6 +158,46 @@ def test_a_minimum_length_hides_end_of_sequence_inside_the_device_loop(models, m
     assert syncs[0] == syncs[1]
 
 
+def test_a_forced_end_of_sequence_token_ends_the_device_loop_as_on_cpu(models):
+    """`forced_eos_token_id` leaves only that token at the last step: the loop applies it from its step
+    count, and stays one device loop."""
+    _, tpu = models
+    common = dict(max_new_tokens=9, do_sample=False, eos_token_id=None)
+    expected, actual = _both(models, **common, forced_eos_token_id=77)
+    assert torch.equal(actual, expected) and int(expected[0, -1]) == 77
+    syncs = []
+    for kwargs in (common, {**common, "forced_eos_token_id": 77}):
+        hf_tpu.reset_metrics()
+        tpu.generate(PROMPT.to("tpu"), **kwargs)
+        syncs.append(hf_tpu.metrics()["host_syncs"])
+    assert syncs[0] == syncs[1]
+
+
+def test_a_model_without_position_ids_decodes_in_the_device_loop(tmp_path):
+    """Bloom (ALiBi) takes no position ids: the loop feeds it none, and gives CPU's tokens."""
+    from transformers import AutoModelForCausalLM, BloomConfig, BloomForCausalLM
+
+    config = BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=128, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=0)
+    torch.manual_seed(0)
+    BloomForCausalLM(config).save_pretrained(tmp_path)
+    models = (AutoModelForCausalLM.from_pretrained(tmp_path),
+              AutoModelForCausalLM.from_pretrained(tmp_path, device_map="tpu"))
+    kwargs = dict(max_new_tokens=10, do_sample=False, eos_token_id=None)
+    expected, actual = _both(models, **kwargs)
+    assert torch.equal(actual, expected)
+    syncs = []
+    for device_loop in (True, False):
+        adapter.configure(device_loop=device_loop)
+        try:
+            hf_tpu.reset_metrics()
+            models[1].generate(PROMPT.to("tpu"), **kwargs)
+            syncs.append(hf_tpu.metrics()["host_syncs"])
+        finally:
+            adapter.configure(device_loop=True)
+    assert syncs[0] < syncs[1]
+
+
 def test_tokens_after_the_first_cost_no_host_read_each(models):
     _, tpu = models
     syncs = []
