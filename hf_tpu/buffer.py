@@ -176,10 +176,7 @@ class _Allocator:
                 buf._array = array
                 self._change_holders(array, 1)
                 buf.counted = True
-                used = self.allocated.get(device_index, 0) + nbytes  # _add, inlined on this hot path
-                self.allocated[device_index] = used
-                if used > self.peak.get(device_index, 0):
-                    self.peak[device_index] = used
+                self._add(device_index, nbytes)
         del owner  # the capsule holds it now; it dies with the storage
         if not plain:
             if array is None:

@@ -48,8 +48,8 @@ class _Untraceable(Exception):
     pass
 
 
-def _array_of(t: torch.Tensor):
-    buf = buffer.buffer_of(t)
+def _array_of(t: torch.Tensor, buf: buffer.Buffer | None = None):
+    buf = buffer.buffer_of(t) if buf is None else buf
     view = buffer.view_of(t, buf)
     value = buf.value()
     return value if view is None else buffer.read(value, view)
@@ -128,7 +128,7 @@ class _CompiledGraph:
         in_specs, arrays, values = [], [], []
         device_index = None
         host = []  # positions of CPU tensors: uploaded once the call's device is known
-        for a in args:  # one pass, inlining _array_of: this runs before every call (each decoded token)
+        for a in args:  # one pass: this runs before every call of the graph (each decoded token)
             if isinstance(a, torch.Tensor):
                 if a.is_cpu:
                     host.append(len(arrays))
@@ -140,11 +140,7 @@ class _CompiledGraph:
                 if device_index is None:
                     device_index = buf.device_index
                 in_specs.append((a.dtype, buf.device_index))
-                array = buf._array
-                if array is None or type(array) is buffer.Lazy:
-                    array = buf.value()
-                view = buffer.view_of(a, buf)
-                arrays.append(array if view is None else buffer.read(array, view))
+                arrays.append(_array_of(a, buf))
                 values.append(None)
             else:
                 in_specs.append(None)
@@ -170,7 +166,7 @@ class _CompiledGraph:
             if array is None:
                 outs.append(meta)
             elif meta[1] is None:
-                _sync_for_host_output()
+                modes.host_read("a compiled graph returns a CPU tensor")
                 outs.append(buffer.to_host(array, meta[0]))
             else:
                 outs.append(buffer.new_tensor(array.shape, meta[0], meta[1], array))
@@ -236,11 +232,6 @@ class _CompiledGraph:
             if buffer.view_of(t, buffer.buffer_of(t)) is not None or buffer.allocator.holders(array) != 1:
                 return False
         return len({id(a) for a in overwritten_arrays}) == len(overwritten_arrays)
-
-
-def _sync_for_host_output() -> None:
-    modes.log_sync("a compiled graph returns a CPU tensor")
-    _counters["host_syncs"] += 1
 
 
 def _meta_key(arrays, values) -> tuple:

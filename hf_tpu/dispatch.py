@@ -664,9 +664,7 @@ def run_lowered(sig: Signature, values: list):
         device_index = _factory_device(sig, values)
     rng_key = random.next_key(device_index, _generator_arg(sig, values)) if call.rng else None
     if program.data_dependent:
-        _modes.log_sync(f"{sig.name} has a data-dependent output shape")
-        mode.sync(f"{sig.name} has a data-dependent output shape")
-        _counters["host_syncs"] += 1
+        _modes.host_read(f"{sig.name} has a data-dependent output shape")
         concrete = [op.buf.value() if op.buf is not None else op.view for op in call.operands]
         if buffer.sharded_arrays_exist:
             concrete = buffer.place_together(concrete)

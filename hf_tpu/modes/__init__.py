@@ -170,6 +170,14 @@ def eager_mode(mode):
         set_eager_mode(previous)
 
 
+def host_read(reason: str) -> None:
+    """A value is about to be read on the host: say where (with HF_TPU_LOG_COMPILES=1), compute the
+    pending work, and count the sync in `host_syncs`."""
+    log_sync(reason)
+    _current[0].sync(reason)
+    _counters["host_syncs"] += 1
+
+
 def flush(reason: str) -> None:
     """Compute all deferred work now (a sync point), counted in `host_syncs` when a host read asked."""
     _current[0].sync(reason)

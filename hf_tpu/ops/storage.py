@@ -12,12 +12,11 @@ import math
 import jax
 import torch
 
-from .. import buffer, counters, dispatch, platform
+from .. import buffer, dispatch, modes, platform
 from .registry import kernel, lowering, reuse_cpu_kernel
 
 aten = torch.ops.aten
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
-_counters = counters.counters
 
 
 reuse_cpu_kernel(
@@ -32,14 +31,6 @@ reuse_cpu_kernel(
     aten.set_.source_Tensor,
     aten.is_set_to.default,
 )
-
-
-def _sync(reason: str):
-    from .. import modes
-
-    modes.log_sync(reason)
-    modes.current().sync(reason)
-    _counters["host_syncs"] += 1
 
 
 def _contiguous(shape):
@@ -88,7 +79,7 @@ def resize_(sig, values):
 @kernel(aten._local_scalar_dense.default)
 def local_scalar_dense(sig, values):
     t = values[0]
-    _sync("item()")
+    modes.host_read("item()")
     buf = buffer.buffer_of(t)
     value = buffer.to_numpy(_read(t, buf))
     return value.item()
@@ -117,7 +108,7 @@ def copy_(sig, values):
     dst, src = values[0], values[1]  # non_blocking: every transfer is already asynchronous
     if dst.device.type != "tpu":
         # tpu -> host
-        _sync("copy to cpu")
+        modes.host_read("copy to cpu")
         host = buffer.to_host(_read(src, buffer.buffer_of(src)), src.dtype)
         with torch.no_grad():
             return dst.copy_(host)
@@ -163,7 +154,7 @@ def to_copy(sig, values):
     dtype = dtype or self.dtype
     target = torch.device(device) if device is not None else self.device
     if target.type == "cpu":
-        _sync("copy to cpu")
+        modes.host_read("copy to cpu")
         host = buffer.to_host(_read(self, buffer.buffer_of(self)), self.dtype)
         return host.to(dtype)
     if target.type != "tpu":
