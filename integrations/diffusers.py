@@ -26,6 +26,8 @@ import sys
 
 import torch
 
+from .transformers import install_output_capturing_hooks
+
 _ORIGINAL = "_hf_tpu_original"
 _TIMESTEP_HOOK = "_hf_tpu_timestep_hook"
 
@@ -173,6 +175,7 @@ def compile_pipeline(pipe, *, vae_decoder: bool = True, text_encoders: bool = Tr
     prepare_pipeline(pipe, pipe._execution_device)
     for _, module in targets:
         if getattr(module.forward, _ORIGINAL, None) is None:
+            install_output_capturing_hooks(module)
             compiled = torch.compile(module.forward, backend="tpu", dynamic=dynamic)
             setattr(compiled, _ORIGINAL, module.forward)
             module.forward = compiled

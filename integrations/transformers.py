@@ -205,6 +205,21 @@ def prepare_model(model) -> None:
     model_patches.apply(model)
 
 
+def install_output_capturing_hooks(module) -> None:
+    """Installs the hooks a Transformers model records hidden states and attentions with, before the model
+    is compiled. Transformers installs them on the first call that asks for them, under a lock Dynamo cannot
+    trace: compiled, that call breaks the graph for good, so every later call runs two graphs with eager
+    code between them (a CLIP text encoder: 1.26 ms a call against 0.52 ms as one graph)."""
+    try:
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    except ImportError:  # a Transformers without lazily installed capturing hooks
+        return
+    from transformers import PreTrainedModel
+
+    if isinstance(module, PreTrainedModel):
+        maybe_install_capturing_hooks(module)
+
+
 _TENSOR_PARALLEL_ARGUMENTS = ("tp_plan", "tp_size", "distributed_config")
 
 

@@ -155,6 +155,17 @@ def test_compiled_pipeline_same_image_and_no_compiles_on_second_call(kind, sd_pa
     np.testing.assert_allclose(second, _generate(cpu, seed=1, steps=4), atol=ATOL, rtol=0)
 
 
+def test_compiled_pipeline_has_no_graph_breaks(sd3_path):
+    """SD3's CLIP encoders are asked for hidden states: Transformers installs its capturing hooks on that
+    first call, under a lock Dynamo cannot trace, unless compile_pipeline installed them before."""
+    from torch._dynamo.utils import counters
+
+    tpu = compile_pipeline(load("sd3", sd3_path).to("tpu"))
+    counters.clear()
+    _generate(tpu, steps=1)
+    assert not counters["graph_break"], list(counters["graph_break"])
+
+
 def test_compile_pipeline_needs_the_pipeline_on_tpu(sd):
     with pytest.raises(ValueError, match=r"pipe.to\('tpu'\)"):
         compile_pipeline(sd[0])
