@@ -92,6 +92,22 @@ def test_sync_points_compute_pending_work_and_are_counted(sync, capsys):
             assert hf_tpu.metrics()["host_syncs"] >= 1
 
 
+@pytest.mark.parametrize("cast", [lambda t: t.float(), lambda t: t.to(t.device, torch.int32, copy=True),
+                                  lambda t: t.t().double()])
+def test_casts_on_the_device_are_deferred_not_sync_points(cast):
+    """Llama's rotary embedding casts its position ids with `.float()`: that cut every deferred forward
+    in two when a tpu-to-tpu `_to_copy` read its operand's value."""
+    from hf_tpu import buffer
+
+    x = torch.arange(6, device="tpu").reshape(2, 3)
+    with torch.tpu.use_eager_mode(Mode.DEFER_AND_FUSE):
+        pending = x * 2
+        result = cast(pending)
+        assert type(buffer.buffer_of(pending).array) is buffer.Lazy
+        assert type(buffer.buffer_of(result).array) is buffer.Lazy
+        assert torch.equal(result.cpu(), cast((torch.arange(6).reshape(2, 3) * 2)))
+
+
 def test_dead_intermediates_never_take_device_memory():
     def step(x):
         for _ in range(8):

@@ -163,13 +163,11 @@ def to_copy(sig, values):
     if self.device.type == "cpu":
         host = self.to(dtype)
         return buffer.new_tensor(host.shape, dtype, index, buffer.from_host(host, index))
-    value = _read(self, buffer.buffer_of(self))
-    if index != self.device.index:
-        value = jax.device_put(value, platform.jax_device(index))
-    out = buffer.new_tensor(self.shape, self.dtype, index, value)
-    if dtype != self.dtype:
-        out = dispatch.run_lowered(dispatch.signature(aten._to_copy.default), [out, dtype] + [None] * 5)
-    return out
+    if index != self.device.index:  # another chip: the values move, then the cast runs there
+        value = jax.device_put(_read(self, buffer.buffer_of(self)), platform.jax_device(index))
+        self = buffer.new_tensor(self.shape, self.dtype, index, value)
+    # a cast on the device is an op like any other: recorded in DEFER_AND_FUSE, never a sync
+    return dispatch.run_lowered(dispatch.signature(aten._to_copy.default), [self, dtype] + [None] * 5)
 
 
 @lowering(aten._to_copy.default)
