@@ -20,6 +20,26 @@ def timeit(fn, warmup: int = 3, iters: int = 20) -> float:
     return statistics.median(times)
 
 
+def timeit_alternating(fns, warmup: int = 1, iters: int = 20, per_turn: int = 3) -> list:
+    """Median seconds per call of each function (each must sync what it measures), the functions taking
+    turns of `per_turn` timed calls. This machine's speed drifts over seconds; taking turns gives every
+    function the same drift, so the ratios hold where separately timed medians can be 1.5x apart. Each
+    turn starts with an untimed call: PyTorch's OpenMP threads spin for a while after their work and
+    would slow the next function's first call."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    times = [[] for _ in fns]
+    while len(times[0]) < iters:
+        for fn, samples in zip(fns, times):
+            fn()
+            for _ in range(min(per_turn, iters - len(samples))):
+                start = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - start)
+    return [statistics.median(samples) for samples in times]
+
+
 def tiny_llama(layers: int = 4, hidden: int = 256, vocab: int = 1000):
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -4,18 +4,22 @@ mode beside Diffusers on CPU, with compiles per call (first/second) and host syn
 "compiled" is `hf_tpu.integrations.diffusers.compile_pipeline(pipe)`: the denoiser and the VAE decoder
 through `torch.compile(backend="tpu")`, the rest (text encoders, scheduler) in strict eager.
 
-Run: python -m benchmarks.diffusers_pipelines [--steps 10] [--iters 3] [--cpu-threads 1]
+Each tpu row is timed alternating call by call with Diffusers on CPU, and its ratio is to those CPU calls:
+the CPU row gives the median of all of them.
+
+Run: python -m benchmarks.diffusers_pipelines [--steps 10] [--iters 5] [--cpu-threads 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 
 import torch
 
 import hf_tpu
-from benchmarks.common import table, timeit
+from benchmarks.common import table, timeit_alternating
 from examples.text_to_image import BUILDERS, load, saved_pipeline
 from hf_tpu.integrations.diffusers import compile_pipeline
 
@@ -44,7 +48,7 @@ def _per_call_counts(run):
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--iters", type=int, default=5)
     p.add_argument("--pipelines", default=",".join(BUILDERS), help="comma-separated: " + ", ".join(BUILDERS))
     p.add_argument("--cpu-threads", type=int, default=0, help="torch CPU threads (0: PyTorch's default)")
     args = p.parse_args(argv)
@@ -54,8 +58,11 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as directory:
         for kind in args.pipelines.split(","):
             path = saved_pipeline(kind, directory)
-            cpu = timeit(_runner(load(kind, path), args.steps), warmup=1, iters=args.iters)
-            rows.append([kind, "diffusers cpu", f"{cpu:.3f}", "1.00x", "", "", ""])
+            cpu_run = _runner(load(kind, path), args.steps)
+            cpu_run()  # warm-up
+            cpu_row = len(rows)
+            rows.append(None)
+            cpu_medians = []
             for name, mode, compiled in TPU_MODES:
                 pipe = load(kind, path).to("tpu")
                 if compiled:
@@ -63,10 +70,12 @@ def main(argv=None):
                 run = _runner(pipe, args.steps)
                 with torch.tpu.use_eager_mode(mode):
                     (first, _), (second, syncs) = _per_call_counts(run)
-                    seconds = timeit(run, warmup=0, iters=args.iters)
+                    cpu, seconds = timeit_alternating([cpu_run, run], warmup=0, iters=args.iters)
+                cpu_medians.append(cpu)
                 rows.append([kind, name, f"{seconds:.3f}", f"{cpu / seconds:.2f}x", str(first), str(second),
                              str(syncs)])
                 del pipe
+            rows[cpu_row] = [kind, "diffusers cpu", f"{statistics.median(cpu_medians):.3f}", "1.00x", "", "", ""]
     print(f"{args.steps} denoising steps, 16x16 images, batch 1")
     print(table(["pipeline", "run", "s/image", "vs cpu", "compiles 1st call", "compiles 2nd call",
                  "host syncs per call"], rows))

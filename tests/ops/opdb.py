@@ -1,6 +1,6 @@
 """Conformance against PyTorch's own op database: every OpInfo sample run on `cpu` and on `tpu`.
 
-Used by `tests/ops/test_opdb.py` (a bounded sample in CI) and by `benchmarks/opdb_report.py`
+Used by `tests/ops/test_opdb.py` (a bounded sample in CI) and by `tests/ops/report.py`
 (the full sweep with the figures quoted in docs/conformance.md).
 """
 
