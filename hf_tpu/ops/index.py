@@ -418,11 +418,13 @@ def bucketize(self, boundaries, *, out_int32=False, right=False):
 @lowering(aten.histc.default)
 def histc(self, bins=100, min=0, max=0):
     """Equal-width bins over [min, max] (the data's range when both are 0); the last bin is closed.
-    Bin positions are computed in self's dtype, as PyTorch does (it decides edge cases in bfloat16)."""
+    Bin positions are computed in self's dtype, as PyTorch does (it decides edge cases in bfloat16).
+    Integer inputs are what Transformers' MoE layers count experts with on accelerators (CUDA takes them)."""
     low, high = jnp.asarray(min, self.dtype), jnp.asarray(max, self.dtype)
     unset = low == high
-    low = jnp.where(unset, jnp.min(self, initial=jnp.inf), low)
-    high = jnp.where(unset, jnp.max(self, initial=-jnp.inf), high)
+    limits = jnp.finfo(self.dtype) if jnp.issubdtype(self.dtype, jnp.floating) else jnp.iinfo(self.dtype)
+    low = jnp.where(unset, jnp.min(self, initial=limits.max), low)
+    high = jnp.where(unset, jnp.max(self, initial=limits.min), high)
     low, high = jnp.where(low == high, low - 1, low), jnp.where(low == high, high + 1, high)
     inside = (self >= low) & (self <= high)
     position = ((self - low) * bins / (high - low)).astype(jnp.int64)

@@ -55,6 +55,21 @@ def test_histogramdd_of_a_constant_widens_its_range_like_numpy():
     _assert_same(torch.histogramdd, torch.randn(4, 5, 3), bins=[2, 3, 4], weight=torch.rand(4, 5), density=True)
 
 
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("bounds", [dict(min=0, max=3), dict()])
+def test_histc_counts_integers_as_cuda_does(dtype, bounds):
+    """Transformers' MoE layers count tokens per expert with an integer `histc` on accelerators; the
+    CPU kernel takes only floats, so the counts are compared with the float histogram's."""
+    import warnings
+
+    x = torch.tensor([0, 1, 1, 3, 7, -2], dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the data-range bounds started from inf cast to an integer
+        counts = torch.histc(x.to("tpu"), bins=5, **bounds).cpu()
+    assert counts.dtype == dtype
+    torch.testing.assert_close(counts, torch.histc(x.float(), bins=5, **bounds).to(dtype))
+
 @pytest.mark.parametrize("reduce", ["sum", "mean", "max", "min", "prod"])
 def test_segment_reduce_with_empty_segments_ties_and_negative_gradients(reduce):
     data = torch.tensor([[1.0, 3.0, 3.0, 0.0, -2.0, 5.0], [2.0, 2.0, -1.0, 4.0, 0.0, 0.0]])
