@@ -8,6 +8,9 @@ the adapter's default: a static cache, and every token after the first decoded i
 of the `torch.compile(backend="tpu")`-compiled step; "token by token" decodes the same compiled
 forward once per token from Transformers' Python loop (`configure(device_loop=False)`).
 
+Each tpu row is timed in turns with Transformers on CPU (`benchmarks.common.timeit_alternating`), and
+its ratio is to those CPU calls; the CPU row gives the median of all of them.
+
 Run: python -m benchmarks.generation [--prompt 64] [--new-tokens 32] [--batch 1] [--iters 5] [--cpu-threads N]
 """
 
@@ -15,11 +18,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 
 import torch
 
 import hf_tpu
-from benchmarks.common import table, timeit, tiny_llama
+from benchmarks.common import table, timeit_alternating, tiny_llama
 from hf_tpu.integrations import transformers as adapter
 
 # (name, eager mode, static cache, device loop)
@@ -37,9 +41,13 @@ def _generator(model, prompt, new_tokens):
     return run
 
 
-def _measure(model, prompt, new_tokens, iters):
-    prefill = timeit(_generator(model, prompt, 1), warmup=1, iters=iters)
-    full = timeit(_generator(model, prompt, 1 + new_tokens), warmup=1, iters=iters)
+def _runs(model, prompt, new_tokens):
+    """A prefill (`generate()` of one token) and a full `generate()` of 1 + new_tokens."""
+    return _generator(model, prompt, 1), _generator(model, prompt, 1 + new_tokens)
+
+
+def _rates(prefill: float, full: float, prompt, new_tokens: int) -> tuple:
+    """(prefill, decode) tokens per second from the two calls' seconds."""
     batch, length = prompt.shape
     return batch * length / prefill, batch * new_tokens / max(full - prefill, 1e-9)
 
@@ -67,8 +75,8 @@ def main(argv=None):
     model.generation_config.eos_token_id = None  # every call generates exactly the tokens asked for
     prompt = torch.randint(3, 1000, (args.batch, args.prompt))
 
-    cpu_prefill, cpu_decode = _measure(model, prompt, args.new_tokens, args.iters)
-    rows = [["torch cpu eager, dynamic cache", f"{cpu_prefill:.0f}", f"{cpu_decode:.1f}", "1.00x", "", ""]]
+    cpu_runs = _runs(model, prompt, args.new_tokens)
+    rows, cpu_rates = [None], []
     saved = adapter.settings.static_cache, adapter.settings.device_loop
     try:
         for name, mode, static, device_loop in TPU_MODES:
@@ -77,12 +85,17 @@ def main(argv=None):
             device_prompt = prompt.to("tpu")
             with torch.tpu.use_eager_mode(mode):
                 first, second = _compiles_per_call(device_model, device_prompt, args.new_tokens)
-                prefill, decode = _measure(device_model, device_prompt, args.new_tokens, args.iters)
-            rows.append([name, f"{prefill:.0f}", f"{decode:.1f}", f"{decode / cpu_decode:.2f}x", str(first),
+                seconds = timeit_alternating([*cpu_runs, *_runs(device_model, device_prompt, args.new_tokens)],
+                                             warmup=1, iters=args.iters)
+            cpu_rates.append(_rates(*seconds[:2], prompt, args.new_tokens))
+            prefill, decode = _rates(*seconds[2:], prompt, args.new_tokens)
+            rows.append([name, f"{prefill:.0f}", f"{decode:.1f}", f"{decode / cpu_rates[-1][1]:.2f}x", str(first),
                          str(second)])
             del device_model
     finally:
         adapter.configure(static_cache=saved[0], device_loop=saved[1])
+    cpu_prefill, cpu_decode = (statistics.median(r[k] for r in cpu_rates) for k in range(2))
+    rows[0] = ["torch cpu eager, dynamic cache", f"{cpu_prefill:.0f}", f"{cpu_decode:.1f}", "1.00x", "", ""]
     print(f"tiny Llama, batch {args.batch}, prompt {args.prompt}, {args.new_tokens} new tokens (greedy), "
           f"{torch.get_num_threads()} torch CPU threads")
     print(table(["run", "prefill tok/s", "decode tok/s", "decode vs cpu", "compiles 1st call",

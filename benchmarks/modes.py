@@ -6,9 +6,9 @@ MLP stack of small matmuls (launch-bound); (d) `generate()` of 32 tokens with th
 "compile" is `torch.compile(model, backend="tpu")`, and for (b) also `torch.compile(opt.step, backend="tpu")`,
 PyTorch's recipe for a compiled optimizer.
 
-Each mode's iterations alternate with PyTorch's on CPU: "vs cpu" is to those CPU iterations, and "vs
-strict" divides the two modes' speed-ups over CPU, so a change of the machine's speed between the modes'
-runs cancels out.
+Each mode's iterations take turns with PyTorch's on CPU (`benchmarks.common.timeit_alternating`), and
+"vs cpu" is to those CPU iterations: a change of the machine's speed hits both sides of that ratio alike.
+"vs strict" compares the modes' own times, measured one mode after the other.
 
 Run: python -m benchmarks.modes [--iters 20]
 """
@@ -103,7 +103,7 @@ def main(argv=None):
         cpu_step = make(copy.deepcopy(model), "cpu", False)
         for _ in range(2):
             cpu_step()
-        speedups, cpu_times = {}, []
+        results, cpu_times = {}, []
         for mode in MODES:
             device_model = copy.deepcopy(model).to("tpu")
             step = make(device_model, "tpu", mode == "compile")
@@ -119,13 +119,13 @@ def main(argv=None):
                 cpu, seconds = timeit_alternating([cpu_step, step], warmup=0, iters=args.iters)
                 compiles = hf_tpu.metrics()["compiles"]
                 peak = torch.tpu.max_memory_allocated()
-            speedups[mode] = cpu / seconds
+            results[mode] = seconds
             cpu_times.append(cpu)
             del device_model, step
             torch._dynamo.reset()  # Dynamo's caches hold a compiled model's weights on the device
             gc.collect()  # so the next mode's peak memory counts only its own tensors
-            rows.append([name, mode, f"{seconds * 1e3:.1f}", f"{speedups[mode]:.2f}x",
-                         f"{speedups[mode] / speedups['DEFER_NEVER']:.2f}x", str(compiles), f"{peak / 2**20:.1f}"])
+            rows.append([name, mode, f"{seconds * 1e3:.1f}", f"{cpu / seconds:.2f}x",
+                         f"{results['DEFER_NEVER'] / seconds:.2f}x", str(compiles), f"{peak / 2**20:.1f}"])
         rows.append([name, "torch cpu eager", f"{statistics.median(cpu_times) * 1e3:.1f}", "1.00x", "", "", ""])
     print(table(["workload", "mode", "ms/iter", "vs cpu", "vs strict", f"compiles in {args.iters} iters",
                  "peak MiB"], rows))
