@@ -19,6 +19,7 @@ import os
 import threading
 import typing
 import warnings
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -344,6 +345,7 @@ class Program:
     """The pure function computing one op call's results from its operands' buffers."""
 
     fn: object  # (arrays, scalars, rng_key) -> list of arrays
+    name: str  # the op's, as `aten::add.Tensor`
     out_specs: tuple | None  # per return: (shape, torch dtype) or ("mutated", operand, shape, jax dtype)
     device_index: int | None
     jitted: object = None
@@ -353,6 +355,11 @@ class Program:
     data_dependent: bool = False
     # per schema return: False where PyTorch returns an undefined tensor (None)
     defined: tuple = ()
+
+    @functools.cached_property
+    def content_hash(self) -> int:
+        """32 bits of the op and its results' shapes, the same in every process (deferred cut points)."""
+        return zlib.crc32(f"{self.name} {self.out_specs}".encode())
 
     @functools.cached_property
     def some_undefined(self) -> bool:
@@ -554,13 +561,14 @@ def _build(call: _Call) -> Program:
         return outs
 
     if written_slots is not None:
-        return Program(fn=fn, out_specs=tuple(("mutated", k, *blank[k]) for k, _, _ in written_slots),
-                       device_index=call.device_index)
+        return Program(fn=fn, name=call.sig.name, device_index=call.device_index,
+                       out_specs=tuple(("mutated", k, *blank[k]) for k, _, _ in written_slots))
     if specs is None:
         try:
             specs = _eval_specs(fn, call)
         except _DATA_DEPENDENT_ERRORS:
-            return Program(fn=fn, out_specs=None, device_index=call.device_index, data_dependent=True)
+            return Program(fn=fn, name=call.sig.name, out_specs=None, device_index=call.device_index,
+                           data_dependent=True)
     out_specs = []
     for j, spec in enumerate(specs):
         target = returns_mutated[j] if j < len(returns_mutated) else None
@@ -570,7 +578,8 @@ def _build(call: _Call) -> Program:
             else:  # the written buffer's whole array comes back
                 out_specs.append(("mutated", slot_of_arg[target], *blank[slot_of_arg[target]]))
     program_returns = tuple(spec is not None or returns_mutated[j] is not None for j, spec in enumerate(specs))
-    return Program(fn=fn, out_specs=tuple(out_specs), device_index=call.device_index, defined=program_returns)
+    return Program(fn=fn, name=call.sig.name, out_specs=tuple(out_specs), device_index=call.device_index,
+                   defined=program_returns)
 
 
 def _written_list_slots(call: _Call, slot_of_arg: dict):

@@ -47,6 +47,31 @@ def test_deferred_fuses_a_chain_into_one_cached_program():
     assert m["host_syncs"] == 20
 
 
+def test_deferred_cuts_fall_on_the_same_ops_every_iteration(monkeypatch):
+    """A graph runs early at content-defined cut points, so the device computes while Python records.
+    A cut depends on the ops before it, not on a count since the last sync: a loop that never syncs is
+    cut the same way every iteration, and its pieces compile once."""
+    from hf_tpu.modes import deferred
+
+    monkeypatch.setattr(deferred, "_CUT_BITS", 1)  # one window in two is a cut: many cuts
+    monkeypatch.setattr(deferred, "_MIN_CUT_OPS", 1)  # the chain repeats every 4 ops, under the minimum
+    x = torch.randn(16, 16, device="tpu")
+    w = torch.randn(16, 16, device="tpu") * 0.1
+    expected = x
+    for _ in range(5):
+        expected = _chain(expected, w, n=7)
+    with torch.tpu.use_eager_mode(Mode.DEFER_AND_FUSE):
+        y = _chain(_chain(x, w, n=7), w, n=7)  # warm-up, no sync
+        hf_tpu.reset_metrics()
+        for _ in range(3):
+            y = _chain(y, w, n=7)
+        m = hf_tpu.metrics()
+        actual = y.cpu()
+    assert m["host_syncs"] == 0 and m["compile_cache_hits_by_mode"]["DEFER_AND_FUSE"] >= 3  # pieces ran
+    assert m["compiles"] == 0
+    torch.testing.assert_close(actual, expected.cpu(), atol=1e-5, rtol=1e-5)
+
+
 def test_graph_size_cap_flushes_between_an_op_and_its_pending_operands(monkeypatch):
     """The cap's flush runs while an op is being recorded: the operands it had read as pending results
     of the flushed graph become that flush's arrays."""
@@ -164,11 +189,15 @@ def _run(code, cache_dir, **env):
 
 _DISK_CACHE_WORK = """
     import torch, hf_tpu
-    x = torch.arange(64.0).reshape(8, 8).to("tpu")
+    hf_tpu.modes.deferred._CUT_BITS = 1  # with cut points (3 pieces): the same ops in every process
+    hf_tpu.modes.deferred._MIN_CUT_OPS = 1
+    x = torch.arange(64.0).reshape(8, 8).to("tpu") / 64
     with torch.tpu.use_eager_mode("DEFER_AND_FUSE"):
-        y = (torch.tanh(x @ x) + 1).sum()
-        value = y.item()
+        for _ in range(8):
+            x = torch.sigmoid(torch.tanh(x @ x) + 1) * 2
+        value = x.sum().item()
     m = hf_tpu.metrics()
+    assert m["compiles_by_mode"]["DEFER_AND_FUSE"] > 1
     print(value, m["xla_compiles"], m["disk_cache_hits"])
 """
 

@@ -6,6 +6,14 @@ results some live buffer still holds: an intermediate nobody references is never
 never occupies device memory. The fused program is cached by the graph's structure (each node's
 dispatch key, its wiring, which results are outputs, the input shapes and dtypes), and the arrays a
 graph overwrote in place are donated to it when a result of the same shape and dtype can take their memory.
+
+A graph also runs early, without waiting for its results, at content-defined cut points (as rsync cuts
+files into chunks): after an op whose last `_WINDOW` ops hash into one value in 2**`_CUT_BITS`, once it
+has `_MIN_CUT_OPS` ops. The device then computes the first part while Python records the rest, as
+strict eager overlaps them op by op. Because a cut depends on the ops before it and not on a count
+since the last sync, a loop is cut at the same ops every iteration, synced or not, and its pieces
+compile once. (Where cut points lie closer than `_MIN_CUT_OPS`, which of them cuts depends on the
+previous cut, and the pieces settle after a few iterations.) `HF_TPU_EARLY_FLUSH=0` turns the cuts off.
 """
 
 from __future__ import annotations
@@ -23,6 +31,11 @@ _counters = counters.counters
 log = logging.getLogger("hf_tpu.compile")
 
 MAX_GRAPH_OPS = int(os.environ.get("HF_TPU_MAX_GRAPH_OPS", "4096"))
+EARLY_FLUSH = os.environ.get("HF_TPU_EARLY_FLUSH", "1") != "0"
+_WINDOW = 4  # ops whose content decides a cut
+_CUT_BITS = 4  # one window in 16 is a cut: a tiny Llama's decoder layer (47 ops) is cut once
+_MIN_CUT_OPS = 8  # no piece shorter: a launch of its own costs more than a few ops' fusion saves
+_WINDOW_MASK = (1 << (8 * (_WINDOW - 1) + 32)) - 1  # each op's 32-bit hash enters 8 bits above the last
 
 
 class _Graph:
@@ -33,6 +46,8 @@ class _Graph:
         self.nodes = []  # (program, key, wiring, scalars, rng)
         self.inputs = []  # concrete arrays read by the graph
         self.input_ids = {}  # id(array) -> input position
+        self.window = 0  # the last _WINDOW ops' content hashes, overlapping
+        self.cut_due = False
 
     def wire(self, array):
         if array is None:  # an uninitialised buffer: the program makes it
@@ -91,12 +106,17 @@ class Deferred:
         graph = self.graphs.get(device_index)
         if graph is None:
             graph = self.graphs[device_index] = _Graph(device_index)
-        elif len(graph.nodes) >= MAX_GRAPH_OPS:
-            self.sync(f"the graph reached HF_TPU_MAX_GRAPH_OPS={MAX_GRAPH_OPS} ops")
+        elif graph.cut_due or len(graph.nodes) >= MAX_GRAPH_OPS:
+            self.sync(f"a cut point after {len(graph.nodes)} ops" if graph.cut_due
+                      else f"the graph reached HF_TPU_MAX_GRAPH_OPS={MAX_GRAPH_OPS} ops")
             graph = self.graphs[device_index] = _Graph(device_index)
         wiring = tuple(graph.wire(a) for a in arrays)
         n = len(graph.nodes)
         graph.nodes.append((program, key, wiring, tuple(scalars), rng))
+        if EARLY_FLUSH:
+            graph.window = ((graph.window << 8) ^ program.content_hash) & _WINDOW_MASK
+            # Knuth's multiplicative hash spreads the window over the top bits, which decide the cut
+            graph.cut_due = n + 1 >= _MIN_CUT_OPS and (graph.window * 0x9E3779B1 & 0xFFFFFFFF) >> (32 - _CUT_BITS) == 0
         results = []
         for j, spec in enumerate(program.out_specs):
             if spec[0] == "mutated":
