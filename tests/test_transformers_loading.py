@@ -102,3 +102,24 @@ def test_a_dtype_the_platform_lacks_is_refused_before_loading(checkpoint):
     with pytest.raises(TypeError, match="tpu tensors cannot hold"):
         AutoModelForCausalLM.from_pretrained(checkpoint, device_map="tpu", dtype=lacking)
     assert torch.tpu.memory_allocated() == before
+
+
+def test_compiled_model_returns_hidden_states_without_a_graph_break(checkpoint):
+    """Transformers installs its output-capturing hooks on the first call that asks for hidden states,
+    under a lock Dynamo cannot trace; a model loaded onto tpu has them already."""
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForCausalLM
+
+    cpu = AutoModelForCausalLM.from_pretrained(checkpoint)
+    tpu = AutoModelForCausalLM.from_pretrained(checkpoint, device_map="tpu")
+    compiled = torch.compile(tpu, backend="tpu")
+    prompt = torch.tensor([[3, 14, 15, 92, 65]])
+    counters.clear()
+    with torch.no_grad():
+        for _ in range(2):
+            actual = compiled(prompt.to("tpu"), output_hidden_states=True).hidden_states
+        expected = cpu(prompt, output_hidden_states=True).hidden_states
+    assert not counters["graph_break"], list(counters["graph_break"])
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a.cpu(), e, atol=1e-5, rtol=1e-5)
