@@ -35,7 +35,8 @@ EARLY_FLUSH = os.environ.get("HF_TPU_EARLY_FLUSH", "1") != "0"
 _WINDOW = 4  # ops whose content decides a cut
 _CUT_BITS = 4  # one window in 16 is a cut: a tiny Llama's decoder layer (47 ops) is cut once
 _MIN_CUT_OPS = 8  # no piece shorter: a launch of its own costs more than a few ops' fusion saves
-_WINDOW_MASK = (1 << (8 * (_WINDOW - 1) + 32)) - 1  # each op's 32-bit hash enters 8 bits above the last
+# each op's 32-bit hash enters at the bottom and the older ones move 8 bits up: the mask drops the oldest
+_WINDOW_MASK = (1 << (8 * (_WINDOW - 1) + 32)) - 1
 
 
 class _Graph:
@@ -116,7 +117,8 @@ class Deferred:
         if EARLY_FLUSH:
             graph.window = ((graph.window << 8) ^ program.content_hash) & _WINDOW_MASK
             # Knuth's multiplicative hash spreads the window over the top bits, which decide the cut
-            graph.cut_due = n + 1 >= _MIN_CUT_OPS and (graph.window * 0x9E3779B1 & 0xFFFFFFFF) >> (32 - _CUT_BITS) == 0
+            spread = (graph.window * 0x9E3779B1) & 0xFFFFFFFF
+            graph.cut_due = n + 1 >= _MIN_CUT_OPS and spread >> (32 - _CUT_BITS) == 0
         results = []
         for j, spec in enumerate(program.out_specs):
             if spec[0] == "mutated":
