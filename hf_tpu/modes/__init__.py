@@ -179,7 +179,7 @@ def host_read(reason: str) -> None:
 
 
 def flush(reason: str) -> None:
-    """Compute all deferred work now (a sync point), counted in `host_syncs` when a host read asked."""
+    """Compute all deferred work now, without reading anything back (`host_read` counts the reads)."""
     _current[0].sync(reason)
 
 

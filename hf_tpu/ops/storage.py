@@ -93,6 +93,12 @@ def _read(t, buf):
     return _jitted_read(view)(buf.value())
 
 
+def _copy_to_host(t) -> torch.Tensor:
+    """A tpu tensor's values as a new CPU tensor of its dtype: a counted host read."""
+    modes.host_read("copy to cpu")
+    return buffer.to_host(_read(t, buffer.buffer_of(t)), t.dtype)
+
+
 _READERS: dict = {}
 
 
@@ -108,10 +114,8 @@ def copy_(sig, values):
     dst, src = values[0], values[1]  # non_blocking: every transfer is already asynchronous
     if dst.device.type != "tpu":
         # tpu -> host
-        modes.host_read("copy to cpu")
-        host = buffer.to_host(_read(src, buffer.buffer_of(src)), src.dtype)
         with torch.no_grad():
-            return dst.copy_(host)
+            return dst.copy_(_copy_to_host(src))
     index = dst.device.index
     if src.device.type != "tpu":
         if src.device.type != "cpu":
@@ -154,9 +158,7 @@ def to_copy(sig, values):
     dtype = dtype or self.dtype
     target = torch.device(device) if device is not None else self.device
     if target.type == "cpu":
-        modes.host_read("copy to cpu")
-        host = buffer.to_host(_read(self, buffer.buffer_of(self)), self.dtype)
-        return host.to(dtype)
+        return _copy_to_host(self).to(dtype)
     if target.type != "tpu":
         raise RuntimeError(f"cannot copy a tpu tensor to {target} directly; go through .cpu()")
     index = dispatch.current_index_for(target)
