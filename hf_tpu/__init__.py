@@ -33,7 +33,7 @@ def _check_privateuse1_is_free() -> None:
 _check_privateuse1_is_free()
 
 from . import device as _device_module  # noqa: E402
-from . import accelerator, autocast, dispatch, ops, storage  # noqa: E402,F401
+from . import accelerator, autocast, dispatch, ops, random, storage  # noqa: E402,F401
 from .counters import metrics, reset_metrics  # noqa: E402,F401
 from .loops import while_loop  # noqa: E402,F401
 from .modes import EagerMode  # noqa: E402,F401
@@ -67,6 +67,7 @@ def _register_backend() -> None:
     accelerator.install()
     storage.install()
     autocast.install()
+    random.install()
 
 
 _register_backend()

@@ -2,7 +2,8 @@
 
 `torch.manual_seed(s)` reaches `torch.tpu.manual_seed_all(s)`. Each random op takes the next offset,
 so a sequence of random ops is reproducible run to run, and the seed and offset travel into the
-compiled program as data: a new offset never recompiles.
+compiled program as data: a new offset never recompiles. A `torch.Generator` passed to an op (a CPU
+one, or one made with `torch.Generator("tpu")`) instead gives the op a seed drawn from its own stream.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ def random_seed() -> int:
 def next_key(index: int, generator=None) -> np.ndarray:
     """Key data for one random op: (seed lo, seed hi, offset lo, offset hi) as uint32."""
     if generator is not None:
-        # a user's (CPU) torch.Generator: draw a seed from it so it advances as on CPU
-        seed = int(torch.randint(0, 2**62, (), generator=generator, device=generator.device))
+        # a user's generator: draw a seed from its host stream, so it advances as on CPU
+        seed = int(torch.randint(0, 2**62, (), generator=generator, device=_stream_device(generator)))
         offset = 0
     else:
         st = _device_state(index)
@@ -80,3 +81,59 @@ def key_from_data(data):
     for word in (data[1], data[2], data[3]):
         key = jax.random.fold_in(key, word)
     return key
+
+
+# --- `torch.Generator("tpu")`
+#
+# PyTorch makes a PrivateUse1 generator through C++ hooks a Python backend cannot register, so
+# `torch.Generator` becomes a class that makes `tpu` ones itself: PyTorch's CPU generator underneath,
+# reporting `device` as `tpu:N` (Diffusers then draws latents on `tpu`, as for a CUDA generator). Other
+# devices get PyTorch's own generator. See docs/design/tpu-generator.md.
+
+
+_stream_device = torch._C.Generator.device.__get__  # the device of a generator's C++ implementation
+
+
+class TpuGenerator(torch._C.Generator):
+    """A `torch.Generator("tpu")`: a host random stream that `tpu` ops draw their seeds from."""
+
+    def __new__(cls, device):
+        generator = super().__new__(cls, "cpu")
+        generator._device = device
+        return generator
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def __repr__(self) -> str:
+        return f"<torch.Generator device={self._device}>"
+
+    def __reduce__(self):  # copies and pickles stay tpu generators, with the same state
+        _, _, state = super().__reduce__()
+        return TpuGenerator, (self._device,), state
+
+
+class _AnyGenerator(type(torch._C.Generator)):  # PyTorch's metaclass for opaque objects
+    def __instancecheck__(cls, obj) -> bool:
+        return isinstance(obj, torch._C.Generator)
+
+    def __subclasscheck__(cls, subclass) -> bool:
+        return issubclass(subclass, torch._C.Generator)
+
+
+class Generator(torch._C.Generator, metaclass=_AnyGenerator):
+    """`torch.Generator(device="cpu")`, which also makes generators for `tpu`."""
+
+    def __new__(cls, device="cpu"):
+        device = torch.device(device)
+        if device.type != "tpu":
+            return torch._C.Generator(device)
+        from .dispatch import current_index_for
+
+        return TpuGenerator(torch.device("tpu", current_index_for(device)))
+
+
+def install() -> None:
+    if torch.Generator is torch._C.Generator:
+        torch.Generator = Generator

@@ -105,6 +105,21 @@ def test_batch_with_a_generator_per_image(sd):
     np.testing.assert_allclose(actual, expected, atol=ATOL, rtol=0)
 
 
+def test_tpu_generator_draws_the_latents_on_tpu(sd):
+    """`torch.Generator(device="tpu")`, the CUDA idiom with "tpu": the same seed gives the same image, and
+    the latents come from the device's random numbers (a CPU generator's image is CPU's)."""
+    _, tpu = sd
+
+    def image(seed, device="tpu"):
+        return tpu(PROMPT, num_inference_steps=2, generator=torch.Generator(device).manual_seed(seed),
+                   output_type="np").images
+
+    first = image(0)
+    np.testing.assert_array_equal(image(0), first)
+    assert not np.array_equal(image(1), first)
+    assert not np.array_equal(image(0, "cpu"), first)
+
+
 @pytest.mark.parametrize("scheduler", SD_SCHEDULERS)
 def test_denoising_steps_read_nothing_back(sd, scheduler):
     """Host syncs do not grow with the number of steps (latent output: the image's own read-back is the

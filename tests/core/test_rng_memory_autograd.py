@@ -36,6 +36,35 @@ def test_rng_state_round_trips():
         torch.tpu.set_rng_state(torch.zeros(3))
 
 
+def test_tpu_generator_seeds_ops_as_a_cuda_generator_does():
+    """`torch.Generator("tpu")`: reproducible per seed, its own stream (not the device's), every
+    generator still a `torch.Generator`, and copies and pickles keep device and state."""
+    import copy
+    import pickle
+
+    def draw(generator):
+        return [torch.randn(4, generator=generator, device="tpu"),
+                torch.empty(3, device="tpu").normal_(generator=generator),
+                torch.randperm(6, generator=generator, device="tpu"),
+                torch.multinomial(torch.ones(5, device="tpu"), 3, generator=generator)]
+
+    generator = torch.Generator(device="tpu").manual_seed(0)
+    assert generator.device == torch.device("tpu:0")
+    assert isinstance(generator, torch.Generator) and isinstance(torch.default_generator, torch.Generator)
+    assert type(torch.Generator()) is torch._C.Generator and torch.Generator("cpu").device.type == "cpu"
+    first = [t.cpu() for t in draw(generator)]
+    torch.manual_seed(5)  # the device's own RNG state does not move a generator's stream
+    for a, b in zip(first, draw(torch.Generator("tpu").manual_seed(0))):
+        assert torch.equal(a, b.cpu())
+    assert not torch.equal(first[0], torch.randn(4, generator=torch.Generator("tpu").manual_seed(1), device="tpu").cpu())
+    for twin in (copy.deepcopy(generator), pickle.loads(pickle.dumps(generator))):
+        assert twin.device == generator.device
+        assert torch.equal(torch.randn(3, generator=twin, device="tpu").cpu(),
+                           torch.randn(3, generator=copy.deepcopy(generator), device="tpu").cpu())
+    with pytest.raises(RuntimeError, match="tpu:7"):
+        torch.Generator("tpu:7")
+
+
 def test_seed_gives_a_new_initial_seed():
     torch.tpu.seed()
     s = torch.tpu.initial_seed()
