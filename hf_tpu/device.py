@@ -140,6 +140,7 @@ def synchronize(device=None) -> None:
         if buf.device_index == index and isinstance(buf.array, jax.Array)
     ]
     jax.block_until_ready(arrays)
+    modes.report_device_checks()
 
 
 # --- RNG

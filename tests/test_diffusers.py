@@ -69,7 +69,7 @@ def _use_scheduler(pipes, name):
 
 
 SD_SCHEDULERS = ["DDIMScheduler", "EulerDiscreteScheduler", "EulerAncestralDiscreteScheduler",
-                 "DPMSolverMultistepScheduler"]
+                 "DPMSolverMultistepScheduler", "UniPCMultistepScheduler"]
 
 
 @pytest.mark.parametrize("scheduler", SD_SCHEDULERS)

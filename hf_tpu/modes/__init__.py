@@ -172,10 +172,37 @@ def eager_mode(mode):
 
 def host_read(reason: str) -> None:
     """A value is about to be read on the host: say where (with HF_TPU_LOG_COMPILES=1), compute the
-    pending work, and count the sync in `host_syncs`."""
+    pending work, count the sync in `host_syncs`, and report what the device found wrong meanwhile."""
     log_sync(reason)
     _current[0].sync(reason)
     _counters["host_syncs"] += 1
+    report_device_checks()
+
+
+# Checks whose outcome is a device value (`torch.linalg`'s LAPACK `info`, `torch._assert_async`).
+_pending_checks: list = []
+
+
+def check_on_device(read_and_raise) -> None:
+    """Run `read_and_raise()` (it reads a device value without syncing and raises PyTorch's error if the
+    value says so) at the next host read or `torch.tpu.synchronize()`, as CUDA reports device-side
+    asserts, so the op itself never waits for the device. Under launch-blocking mode it runs at once, so
+    the error points at the user's line; inside a `torch.compile` trace the read makes the graph run
+    eagerly, as any host read does."""
+    if _current[0].name in ("DEFER_NEVER_AND_LAUNCH_BLOCKING", "TRACE"):
+        host_read("a check on a device value")
+        read_and_raise()
+    else:
+        _pending_checks.append(read_and_raise)
+
+
+def report_device_checks() -> None:
+    """Run the pending checks (after a sync: their values are computed); the first failing one raises."""
+    while _pending_checks:
+        checks = _pending_checks[:]
+        _pending_checks.clear()
+        for read_and_raise in checks:
+            read_and_raise()
 
 
 def flush(reason: str) -> None:

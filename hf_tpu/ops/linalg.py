@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from .. import buffer, dispatch, dtypes
+from .. import buffer, dispatch, dtypes, modes
 from .registry import Promote, kernel, lowering
+from .storage import host_copy
 
 aten = torch.ops.aten
 
@@ -446,9 +447,11 @@ def linalg_matrix_exp(self):
 
 @kernel(aten._linalg_check_errors.default)
 def linalg_check_errors(sig, values):
-    """Reads `info` on the host (a sync, as on CUDA) and lets PyTorch raise its own error."""
+    """PyTorch raises its own error from `info` read on the host. CUDA syncs here on every call; on
+    `tpu` the check waits for the next host read (`modes.check_on_device`), so a loop of small solves
+    (a UniPC scheduler step) never waits for the device."""
     info, api_name, is_matrix = values
-    aten._linalg_check_errors(info.cpu(), api_name, is_matrix=is_matrix)
+    modes.check_on_device(lambda: aten._linalg_check_errors(host_copy(info), api_name, is_matrix=is_matrix))
 
 
 # XLA has a non-symmetric eigensolver only on the CPU platform: these ops run on PyTorch's CPU

@@ -96,6 +96,11 @@ def _read(t, buf):
 def _copy_to_host(t) -> torch.Tensor:
     """A tpu tensor's values as a new CPU tensor of its dtype: a counted host read."""
     modes.host_read("copy to cpu")
+    return host_copy(t)
+
+
+def host_copy(t) -> torch.Tensor:
+    """The copy itself, for a caller at a sync point already (a check on a device value)."""
     return buffer.to_host(_read(t, buffer.buffer_of(t)), t.dtype)
 
 
@@ -183,6 +188,23 @@ def equal(sig, values):
     if a.shape != b.shape:
         return False
     return bool(torch.eq(a, b).all().item())
+
+
+@kernel(aten._assert_async.default, aten._assert_async.msg)
+def assert_async(sig, values):
+    """Checked at the next host read, as CUDA checks it (`modes.check_on_device`)."""
+    self, message = values[0], values[1] if len(values) > 1 else None
+    if self.numel() != 1:  # PyTorch's error for an ambiguous truth value, at once
+        aten._assert_async(torch.zeros(self.shape, dtype=self.dtype))
+
+    def read_and_raise():
+        value = host_copy(self)
+        if message is None:
+            aten._assert_async(value)
+        else:
+            aten._assert_async.msg(value, message)
+
+    modes.check_on_device(read_and_raise)
 
 
 @kernel(aten.record_stream.default)

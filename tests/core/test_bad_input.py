@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import hf_tpu
 from hf_tpu import dispatch
 
 
@@ -96,3 +97,41 @@ def test_out_of_range_indices_are_not_checked_by_default():
     x = torch.arange(6.0, device="tpu")
     out = x.index_select(0, torch.tensor([9], device="tpu"))
     assert out.shape == (1,) and torch.isnan(out).all().item()
+
+
+_DEVICE_CHECKS = [
+    ("linalg.solve", lambda d: torch.linalg.solve(torch.zeros(3, 3, device=d), torch.ones(3, device=d)),
+     torch.linalg.LinAlgError),
+    ("cholesky", lambda d: torch.linalg.cholesky(-torch.eye(2, device=d)), torch.linalg.LinAlgError),
+    ("_assert_async", lambda d: torch._assert_async(torch.tensor(0, device=d)), RuntimeError),
+    ("_assert_async.msg", lambda d: torch._assert_async(torch.tensor(0.0, device=d), "the mask is empty"),
+     RuntimeError),
+]
+
+
+@pytest.mark.parametrize("name, fn, error", _DEVICE_CHECKS, ids=[c[0] for c in _DEVICE_CHECKS])
+def test_checks_on_device_values_raise_at_the_next_read_like_cuda(name, fn, error):
+    """A check whose outcome is on the device (LAPACK's `info`, `_assert_async`) does not sync: it raises
+    CPU's error at the next host read, or at once under launch-blocking mode."""
+    with pytest.raises(error) as cpu_error:
+        fn("cpu")
+    torch.tpu.synchronize()
+    syncs = hf_tpu.metrics()["host_syncs"]
+    fn("tpu")
+    assert hf_tpu.metrics()["host_syncs"] == syncs
+    with pytest.raises(error) as tpu_error:
+        torch.ones(1, device="tpu").item()
+    assert str(tpu_error.value) == str(cpu_error.value)
+    torch.ones(1, device="tpu").item()  # reported once
+    with torch.tpu.use_eager_mode("DEFER_NEVER_AND_LAUNCH_BLOCKING"), pytest.raises(error):
+        fn("tpu")
+
+
+def test_passing_device_checks_stay_silent_and_values_are_right():
+    a, b = torch.randn(4, 4) + 4 * torch.eye(4), torch.randn(4)
+    x = torch.linalg.solve(a.to("tpu"), b.to("tpu"))
+    torch._assert_async(torch.tensor(True, device="tpu"))
+    torch.tpu.synchronize()
+    torch.testing.assert_close(x.cpu(), torch.linalg.solve(a, b))
+    with pytest.raises(RuntimeError, match="more than one value is ambiguous"):
+        torch._assert_async(torch.ones(2, device="tpu"))  # a shape error needs no read: raised at once
