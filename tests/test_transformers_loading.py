@@ -123,3 +123,33 @@ def test_compiled_model_returns_hidden_states_without_a_graph_break(checkpoint):
     assert len(actual) == len(expected)
     for a, e in zip(actual, expected):
         torch.testing.assert_close(a.cpu(), e, atol=1e-5, rtol=1e-5)
+
+
+def test_hooks_a_model_installed_itself_are_not_installed_twice(tmp_path):
+    """A model that ran eagerly with hidden states has Transformers' hooks already, on a submodel only for
+    a `CLIPTextModelWithProjection` (SDXL's second text encoder): hooking it again from the top returned
+    every hidden state twice, and `hidden_states[-2]` was another layer's."""
+    from torch._dynamo.utils import counters
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    from hf_tpu.integrations.transformers import install_output_capturing_hooks
+
+    config = CLIPTextConfig(hidden_size=32, intermediate_size=37, num_attention_heads=4, num_hidden_layers=2,
+                            vocab_size=100, max_position_embeddings=16, projection_dim=32)
+    torch.manual_seed(0)
+    cpu = CLIPTextModelWithProjection(config).eval()
+    tpu = CLIPTextModelWithProjection(config).eval()
+    tpu.load_state_dict(cpu.state_dict())
+    tpu.to("tpu")
+    ids = torch.randint(2, 100, (1, 16))
+    with torch.no_grad():
+        expected = cpu(ids, output_hidden_states=True).hidden_states
+        tpu(ids.to("tpu"), output_hidden_states=True)
+        install_output_capturing_hooks(tpu)
+        compiled = torch.compile(tpu, backend="tpu")
+        counters.clear()
+        actual = compiled(ids.to("tpu"), output_hidden_states=True).hidden_states
+    assert not counters["graph_break"], list(counters["graph_break"])
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a.cpu(), e, atol=1e-5, rtol=1e-5)
