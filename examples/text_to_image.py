@@ -1,11 +1,11 @@
-"""Text to image on `tpu` with Diffusers: a tiny Stable Diffusion (or SD3) pipeline built from configs,
-saved, loaded back, moved with `pipe.to("tpu")`, and run; the image is saved as a PNG.
+"""Text to image on `tpu` with Diffusers: a tiny Stable Diffusion (or SD3, Flux, SDXL) pipeline built from
+configs, saved, loaded back, moved with `pipe.to("tpu")`, and run; the image is saved as a PNG.
 
 The weights are random (no Hub here), so the image is noise; what the example shows is the code path:
 `from_pretrained` -> `pipe.to("tpu")` -> `pipe(prompt, generator=...)`, and that a CPU generator gives
 the image the CPU gives.
 
-Run: python examples/text_to_image.py [--pipeline sd|sd3] [--steps 3] [--compile] [--out image.png]
+Run: python examples/text_to_image.py [--pipeline sd|sd3|flux|sdxl] [--steps 3] [--compile] [--out image.png]
 """
 
 from __future__ import annotations
@@ -86,9 +86,58 @@ def tiny_sd3():
     )
 
 
-BUILDERS = {"sd": tiny_stable_diffusion, "sd3": tiny_sd3}
+def tiny_flux():
+    """FluxPipeline: a Flux transformer with one double and one single block, CLIP and a 2-layer T5."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextModel, T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=[4, 4, 8],
+    )
+    vae = AutoencoderKL(
+        sample_size=16, in_channels=3, out_channels=3, block_out_channels=(8, 16), latent_channels=1,
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2, norm_num_groups=4,
+        use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035,
+    )
+    t5 = T5EncoderModel(T5Config(vocab_size=1000, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
+                                 relative_attention_num_buckets=8, pad_token_id=1, eos_token_id=1))
+    return FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, transformer=transformer,
+                        text_encoder=CLIPTextModel(_clip_config()), tokenizer=tiny_tokenizer(),
+                        text_encoder_2=t5, tokenizer_2=tiny_tokenizer())
+
+
+def tiny_sdxl():
+    """StableDiffusionXLPipeline: a UNet with SDXL's size and text-time conditioning, two CLIP encoders."""
+    from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, block_out_channels=(4, 8), layers_per_block=1,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=(2, 4), use_linear_projection=True, addition_embed_type="text_time",
+        addition_time_embed_dim=8, transformer_layers_per_block=(1, 2), projection_class_embeddings_input_dim=64,
+        cross_attention_dim=32, norm_num_groups=1,
+    )
+    vae = AutoencoderKL(
+        sample_size=16, in_channels=3, out_channels=3, block_out_channels=(8, 16), latent_channels=4,
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2, norm_num_groups=4,
+    )
+    return StableDiffusionXLPipeline(
+        vae=vae, unet=unet, scheduler=EulerDiscreteScheduler(),
+        text_encoder=CLIPTextModel(_clip_config()), tokenizer=tiny_tokenizer(),
+        text_encoder_2=CLIPTextModelWithProjection(_clip_config(projection_dim=16)), tokenizer_2=tiny_tokenizer(),
+    )
+
+
+BUILDERS = {"sd": tiny_stable_diffusion, "sd3": tiny_sd3, "flux": tiny_flux, "sdxl": tiny_sdxl}
 # components a tiny pipeline leaves out, which `from_pretrained` must be told are absent on purpose
 ABSENT = {"sd3": ("text_encoder_3", "tokenizer_3")}
+# every tiny pipeline makes 16x16 images; Flux pads its T5 prompt to 512 tokens unless told otherwise
+CALL_ARGS = {kind: {"height": 16, "width": 16} for kind in BUILDERS}
+CALL_ARGS["flux"]["max_sequence_length"] = 16
 
 
 def saved_pipeline(kind: str, directory: str) -> str:
@@ -125,7 +174,7 @@ def main(argv=None):
 
         compile_pipeline(pipe)
     generator = torch.Generator().manual_seed(args.seed)  # a CPU generator: the same noise as on CPU
-    image = pipe(args.prompt, num_inference_steps=args.steps, generator=generator).images[0]
+    image = pipe(args.prompt, num_inference_steps=args.steps, generator=generator, **CALL_ARGS[args.pipeline]).images[0]
 
     out = args.out or os.path.join(tempfile.mkdtemp(prefix="hf-tpu-"), "image.png")
     image.save(out)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import hf_tpu
-from examples.text_to_image import load, saved_pipeline
+from examples.text_to_image import CALL_ARGS, load, saved_pipeline
 from hf_tpu.integrations.diffusers import compile_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,6 +93,23 @@ def test_img2img_same_image_as_cpu(sd):
     image = torch.rand(1, 3, 16, 16, generator=torch.Generator().manual_seed(1))
     expected = _generate(cpu, steps=4, image=image, strength=0.6)
     np.testing.assert_allclose(_generate(tpu, steps=4, image=image, strength=0.6), expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["flux", "sdxl"])
+def test_flux_and_sdxl_same_image_as_cpu_eager_then_compiled(kind, tmp_path):
+    """Two more families: Flux (T5 and CLIP encoders, packed latents) and SDXL (two CLIP encoders, one
+    read through `hidden_states[-2]`). Run eagerly, then compiled, as a user prototypes and then deploys:
+    an SDXL compiled after an eager call gave another image while its second encoder's hooks recorded
+    each hidden state twice."""
+    path = saved_pipeline(kind, str(tmp_path))
+    cpu, tpu = load(kind, path), load(kind, path).to("tpu")
+    expected = _generate(cpu, steps=2, **CALL_ARGS[kind])
+    np.testing.assert_allclose(_generate(tpu, steps=2, **CALL_ARGS[kind]), expected, atol=ATOL, rtol=0)
+    compile_pipeline(tpu)
+    _generate(tpu, steps=2, **CALL_ARGS[kind])
+    hf_tpu.reset_metrics()
+    np.testing.assert_allclose(_generate(tpu, steps=2, **CALL_ARGS[kind]), expected, atol=ATOL, rtol=0)
+    assert hf_tpu.metrics()["compiles"] == 0 and hf_tpu.metrics()["host_syncs"] == 1
 
 
 @pytest.mark.slow  # batch 2: every op compiles anew (about 20 s)
