@@ -114,6 +114,26 @@ def test_static_cache_by_default_and_no_compiles_on_a_second_call(models):
     assert torch.equal(again.sequences.cpu(), out.sequences.cpu())
 
 
+def test_sliding_window_models_keep_the_dynamic_cache(tmp_path):
+    """A static sliding-window layer counts its length in a Python int that Dynamo guards on: the compiled
+    step would recompile for every token up to Dynamo's limit. Such a model keeps Transformers' dynamic
+    cache and decodes eagerly, with CPU's tokens and no torch.compile graph."""
+    from transformers import AutoModelForCausalLM, DynamicCache, MistralConfig
+
+    config = MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, sliding_window=8)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    cpu = AutoModelForCausalLM.from_pretrained(tmp_path)
+    tpu = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="tpu")
+    prompt = torch.randint(3, 128, (1, 12))
+    hf_tpu.reset_metrics()
+    out = tpu.generate(prompt.to("tpu"), max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
+    assert isinstance(out.cache, DynamicCache)
+    assert hf_tpu.metrics()["compiles_by_mode"].get("COMPILE", 0) == 0
+    assert torch.equal(out.sequences.cpu(), cpu.generate(prompt, max_new_tokens=12, do_sample=False))
+
+
 def test_a_new_prompt_in_the_same_bucket_compiles_nothing(models):
     _, tpu = models
     tpu.generate(PROMPT.to("tpu"), max_new_tokens=4, do_sample=False)
