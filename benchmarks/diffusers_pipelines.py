@@ -1,8 +1,8 @@
 """Seconds per image of the tiny Diffusers pipelines (examples/text_to_image.py) on tpu in each execution
 mode beside Diffusers on CPU, with compiles per call (first/second) and host syncs per call.
 
-"compiled" is `hf_tpu.integrations.diffusers.compile_pipeline(pipe)`: the denoiser and the VAE decoder
-through `torch.compile(backend="tpu")`, the rest (text encoders, scheduler) in strict eager.
+"compiled" is `hf_tpu.integrations.diffusers.compile_pipeline(pipe)`: the denoiser, the text encoders
+and the VAE decoder through `torch.compile(backend="tpu")`, the rest (scheduler, guidance) in strict eager.
 
 Each tpu row is timed alternating call by call with Diffusers on CPU, and its ratio is to those CPU calls:
 the CPU row gives the median of all of them.
@@ -20,17 +20,18 @@ import torch
 
 import hf_tpu
 from benchmarks.common import table, timeit_alternating
-from examples.text_to_image import BUILDERS, load, saved_pipeline
+from examples.text_to_image import BUILDERS, CALL_ARGS, load, saved_pipeline
 from hf_tpu.integrations.diffusers import compile_pipeline
 
 TPU_MODES = [("strict (DEFER_NEVER)", "DEFER_NEVER", False), ("deferred (DEFER_AND_FUSE)", "DEFER_AND_FUSE", False),
              ("compiled", "DEFER_NEVER", True)]
 
 
-def _runner(pipe, steps):
+def _runner(pipe, kind, steps):
     def run():
         generator = torch.Generator().manual_seed(0)
-        return pipe("a photo of a cat", num_inference_steps=steps, generator=generator, output_type="np").images
+        return pipe("a photo of a cat", num_inference_steps=steps, generator=generator, output_type="np",
+                    **CALL_ARGS[kind]).images
 
     return run
 
@@ -58,7 +59,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as directory:
         for kind in args.pipelines.split(","):
             path = saved_pipeline(kind, directory)
-            cpu_run = _runner(load(kind, path), args.steps)
+            cpu_run = _runner(load(kind, path), kind, args.steps)
             cpu_run()  # warm-up
             cpu_row = len(rows)
             rows.append(None)
@@ -67,7 +68,7 @@ def main(argv=None):
                 pipe = load(kind, path).to("tpu")
                 if compiled:
                     compile_pipeline(pipe)
-                run = _runner(pipe, args.steps)
+                run = _runner(pipe, kind, args.steps)
                 with torch.tpu.use_eager_mode(mode):
                     (first, _), (second, syncs) = _per_call_counts(run)
                     cpu, seconds = timeit_alternating([cpu_run, run], warmup=0, iters=args.iters)
