@@ -27,6 +27,19 @@ def test_device_strings_and_accelerator():
     assert torch.accelerator.memory_allocated() == torch.tpu.memory_allocated()
 
 
+def test_pinning_host_memory_for_tpu_copies_and_data_loaders_pin():
+    """PyTorch pins for the current accelerator through C++ hooks a Python backend cannot register: with
+    `tpu` the accelerator, `pin_memory()` and `DataLoader(pin_memory=True)` raised NotImplementedError."""
+    host = torch.arange(6.0).reshape(2, 3).t()
+    pinned = host.pin_memory()
+    assert torch.equal(pinned, host) and pinned.stride() == host.stride()
+    assert pinned.untyped_storage().data_ptr() != host.untyped_storage().data_ptr()
+    data = torch.utils.data.TensorDataset(torch.randn(8, 3), torch.arange(8))
+    loader = torch.utils.data.DataLoader(data, batch_size=4, pin_memory=True)
+    batches = [(x.to("tpu", non_blocking=True), y) for x, y in loader]
+    assert torch.equal(torch.cat([x.cpu() for x, _ in batches]), data.tensors[0])
+
+
 def test_transformers_sees_the_accelerator():
     from transformers.utils import is_torch_tpu_available
 
