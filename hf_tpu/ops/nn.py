@@ -487,6 +487,70 @@ def native_dropout_backward(grad_output, mask, scale):
     return grad_output * mask * scale
 
 
+# --- Recurrent cells. PyTorch's LSTM and GRU run these fused cells on every device but the CPU (which
+# has no kernel for them). Each workspace holds what CUDA's kernel keeps for the backward: the LSTM's
+# activated gates (i, f, g, o); the GRU's reset and update gates, candidate, previous state and the
+# hidden part of the candidate's pre-activation (r, z, n, hx, hn). They compute in float32 and return
+# the gates' dtype, as CUDA's kernels do; the ops without a usable meta kernel set their dtypes here.
+
+
+def _gate_sums(input_gates, hidden_gates, input_bias, hidden_bias):
+    input_gates, hidden_gates = _opmath(input_gates), _opmath(hidden_gates)
+    if input_bias is not None:
+        input_gates = input_gates + _opmath(input_bias)
+        hidden_gates = hidden_gates + _opmath(hidden_bias)
+    return input_gates, hidden_gates
+
+
+# own shapes: PyTorch's meta kernel fails on a cell without biases (it reads `input_bias.device`)
+@lowering(aten._thnn_fused_lstm_cell.default, own_shapes=True)
+def _thnn_fused_lstm_cell(input_gates, hidden_gates, cx, input_bias=None, hidden_bias=None):
+    input_gates, hidden_gates = _gate_sums(input_gates, hidden_gates, input_bias, hidden_bias)
+    i, f, g, o = jnp.split(input_gates + hidden_gates, 4, axis=1)
+    i, f, g, o = jax.nn.sigmoid(i), jax.nn.sigmoid(f), jnp.tanh(g), jax.nn.sigmoid(o)
+    cy = f * _opmath(cx) + i * g
+    dtype = cx.dtype
+    return (o * jnp.tanh(cy)).astype(dtype), cy.astype(dtype), jnp.concatenate([i, f, g, o], axis=1).astype(dtype)
+
+
+@lowering(aten._thnn_fused_lstm_cell_backward_impl.default)
+def _thnn_fused_lstm_cell_backward_impl(grad_hy, grad_cy, cx, cy, workspace, has_bias):
+    """(gradient of the gates' pre-activations, of cx, of the bias or None)."""
+    i, f, g, o = jnp.split(_opmath(workspace), 4, axis=1)
+    cx, tanh_cy = _opmath(cx), jnp.tanh(_opmath(cy))
+    grad_hy = jnp.zeros_like(tanh_cy) if grad_hy is None else _opmath(grad_hy)
+    grad_c = grad_hy * o * (1 - tanh_cy * tanh_cy) + (0 if grad_cy is None else _opmath(grad_cy))
+    grad_gates = jnp.concatenate([grad_c * g * i * (1 - i), grad_c * cx * f * (1 - f), grad_c * i * (1 - g * g),
+                                  grad_hy * tanh_cy * o * (1 - o)], axis=1)
+    return grad_gates, grad_c * f, grad_gates.sum(0) if has_bias else None
+
+
+@lowering(aten._thnn_fused_gru_cell.default)
+def _thnn_fused_gru_cell(input_gates, hidden_gates, hx, input_bias=None, hidden_bias=None):
+    input_gates, hidden_gates = _gate_sums(input_gates, hidden_gates, input_bias, hidden_bias)
+    input_r, input_z, input_n = jnp.split(input_gates, 3, axis=1)
+    hidden_r, hidden_z, hidden_n = jnp.split(hidden_gates, 3, axis=1)
+    r, z = jax.nn.sigmoid(input_r + hidden_r), jax.nn.sigmoid(input_z + hidden_z)
+    n = jnp.tanh(input_n + r * hidden_n)
+    dtype, hx = hx.dtype, _opmath(hx)
+    return (n + z * (hx - n)).astype(dtype), jnp.concatenate([r, z, n, hx, hidden_n], axis=1).astype(dtype)
+
+
+@lowering(aten._thnn_fused_gru_cell_backward.default)
+def _thnn_fused_gru_cell_backward(grad_hy, workspace, has_bias):
+    """(gradients of the input gates, hidden gates, hx, input bias, hidden bias)."""
+    dtype = grad_hy.dtype
+    r, z, n, hx, hidden_n = jnp.split(_opmath(workspace), 5, axis=1)
+    grad_hy = _opmath(grad_hy)
+    grad_z = grad_hy * (hx - n) * z * (1 - z)
+    grad_n = grad_hy * (1 - z) * (1 - n * n)
+    grad_r = grad_n * hidden_n * r * (1 - r)
+    grad_input = jnp.concatenate([grad_r, grad_z, grad_n], axis=1)
+    grad_hidden = jnp.concatenate([grad_r, grad_z, grad_n * r], axis=1)
+    grads = grad_input, grad_hidden, grad_hy * z, grad_input.sum(0), grad_hidden.sum(0)
+    return [grad.astype(dtype) for grad in grads]
+
+
 # --- Losses. reduction: 0 none, 1 mean, 2 sum.
 
 

@@ -3,7 +3,8 @@ antialiased bicubic resize (op_db has only the bilinear one), fractional max poo
 random samples (op_db's samples draw them on the device, so CPU and tpu pool different windows),
 least squares on rank-deficient, empty and complex systems; and linalg.eig's error without the
 fallback. Also what op_db leaves out of rrelu (training values), cdist (its matrix-product path),
-embedding_bag (ties, padding with every mode, frequency scaling) and resize (uint8 images)."""
+embedding_bag (ties, padding with every mode, frequency scaling) and resize (uint8 images); and
+`nn.LSTM`/`nn.GRU`, whose fused cells op_db does not sample."""
 
 import functools
 
@@ -252,3 +253,28 @@ def test_matmuls_contract_transposed_operands_in_place(eager_mode, rows, monkeyp
     for op, program, arrays, scalars in products:
         jaxpr = str(jax.make_jaxpr(program.fn)(arrays, scalars, None))
         assert "dot_general" in jaxpr and "transpose" not in jaxpr, (op, jaxpr)
+
+
+@pytest.mark.parametrize("cell", ["LSTM", "GRU"])
+@pytest.mark.parametrize("options", [dict(num_layers=2, batch_first=True), dict(bidirectional=True, bias=False)],
+                         ids=["two layers", "bidirectional without bias"])
+def test_recurrent_layers_forward_and_gradients_as_cpu(cell, options):
+    """On every device but the CPU, PyTorch runs LSTM and GRU through fused cells (`_thnn_fused_*_cell`)
+    that have no CPU kernel, so the CPU fallback could not run them either: nn.LSTM raised on tpu."""
+    torch.manual_seed(0)
+    cpu = getattr(torch.nn, cell)(4, 8, **options)
+    tpu = getattr(torch.nn, cell)(4, 8, **options)
+    tpu.load_state_dict(cpu.state_dict())
+    tpu.to("tpu")
+    x = torch.randn(3, 5, 4)
+
+    def run(module, x):
+        output = module(x.requires_grad_())[0]
+        weights = torch.arange(output.numel(), dtype=output.dtype).reshape(output.shape).to(output.device) % 5
+        return output, torch.autograd.grad((output * weights).sum(), [x, *module.parameters()])
+
+    expected, expected_grads = run(cpu, x)
+    actual, actual_grads = run(tpu, x.detach().to("tpu"))
+    torch.testing.assert_close(actual.cpu(), expected, **TOLERANCE)
+    for a, e in zip(actual_grads, expected_grads):
+        torch.testing.assert_close(a.cpu(), e, **TOLERANCE)
