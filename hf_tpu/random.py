@@ -127,11 +127,13 @@ class Generator(torch._C.Generator, metaclass=_AnyGenerator):
 
     def __new__(cls, device="cpu"):
         device = torch.device(device)
-        if device.type != "tpu":
-            return torch._C.Generator(device)
-        from .dispatch import current_index_for
+        if device.type == "tpu":
+            from .dispatch import current_index_for
 
-        return TpuGenerator(torch.device("tpu", current_index_for(device)))
+            return TpuGenerator(torch.device("tpu", current_index_for(device)))
+        if cls is Generator:
+            return torch._C.Generator(device)
+        return super().__new__(cls, device)  # a user's subclass of torch.Generator
 
 
 def install() -> None:

@@ -64,6 +64,11 @@ def test_tpu_generator_seeds_ops_as_a_cuda_generator_does():
     with pytest.raises(RuntimeError, match="tpu:7"):
         torch.Generator("tpu:7")
 
+    class Seeded(torch.Generator):  # a user's subclass stays one
+        pass
+
+    assert type(Seeded()) is Seeded and Seeded().device.type == "cpu"
+
 
 def test_seed_gives_a_new_initial_seed():
     torch.tpu.seed()
