@@ -128,7 +128,7 @@ class Generator(torch._C.Generator, metaclass=_AnyGenerator):
     def __new__(cls, device="cpu"):
         device = torch.device(device)
         if device.type == "tpu":
-            from .dispatch import current_index_for
+            from .dispatch import current_index_for  # dispatch imports this module
 
             return TpuGenerator(torch.device("tpu", current_index_for(device)))
         if cls is Generator:

@@ -64,8 +64,8 @@ def test_tpu_generator_seeds_ops_as_a_cuda_generator_does():
     with pytest.raises(RuntimeError, match="tpu:7"):
         torch.Generator("tpu:7")
 
-    class Seeded(torch.Generator):  # a user's subclass stays one
-        pass
+    class Seeded(torch.Generator):
+        """A user's subclass: its instances stay its own."""
 
     assert type(Seeded()) is Seeded and Seeded().device.type == "cpu"
 
