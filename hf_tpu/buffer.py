@@ -532,6 +532,22 @@ def read(array, view: View | None):
     return jnp.broadcast_to(value.reshape(kept), view.shape)
 
 
+_READERS: dict = {}  # view -> jitted read: a tensor read outside a program is one launch
+
+
+def array_of(t: torch.Tensor, buf: Buffer | None = None):
+    """A tpu tensor's value as one array: its buffer's, read through the tensor's view (inside a trace
+    too, where the buffer holds a tracer)."""
+    buf = buffer_of(t) if buf is None else buf
+    view = view_of(t, buf)
+    if view is None:
+        return buf.value()
+    reader = _READERS.get(view)
+    if reader is None:
+        reader = _READERS[view] = jax.jit(functools.partial(read, view=view))
+    return reader(buf.value())
+
+
 def write(array, view: View | None, value):
     """The buffer's new array after writing `value` (of the view's shape and dtype) through `view`."""
     if view is None:
@@ -615,6 +631,12 @@ def from_host(t: torch.Tensor, device_index: int):
 @functools.cache
 def _sharding(device):
     return jax.sharding.SingleDeviceSharding(device)
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A tpu tensor's value as a new CPU tensor, for a caller at a sync point already: no host sync
+    is counted (a check on a device value, the copy behind `.cpu()`)."""
+    return to_host(array_of(t), t.dtype)
 
 
 def to_host(array, dtype: torch.dtype) -> torch.Tensor:

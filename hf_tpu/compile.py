@@ -33,6 +33,7 @@ class _Tracing:
         self.mode = None
         self.rng_base = rng_base
         self.rng_count = 0
+        self.checks = []  # (tensor, raise_if_bad) of each `modes.check_on_device` in the graph
 
     def execute(self, program, key, arrays, scalars, rng, device_index):
         if rng is not None:
@@ -46,13 +47,6 @@ class _Tracing:
 
 class _Untraceable(Exception):
     pass
-
-
-def _array_of(t: torch.Tensor, buf: buffer.Buffer | None = None):
-    buf = buffer.buffer_of(t) if buf is None else buf
-    view = buffer.view_of(t, buf)
-    value = buf.value()
-    return value if view is None else buffer.read(value, view)
 
 
 class _CompiledGraph:
@@ -78,7 +72,9 @@ class _CompiledGraph:
                             False: jax.jit(self._loop, static_argnums=(2, 4))}
         self.loopable = loopable
         self.eager = False
-        self.out_meta = {}  # per (input shapes, non-tensor inputs): each output's (dtype, device) or value
+        # per (input shapes, non-tensor inputs): each output's (dtype, device) or value, and each check's
+        # (dtype, raise_if_bad)
+        self.out_meta = {}
 
     def _trace(self, overwritten_arrays, other_arrays, values, rng_base):
         _counters["compiles"] += 1
@@ -100,11 +96,20 @@ class _CompiledGraph:
             modes._current[0] = saved
         if not isinstance(outputs, (list, tuple)):
             outputs = (outputs,)
-        self.out_meta[_meta_key(arrays, values)] = [
-            (o.dtype, None if k in self.host_outputs else o.device.index) if isinstance(o, torch.Tensor) else o
-            for k, o in enumerate(outputs)
-        ]
-        return [_array_of(o) if isinstance(o, torch.Tensor) else None for o in outputs]
+        # A CPU tensor made inside the graph depends on no input (every input is on tpu here): a
+        # constant, as AOT autograd's effect token (an empty tensor ordering `_assert_async` and the
+        # linalg checks) is
+        constant = [isinstance(o, torch.Tensor) and o.is_cpu for o in outputs]
+        self.out_meta[_meta_key(arrays, values)] = (
+            [(o.dtype, None if k in self.host_outputs else o.device.index)
+             if isinstance(o, torch.Tensor) and not constant[k] else o for k, o in enumerate(outputs)],
+            [(value.dtype, raise_if_bad) for value, raise_if_bad in tracer.checks],
+        )
+        # the values the graph checks (a linalg `info`, an assert's condition) are outputs too, checked
+        # after the call as eager ops check them, so such a graph still runs compiled
+        return ([buffer.array_of(o) if isinstance(o, torch.Tensor) and not constant[k] else None
+                 for k, o in enumerate(outputs)],
+                [buffer.array_of(value) for value, _ in tracer.checks])
 
     def __call__(self, *args):
         if loops.pending[0] is not None:
@@ -116,12 +121,15 @@ class _CompiledGraph:
         overwritten, others = donation.split(arrays, self.overwritten)
         jitted = self.jitted[self._donatable(args, overwritten)]
         try:
-            results = jitted(overwritten, others, values, random.next_key(device_index))
+            results, checked = jitted(overwritten, others, values, random.next_key(device_index))
         except (_Untraceable, NotImplementedError, jax.errors.JAXTypeError, TypeError) as e:
             self.eager = True
             log.warning("hf_tpu: a compiled graph runs in the eager mode instead (%s: %s)", type(e).__name__, e)
             return self.gm(*args)
-        return self._outputs(arrays, values, results)
+        metas, checks = self._meta(arrays, values)
+        for (dtype, raise_if_bad), array in zip(checks, checked):
+            modes.check_on_device(buffer.new_tensor(array.shape, dtype, device_index, array), raise_if_bad)
+        return self._outputs(metas, results)
 
     def _read_inputs(self, args) -> tuple:
         """(arrays, non-tensor values, device index) of a call's inputs; notes their specs for tracing."""
@@ -140,7 +148,7 @@ class _CompiledGraph:
                 if device_index is None:
                     device_index = buf.device_index
                 in_specs.append((a.dtype, buf.device_index))
-                arrays.append(_array_of(a, buf))
+                arrays.append(buffer.array_of(a, buf))
                 values.append(None)
             else:
                 in_specs.append(None)
@@ -156,15 +164,19 @@ class _CompiledGraph:
             arrays = buffer.place_together(arrays)
         return arrays, values, device_index
 
-    def _outputs(self, arrays, values, results) -> list:
+    def _meta(self, arrays, values) -> tuple:
+        """(each output's meta, each check's dtype and raise_if_bad) noted when these inputs were traced."""
+        # with one entry (static shapes, the common case) it is that one, and 40-odd input shapes need
+        # not be hashed on every call
+        if len(self.out_meta) == 1:
+            return next(iter(self.out_meta.values()))
+        return self.out_meta[_meta_key(arrays, values)]
+
+    def _outputs(self, metas, results) -> list:
         outs = []
-        # the current inputs' entry was made when they were traced: with one entry (static shapes, the
-        # common case) it is that one, and 40-odd input shapes need not be hashed on every call
-        metas = next(iter(self.out_meta.values())) if len(self.out_meta) == 1 else \
-            self.out_meta[_meta_key(arrays, values)]
         for meta, array in zip(metas, results):
             if array is None:
-                outs.append(meta)
+                outs.append(meta.clone() if isinstance(meta, torch.Tensor) else meta)
             elif meta[1] is None:
                 modes.host_read("a compiled graph returns a CPU tensor")
                 outs.append(buffer.to_host(array, meta[0]))
@@ -189,8 +201,8 @@ class _CompiledGraph:
         modes.current().sync("a compiled loop runs")
         arrays, values, device_index = self._read_inputs(args)
         overwritten, others = donation.split(arrays, self.overwritten)
-        carried = [_array_of(t) for t in request.carried]
-        keep_going = _array_of(request.keep_going)
+        carried = [buffer.array_of(t) for t in request.carried]
+        keep_going = buffer.array_of(request.keep_going)
         if buffer.sharded_arrays_exist:  # a sharded model's loop carries single-chip tokens
             *carried, keep_going = buffer.place_together([*arrays, *carried, keep_going])[len(arrays):]
         jitted = self.loop_jitted[self._donatable(args, overwritten)]
@@ -199,7 +211,7 @@ class _CompiledGraph:
                                                       tuple(slots), carried, keep_going)
         except (_Untraceable, NotImplementedError, jax.errors.JAXTypeError, TypeError, ValueError) as e:
             raise loops.NotLoopable(f"{type(e).__name__}: {e}") from e
-        return self._outputs(arrays, values, [*overwritten, *carried, keep_going])
+        return self._outputs(self._meta(arrays, values)[0], [*overwritten, *carried, keep_going])
 
     def _loop(self, overwritten_arrays, other_arrays, values, rng_base, slots, carried, keep_going):
         def go_on(state):
@@ -212,7 +224,9 @@ class _CompiledGraph:
                 if slot is not None:
                     others[slot] = array
             # each iteration draws its random numbers from its own keys
-            results = self._trace(list(overwritten), others, values, rng_base.at[3].add(count))
+            results, checked = self._trace(list(overwritten), others, values, rng_base.at[3].add(count))
+            if checked:
+                raise TypeError("a while_loop step cannot check device values (a linalg error, an assert)")
             k, n = len(overwritten), len(carried)
             if len(results) != k + n + 1 or any(r is None for r in results):
                 raise TypeError("a while_loop step must return as many tensors as it carries")

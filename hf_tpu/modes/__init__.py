@@ -179,21 +179,24 @@ def host_read(reason: str) -> None:
     report_device_checks()
 
 
-# Checks whose outcome is a device value (`torch.linalg`'s LAPACK `info`, `torch._assert_async`).
+# Checks on device values (`torch.linalg`'s LAPACK `info`, `torch._assert_async`): (value, raise_if_bad).
 _pending_checks: list = []
 
 
-def check_on_device(read_and_raise) -> None:
-    """Run `read_and_raise()` (it reads a device value without syncing and raises PyTorch's error if the
-    value says so) at the next host read or `torch.tpu.synchronize()`, as CUDA reports device-side
-    asserts, so the op itself never waits for the device. Under launch-blocking mode it runs at once, so
-    the error points at the user's line; inside a `torch.compile` trace the read makes the graph run
-    eagerly, as any host read does."""
-    if _current[0].name in ("DEFER_NEVER_AND_LAUNCH_BLOCKING", "TRACE"):
+def check_on_device(value: torch.Tensor, raise_if_bad) -> None:
+    """Call `raise_if_bad` on `value`'s host copy (it raises PyTorch's error if the value says so) at
+    the next host read or `torch.tpu.synchronize()`, as CUDA reports device-side asserts, so the op
+    itself never waits for the device. Under launch-blocking mode it runs at once, so the error points
+    at the user's line. Inside a `torch.compile` trace the value becomes an output of the compiled
+    program, checked in the same way after each call of it."""
+    mode = _current[0]
+    if mode.name == "TRACE":
+        mode.checks.append((value, raise_if_bad))
+    elif mode.name == "DEFER_NEVER_AND_LAUNCH_BLOCKING":
         host_read("a check on a device value")
-        read_and_raise()
+        raise_if_bad(buffer.host_copy(value))
     else:
-        _pending_checks.append(read_and_raise)
+        _pending_checks.append((value, raise_if_bad))
 
 
 def report_device_checks() -> None:
@@ -201,8 +204,8 @@ def report_device_checks() -> None:
     while _pending_checks:
         checks = _pending_checks[:]
         _pending_checks.clear()
-        for read_and_raise in checks:
-            read_and_raise()
+        for value, raise_if_bad in checks:
+            raise_if_bad(buffer.host_copy(value))
 
 
 def flush(reason: str) -> None:

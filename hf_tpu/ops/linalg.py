@@ -13,7 +13,6 @@ import torch
 
 from .. import buffer, dispatch, dtypes, modes
 from .registry import Promote, kernel, lowering
-from .storage import host_copy
 
 aten = torch.ops.aten
 
@@ -451,7 +450,7 @@ def linalg_check_errors(sig, values):
     `tpu` the check waits for the next host read (`modes.check_on_device`), so a loop of small solves
     (a UniPC scheduler step) never waits for the device."""
     info, api_name, is_matrix = values
-    modes.check_on_device(lambda: aten._linalg_check_errors(host_copy(info), api_name, is_matrix=is_matrix))
+    modes.check_on_device(info, lambda info: aten._linalg_check_errors(info, api_name, is_matrix=is_matrix))
 
 
 # XLA has a non-symmetric eigensolver only on the CPU platform: these ops run on PyTorch's CPU

@@ -80,38 +80,13 @@ def resize_(sig, values):
 def local_scalar_dense(sig, values):
     t = values[0]
     modes.host_read("item()")
-    buf = buffer.buffer_of(t)
-    value = buffer.to_numpy(_read(t, buf))
-    return value.item()
-
-
-def _read(t, buf):
-    """A tpu tensor's value as a jax.Array (through its view)."""
-    view = buffer.view_of(t, buf)
-    if view is None:
-        return buf.value()
-    return _jitted_read(view)(buf.value())
+    return buffer.to_numpy(buffer.array_of(t)).item()
 
 
 def _copy_to_host(t) -> torch.Tensor:
     """A tpu tensor's values as a new CPU tensor of its dtype: a counted host read."""
     modes.host_read("copy to cpu")
-    return host_copy(t)
-
-
-def host_copy(t) -> torch.Tensor:
-    """The copy itself, for a caller at a sync point already (a check on a device value)."""
-    return buffer.to_host(_read(t, buffer.buffer_of(t)), t.dtype)
-
-
-_READERS: dict = {}
-
-
-def _jitted_read(view):
-    fn = _READERS.get(view)
-    if fn is None:
-        fn = _READERS[view] = jax.jit(lambda a: buffer.read(a, view))
-    return fn
+    return buffer.host_copy(t)
 
 
 @kernel(aten.copy_.default)
@@ -131,7 +106,7 @@ def copy_(sig, values):
         src = buffer.new_tensor(host.shape, host.dtype, index, buffer.from_host(host, index))
     elif src.device.index != index:
         src_buf = buffer.buffer_of(src)
-        moved = jax.device_put(_read(src, src_buf), platform.jax_device(index))
+        moved = jax.device_put(buffer.array_of(src, src_buf), platform.jax_device(index))
         src = buffer.new_tensor(src.shape, src.dtype, index, moved)
     dst_buf = buffer.buffer_of(dst)
     if (
@@ -171,7 +146,7 @@ def to_copy(sig, values):
         host = self.to(dtype)
         return buffer.new_tensor(host.shape, dtype, index, buffer.from_host(host, index))
     if index != self.device.index:  # another chip: the values move, then the cast runs there
-        value = jax.device_put(_read(self, buffer.buffer_of(self)), platform.jax_device(index))
+        value = jax.device_put(buffer.array_of(self), platform.jax_device(index))
         self = buffer.new_tensor(self.shape, self.dtype, index, value)
     # a cast on the device is an op like any other: recorded in DEFER_AND_FUSE, never a sync
     return dispatch.run_lowered(dispatch.signature(aten._to_copy.default), [self, dtype] + [None] * 5)
@@ -192,19 +167,19 @@ def equal(sig, values):
 
 @kernel(aten._assert_async.default, aten._assert_async.msg)
 def assert_async(sig, values):
-    """Checked at the next host read, as CUDA checks it (`modes.check_on_device`)."""
+    """Checked at the next host read, as CUDA checks it (`modes.check_on_device`), on a copy: the
+    condition is the one at the call even if the tensor is written before the check runs."""
     self, message = values[0], values[1] if len(values) > 1 else None
     if self.numel() != 1:  # PyTorch's error for an ambiguous truth value, at once
         aten._assert_async(torch.zeros(self.shape, dtype=self.dtype))
 
-    def read_and_raise():
-        value = host_copy(self)
+    def raise_if_false(value):
         if message is None:
             aten._assert_async(value)
         else:
             aten._assert_async.msg(value, message)
 
-    modes.check_on_device(read_and_raise)
+    modes.check_on_device(self.detach().clone(), raise_if_false)
 
 
 @kernel(aten.record_stream.default)

@@ -135,3 +135,46 @@ def test_passing_device_checks_stay_silent_and_values_are_right():
     torch.testing.assert_close(x.cpu(), torch.linalg.solve(a, b))
     with pytest.raises(RuntimeError, match="more than one value is ambiguous"):
         torch._assert_async(torch.ones(2, device="tpu"))  # a shape error needs no read: raised at once
+
+
+_COMPILED_CHECKS = [  # (name, a function of one input, a bad input, the error)
+    ("linalg.solve", lambda a: torch.linalg.solve(a, torch.ones(3, device=a.device)), torch.zeros(3, 3),
+     torch.linalg.LinAlgError),
+    ("cholesky", torch.linalg.cholesky, -torch.eye(2), torch.linalg.LinAlgError),
+    # (AOT autograd drops a plain `_assert_async` from graphs as dead code, on every device; Dynamo turns
+    # an `assert` on a tensor into this overload, which it keeps)
+    ("_assert_async.msg", lambda a: torch._assert_async(a.sum(), "the mask is empty"), torch.zeros(2), RuntimeError),
+]
+
+
+@pytest.mark.parametrize("name, fn, bad, error", _COMPILED_CHECKS, ids=[c[0] for c in _COMPILED_CHECKS])
+def test_compiled_graphs_with_device_checks_stay_compiled(name, fn, bad, error):
+    """Inside `torch.compile` the checked value is an output of the program, checked after the call as
+    the eager op checks it: the graph neither runs eagerly nor syncs, and the error is CPU's."""
+    with pytest.raises(error) as cpu_error:
+        fn(bad)
+
+    @torch.compile(backend="tpu")
+    def checked(a):
+        fn(a)
+        return a + 1
+
+    for call in range(2):  # the first call compiles (tracing dispatches the graph's ops)
+        torch.tpu.synchronize()
+        hf_tpu.reset_metrics()
+        y = checked(bad.to("tpu"))
+        if call:
+            assert hf_tpu.metrics()["ops_dispatched"] == 0  # not one op ran eagerly
+            assert hf_tpu.metrics()["host_syncs"] == 0
+        with pytest.raises(error) as tpu_error:
+            y.cpu()
+        assert str(tpu_error.value) == str(cpu_error.value)
+    torch._dynamo.reset()
+
+
+def test_an_assert_checks_the_condition_at_the_call():
+    condition = torch.tensor(False, device="tpu")
+    torch._assert_async(condition, "false at the call")
+    condition.fill_(True)
+    with pytest.raises(RuntimeError, match="false at the call"):
+        torch.tpu.synchronize()
