@@ -33,7 +33,7 @@ def _check_privateuse1_is_free() -> None:
 _check_privateuse1_is_free()
 
 from . import device as _device_module  # noqa: E402
-from . import accelerator, autocast, dispatch, ops, random, storage  # noqa: E402,F401
+from . import accelerator, autocast, dispatch, modules, ops, random, storage  # noqa: E402,F401
 from .counters import metrics, reset_metrics  # noqa: E402,F401
 from .loops import while_loop  # noqa: E402,F401
 from .modes import EagerMode  # noqa: E402,F401
@@ -68,6 +68,7 @@ def _register_backend() -> None:
     storage.install()
     autocast.install()
     random.install()
+    modules.install()
 
 
 _register_backend()

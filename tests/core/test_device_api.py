@@ -40,6 +40,68 @@ def test_pinning_host_memory_for_tpu_copies_and_data_loaders_pin():
     assert torch.equal(torch.cat([x.cpu() for x, _ in batches]), data.tensors[0])
 
 
+class _TiedLM(torch.nn.Module):
+    """An embedding and an output projection sharing one weight (GPT-2's and T5's tying)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(self.embed(ids))
+
+
+def _train_step(model, optimizer, ids):
+    loss = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def test_moving_a_module_keeps_its_parameter_objects_like_cuda():
+    """PyTorch moves parameters in place (`param.data = ...`) only between its built-in backends; to tpu
+    it made new Parameters, which untied tied weights and left an optimizer built before the move
+    updating the old CPU tensors."""
+    torch.manual_seed(0)
+    cpu_model, ids = _TiedLM(), torch.randint(0, 10, (2, 5))
+    model = _TiedLM()
+    model.load_state_dict(cpu_model.state_dict())
+    weight = model.embed.weight
+    weight.note = "set by a library"
+    cpu_opt = torch.optim.AdamW(cpu_model.parameters(), lr=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)  # built before the move, as on CUDA
+    model.to("tpu")
+    assert model.head.weight is model.embed.weight is weight
+    assert weight.device.type == "tpu" and weight.note == "set by a library"
+    for _ in range(3):
+        assert _train_step(model, opt, ids.to("tpu")) == pytest.approx(_train_step(cpu_model, cpu_opt, ids), rel=1e-5)
+    torch.testing.assert_close(weight.cpu(), cpu_model.embed.weight.detach(), rtol=1e-5, atol=1e-6)
+    model.cpu()
+    assert weight.device.type == "cpu" and weight.grad.device.type == "cpu" and model.head.weight is weight
+    model.to_empty(device="tpu")
+    assert model.head.weight is weight and weight.device.type == "tpu"
+
+
+def test_a_parameter_that_cannot_be_swapped_still_moves():
+    """PyTorch refuses to swap a parameter something holds a weak reference to (or that a pending
+    autograd graph uses): such a module moves PyTorch's default way, with new objects."""
+    import weakref
+
+    linear = torch.nn.Linear(3, 2)
+    held = weakref.ref(linear.weight)
+    linear.to("tpu")
+    assert linear.weight.device.type == "tpu" and linear.bias.device.type == "tpu"
+    assert held() is not linear.weight
+    torch.manual_seed(0)
+    model = _TiedLM()
+    loss = model(torch.randint(0, 10, (2, 5))).sum()  # its graph holds the weight until backward
+    model.to("tpu")
+    assert model.embed.weight.device.type == "tpu" and model.head.weight.device.type == "tpu"
+    loss.backward()
+
+
 def test_transformers_sees_the_accelerator():
     from transformers.utils import is_torch_tpu_available
 

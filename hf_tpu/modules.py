@@ -1,0 +1,81 @@
+"""`Module.to("tpu")` keeps each Parameter object, as `Module.to("cuda")` does.
+
+PyTorch moves a parameter across devices in place (`param.data = moved`) only when the two tensor
+types are "compatible for a shallow copy", and its C++ list of such types holds the built-in dense
+backends, not PrivateUse1. Moving to or from `tpu` therefore made new Parameter objects: an optimizer
+built before `model.to("tpu")` kept updating the old CPU tensors, and weights tied across modules
+(GPT-2's `lm_head` and `wte`, T5's shared embedding) came out as two separate Parameters, trained apart.
+
+PyTorch's own answer for such types is `torch.__future__.set_swap_module_params_on_conversion`:
+`Module._apply` then swaps each parameter's contents for the moved tensor's (`torch.utils.swap_tensors`),
+so the Python object, and every reference to it, stays. It is switched on here for the conversions
+that involve `tpu` only. A swap refuses a parameter that something holds a weak reference to (or that
+a pending autograd graph still uses); such a module converts PyTorch's default way, with new objects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+
+import torch
+
+_swap = torch.__future__.get_swap_module_params_on_conversion
+_set_swap = torch.__future__.set_swap_module_params_on_conversion
+
+
+def _swappable(module: torch.nn.Module) -> bool:
+    return not any(weakref.getweakrefs(p) for p in module.parameters())
+
+
+def _involves_tpu(module: torch.nn.Module, device) -> bool:
+    if device is not None and torch.device(device).type == "tpu":
+        return True
+    tensors = (t for ts in (module.parameters(), module.buffers()) for t in ts)
+    return any(t.device.type == "tpu" for t in tensors)
+
+
+@contextlib.contextmanager
+def _swapping(module: torch.nn.Module):
+    """Swap parameters while converting; a swap also exchanges the Python attributes (`__dict__`), and
+    those a user or a library set on a parameter are put back, as an in-place move keeps them."""
+    attributes = [(p, dict(p.__dict__)) for p in module.parameters() if p.__dict__]
+    _set_swap(True)
+    try:
+        yield
+    finally:
+        _set_swap(False)
+        for p, kept in attributes:
+            p.__dict__.update(kept)
+
+
+def _keeping_parameters(convert, device_of):
+    """`convert` (a Module method), run with swapping when it moves parameters to or from `tpu`."""
+
+    @functools.wraps(convert)
+    def wrapper(self, *args, **kwargs):
+        if _swap() or not _involves_tpu(self, device_of(*args, **kwargs)) or not _swappable(self):
+            return convert(self, *args, **kwargs)
+        try:
+            with _swapping(self):
+                return convert(self, *args, **kwargs)
+        except RuntimeError as e:
+            if "Couldn't swap" not in str(e):
+                raise
+            # the parameters swapped before the refusal are on their device already: PyTorch's default
+            # way rebinds those in place and gives the others new objects
+            return convert(self, *args, **kwargs)
+
+    return wrapper
+
+
+def _to_device(*args, **kwargs):
+    return torch._C._nn._parse_to(*args, **kwargs)[0]
+
+
+def install() -> None:
+    module = torch.nn.Module
+    module.to = _keeping_parameters(module.to, _to_device)
+    module.cpu = _keeping_parameters(module.cpu, lambda: "cpu")
+    module.to_empty = _keeping_parameters(module.to_empty, lambda *, device, recurse=True: device)
