@@ -72,7 +72,7 @@ class Signature:
     functional: torch._ops.OpOverload | None  # for in-place/out= overloads: the op that computes
     returns_list: bool  # the op returns Tensor[] (its one return is a list)
     num_returns: int
-    written_list: int | None  # an in-place foreach op: the Tensor[] argument it writes, returning nothing
+    written: tuple | None  # for a variant writing arguments it does not return: each functional result's argument
     static_args: tuple  # per argument: True where the lowering asked for the Python value
     static_values: tuple  # per argument: the values compiled in when passed (Lowering.static_values), or None
 
@@ -116,6 +116,26 @@ def _functional_counterpart(op):
     return None
 
 
+def _written_args(args, mutated, returns_mutated, functional) -> tuple | None:
+    """For a variant that writes arguments it does not return (foreach ops, fused optimizer steps, AMP's
+    grad scaler), the argument each result of its functional form is written to, else None.
+    Functionalization names those results after the arguments (`grads_out`); an unnamed or `self_out`
+    one goes to `out` in an out= variant, to `self` in an in-place one."""
+    if set(mutated) <= set(returns_mutated):
+        return None
+    position = {a.name: i for i, a in enumerate(args)}
+    targets = []
+    for result in functional._schema.returns:
+        target = position.get(result.name[:-4]) if result.name.endswith("_out") else None
+        if target not in mutated:
+            target = next((position[n] for n in ("out", "self") if position.get(n) in mutated
+                           and position[n] not in targets), None)
+        if target is None or target in targets:
+            return None
+        targets.append(target)
+    return tuple(targets) if set(targets) == set(mutated) else None
+
+
 @functools.cache
 def signature(op) -> Signature:
     schema = op._schema
@@ -138,7 +158,7 @@ def signature(op) -> Signature:
     return Signature(
         op=op,
         names=tuple(a.name for a in args),
-        kinds=tuple(_kind(a) for a in args),
+        kinds=tuple(SCALAR if low is not None and a.name in low.traced else _kind(a) for a in args),
         kwarg_only=tuple(a.kwarg_only for a in args),
         defaults=tuple(a.default_value if a.has_default_value() else None for a in args),
         mutated=tuple(mutated),
@@ -149,7 +169,7 @@ def signature(op) -> Signature:
         functional=functional,
         returns_list=len(schema.returns) == 1 and str(schema.returns[0].type) == "List[Tensor]",
         num_returns=len(schema.returns),
-        written_list=next((i for i in mutated if _kind(args[i]) == TENSOR_LIST), None) if not schema.returns else None,
+        written=_written_args(args, mutated, returns_mutated, functional) if functional is not None else None,
         static_args=tuple(low is not None and a.name in low.static for a in args),
         static_values=tuple(dict(low.static_values).get(a.name) if low is not None else None for a in args),
     )
@@ -491,12 +511,14 @@ def _build(call: _Call) -> Program:
     blank = [(op.buf.shape, dtypes.to_jax(op.buf.dtype)) if op.buf is not None else None for op in call.operands]
     names = sig.names
     slot_of_arg = {}
+    first_slot = {}  # per tensor or Tensor[] argument: the operand slot of its (first) tensor
     t_index = 0
     for i, (kind, v) in enumerate(zip(sig.kinds, call.values)):
         if kind in (TENSOR, OPT_TENSOR) and isinstance(v, torch.Tensor):
-            slot_of_arg[i] = t_index
+            slot_of_arg[i] = first_slot[i] = t_index
             t_index += 1
         elif kind == TENSOR_LIST:
+            first_slot[i] = t_index
             t_index += sum(t is not None for t in v)
     # per operand: the buffer's shape where the lowering takes it as `buffer.Transposed`, else None
     transposed = [None] * len(call.operands)
@@ -509,8 +531,9 @@ def _build(call: _Call) -> Program:
     is_out_variant = sig.functional is not None and not sig.op._schema.name.endswith("_")
     lowered_schema = (sig.functional or sig.op)._schema
     lowered_params = [(a.name, a.kwarg_only) for a in lowered_schema.arguments]
+    lowered_names = {name for name, _ in lowered_params}
     jax_compute = dtypes.to_jax(compute_dtype) if compute_dtype is not None else None
-    written_slots = _written_list_slots(call, slot_of_arg)
+    written_slots = _written_slots(call, first_slot)
 
     def fn(arrays, scalars, rng_data):
         rng_key = random.key_from_data(rng_data) if rng_data is not None else None
@@ -532,13 +555,14 @@ def _build(call: _Call) -> Program:
             return x
 
         by_name = {name: fill(x) for i, (name, x) in enumerate(zip(names, template))
-                   if not (is_out_variant and i in sig.mutated)}
+                   if not (is_out_variant and i in sig.mutated and name not in lowered_names)}
         # the lowering is written against the schema it was registered for: bind by name, since an
         # in-place variant may order its arguments differently (polygamma_(self, n) / polygamma(n, self))
         args = [by_name[name] for name, kw in lowered_params if not kw and name in by_name]
         kwargs = {name: by_name[name] for name, kw in lowered_params if kw and name in by_name}
         result = _flatten_returns(low.fn(*args, **kwargs))
-        if written_slots is not None:  # an in-place foreach op: each result overwrites its list element
+        if written_slots is not None:  # each result (a list's elements one by one) overwrites its argument
+            result = [r for x in result for r in (x if isinstance(x, (list, tuple)) else [x])]
             written = {}  # elements may be views of one buffer: their writes compose
             for (k, base, dtype), r in zip(written_slots, result):
                 written[base] = buffer.write(written.get(base, arrays[k]), views[k], jnp.asarray(r).astype(dtype))
@@ -582,21 +606,21 @@ def _build(call: _Call) -> Program:
                    defined=program_returns)
 
 
-def _written_list_slots(call: _Call, slot_of_arg: dict):
-    """For an op writing a Tensor[] in place: (operand slot, slot of the first element sharing its
-    buffer, jax dtype) of each element, else None."""
+def _written_slots(call: _Call, first_slot: dict):
+    """For an op writing arguments it does not return (`Signature.written`): (operand slot, slot of the
+    first operand sharing its buffer, jax dtype) of each tensor it writes, in its functional form's
+    result order, else None."""
     sig = call.sig
-    if sig.written_list is None:
+    if sig.written is None:
         return None
-    first = sum(1 for i in range(sig.written_list) if i in slot_of_arg)
-    first += sum(sum(t is not None for t in call.values[i]) for i in range(sig.written_list)
-                 if sig.kinds[i] == TENSOR_LIST)
-    slots = range(first, first + len(call.values[sig.written_list]))
+    slots = []
+    for i in sig.written:
+        tensors = call.values[i] if sig.kinds[i] == TENSOR_LIST else [call.values[i]]
+        slots.extend((first_slot[i] + j, t) for j, t in enumerate(tensors))
     base_of = {}
-    for k in slots:
+    for k, _ in slots:
         base_of.setdefault(id(call.operands[k].buf), k)
-    return [(k, base_of[id(call.operands[k].buf)], dtypes.to_jax(t.dtype))
-            for k, t in zip(slots, call.values[sig.written_list])]
+    return [(k, base_of[id(call.operands[k].buf)], dtypes.to_jax(t.dtype)) for k, t in slots]
 
 
 _DATA_DEPENDENT_ERRORS = (
@@ -693,6 +717,9 @@ def run_lowered(sig: Signature, values: list):
             outputs.append(operand.tensor)
         else:  # spec[0] is a tuple of ints already: straight to the allocator
             outputs.append(_allocate(spec[0], spec[1], device_index, array)[0])
+    if sig.written is not None:  # it returns the arguments it wrote that its schema returns, if any
+        returned = [values[i] for i in sig.returns_mutated]
+        return None if not returned else returned[0] if len(returned) == 1 else tuple(returned)
     if program.some_undefined:
         produced = iter(outputs)
         outputs = [next(produced) if defined else None for defined in program.defined]
@@ -810,10 +837,14 @@ def cpu_fallback(sig: Signature, values):
     if device_index is None:
         device_index = current_device_index()
     result = _call_with(sig, sig.op, cpu_values)
-    for i in sig.mutated:
-        if values[i].shape != cpu_values[i].shape:
-            values[i].resize_(cpu_values[i].shape)
-        values[i].copy_(cpu_values[i])
+    for i in sig.mutated:  # a written Tensor[] (a fused optimizer's lists) element by element
+        written = zip(values[i], cpu_values[i]) if sig.kinds[i] == TENSOR_LIST else [(values[i], cpu_values[i])]
+        for target, value in written:
+            if target is None:
+                continue
+            if target.shape != value.shape:
+                target.resize_(value.shape)
+            target.copy_(value)
     returns = _flatten_returns(result) if sig.op._schema.returns else []
     outs = []
     for j, r in enumerate(returns):

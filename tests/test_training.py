@@ -53,6 +53,11 @@ def test_tiny_llama_trains_with_the_cpu_loss_curve(mode):
         lambda p: torch.optim.Adam(p, lr=1e-2, foreach=False, amsgrad=True),
         lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=True),
         lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=False),
+        # fused: PyTorch accepts it for any PrivateUse1 device, and the Trainer asks for fused AdamW
+        lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=True),
+        lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1, amsgrad=True, maximize=True, fused=True),
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01, fused=True),
+        lambda p: torch.optim.SGD(p, lr=0.1, fused=True),
     ],
 )
 def test_optimizers_match_cpu(make_opt):
@@ -68,8 +73,62 @@ def test_optimizers_match_cpu(make_opt):
             opt.zero_grad()
         return [p.detach().cpu() for p in model.parameters()]
 
+    hf_tpu.reset_metrics()
     for a, b in zip(run("tpu"), run("cpu")):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+    assert not hf_tpu.metrics()["cpu_fallbacks"]
+
+
+def test_grad_scaler_and_a_fused_step_under_a_schedule_match_cpu():
+    """`torch.amp.GradScaler` (unscaling, the inf check, the scale's back-off and growth) with fused AdamW
+    and a learning-rate schedule: CPU's parameters and scale, no CPU fallback, and no compile per new
+    learning rate."""
+
+    def run(device):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+        scaler = torch.amp.GradScaler(device, init_scale=2.0**10, growth_interval=2)
+        x = torch.randn(5, 6).to(device)
+        compiles = []
+        for step in range(6):
+            with torch.autocast(device_type=device, dtype=torch.bfloat16):
+                loss = model(x).float().square().mean()
+            scaler.scale(loss).backward()
+            if step == 1:  # an overflow: the step is skipped and the scale backs off
+                next(model.parameters()).grad[0, 0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+            schedule.step()
+            opt.zero_grad()
+            compiles.append(hf_tpu.metrics()["compiles"])
+        return [p.detach().cpu() for p in model.parameters()], scaler.get_scale(), compiles
+
+    hf_tpu.reset_metrics()
+    (params, scale, compiles), (cpu_params, cpu_scale, _) = run("tpu"), run("cpu")
+    assert scale == cpu_scale == 2.0**11  # backed off once (step 1), grew twice (steps 3 and 5)
+    for a, b in zip(params, cpu_params):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert not hf_tpu.metrics()["cpu_fallbacks"]
+    assert compiles[-1] == compiles[2]  # every program exists after three steps; new learning rates reuse them
+
+
+def test_an_op_writing_lists_through_the_cpu_fallback():
+    """Fused Adagrad has no lowering: the CPU fallback writes each of its lists back element by element."""
+    def run(device):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2).to(device)
+        opt = torch.optim.Adagrad(model.parameters(), lr=0.1, fused=True)
+        for _ in range(2):
+            model(torch.ones(3, 4, device=device)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().cpu() for p in model.parameters()]
+
+    with pytest.warns(UserWarning, match="_fused_adagrad_"):
+        for a, b in zip(run("tpu"), run("cpu")):
+            torch.testing.assert_close(a, b)
 
 
 def test_autograd_api():

@@ -13,6 +13,7 @@ from . import (  # noqa: F401
     index,
     linalg,
     nn,
+    optim,
     random_ops,
     reduce,
     shape,

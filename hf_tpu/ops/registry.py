@@ -43,6 +43,9 @@ class Lowering:
     # names of matrix arguments that may arrive as `buffer.Transposed` (a whole buffer viewed with its
     # last two dims swapped) for the lowering to contract directly instead of reading a transposed copy
     transposed: frozenset = frozenset()
+    # names of `float` arguments passed traced, like Scalars, where they would be Python values:
+    # hyperparameters that change every step (an optimizer's learning rate under a schedule)
+    traced: frozenset = frozenset()
 
 
 LOWERINGS: dict[torch._ops.OpOverload, Lowering] = {}
@@ -55,14 +58,14 @@ def _overloads(op):
 
 
 def lowering(*ops, promote: Promote | None = None, static=(), own_shapes: bool = False, transposed=(),
-             static_values=None):
+             static_values=None, traced=()):
     """Register `fn` as the lowering of each op (an OpOverload, or a packet meaning its functional
     overloads)."""
 
     def register(fn):
         entry = Lowering(fn, promote, frozenset(static), own_shapes,
                          tuple((name, frozenset(values)) for name, values in (static_values or {}).items()),
-                         frozenset(transposed))
+                         frozenset(transposed), frozenset(traced))
         for op in ops:
             for overload in _overloads(op):
                 if isinstance(op, torch._ops.OpOverloadPacket) and overload._schema.is_mutable:
