@@ -121,7 +121,7 @@ def _written_args(args, mutated, returns_mutated, functional) -> tuple | None:
     grad scaler), the argument each result of its functional form is written to, else None.
     Functionalization names those results after the arguments (`grads_out`); an unnamed or `self_out`
     one goes to `out` in an out= variant, to `self` in an in-place one."""
-    if set(mutated) <= set(returns_mutated):
+    if set(mutated) <= set(returns_mutated) or None in returns_mutated:
         return None
     position = {a.name: i for i, a in enumerate(args)}
     targets = []
