@@ -58,6 +58,7 @@ def _adam(adamw: bool):
             m = exp_avg.astype(jnp.float32)
             weight = 1 - beta1  # exp_avg.lerp_(grad, 1 - beta1), in lerp's two forms as the kernel writes it
             m = jnp.where(jnp.abs(weight) < 0.5, m + weight * (g - m), g - (g - m) * (1 - weight))
+            m = m.astype(exp_avg.dtype).astype(jnp.float32)  # the kernel stores it, then reads it back
             v = exp_avg_sq.astype(jnp.float32) * beta2 + (1 - beta2) * g * g
             t = step_count.astype(jnp.float32).reshape(())
             bias_correction2_sqrt = jnp.sqrt(1 - beta2 ** t)
