@@ -918,6 +918,9 @@ def _derived_variants(functional):
         for overload_name in packet.overloads():
             overload = getattr(packet, overload_name)
             if overload._schema.is_mutable and _functional_counterpart(overload) == functional:
+                sig = signature(overload)
+                if sig.written is None and not set(sig.mutated) <= set(sig.returns_mutated):
+                    continue  # writes that cannot be matched to results: left to the fallback
                 yield overload
 
 
