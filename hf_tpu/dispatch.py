@@ -158,7 +158,8 @@ def signature(op) -> Signature:
     return Signature(
         op=op,
         names=tuple(a.name for a in args),
-        kinds=tuple(SCALAR if low is not None and a.name in low.traced else _kind(a) for a in args),
+        kinds=tuple(SCALAR if low is not None and a.name in low.traced and str(a.type) == "float" else _kind(a)
+                    for a in args),
         kwarg_only=tuple(a.kwarg_only for a in args),
         defaults=tuple(a.default_value if a.has_default_value() else None for a in args),
         mutated=tuple(mutated),

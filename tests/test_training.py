@@ -60,6 +60,7 @@ def test_tiny_llama_trains_with_the_cpu_loss_curve(mode):
         lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1, amsgrad=True, maximize=True, fused=True),
         lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01, fused=True),
         lambda p: torch.optim.SGD(p, lr=0.1, fused=True),
+        lambda p: (lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(1e-2, device=ps[0].device), fused=True))(list(p)),
     ],
 )
 def test_optimizers_match_cpu(make_opt):

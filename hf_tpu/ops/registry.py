@@ -44,7 +44,8 @@ class Lowering:
     # last two dims swapped) for the lowering to contract directly instead of reading a transposed copy
     transposed: frozenset = frozenset()
     # names of `float` arguments passed traced, like Scalars, where they would be Python values:
-    # hyperparameters that change every step (an optimizer's learning rate under a schedule)
+    # hyperparameters that change every step (an optimizer's learning rate under a schedule); an
+    # overload where the name is a Tensor (`tensor_lr`) gets it as an array anyway
     traced: frozenset = frozenset()
 
 
