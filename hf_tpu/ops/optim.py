@@ -43,7 +43,8 @@ def _adam(adamw: bool):
              weight_decay, eps, amsgrad, maximize, grad_scale=None, found_inf=None):
         skip = _skipped(found_inf)
         lr = jnp.asarray(lr, jnp.float32).reshape(())
-        out = [[], [], [], [], []]
+        new_params, new_grads, new_exp_avgs, new_exp_avg_sqs = [], [], [], []
+        new_max_exp_avg_sqs = [] if amsgrad else list(max_exp_avg_sqs)
         for k, (param, grad, exp_avg, exp_avg_sq, step_count) in enumerate(
                 zip(self, grads, exp_avgs, exp_avg_sqs, state_steps)):
             g = _unscaled(grad, grad_scale)
@@ -64,18 +65,16 @@ def _adam(adamw: bool):
             bias_correction2_sqrt = jnp.sqrt(1 - beta2 ** t)
             if amsgrad:
                 v_max = jnp.maximum(max_exp_avg_sqs[k].astype(jnp.float32), v)
-                out[4].append(_unless_skipped(skip, v_max, max_exp_avg_sqs[k]))
+                new_max_exp_avg_sqs.append(_unless_skipped(skip, v_max, max_exp_avg_sqs[k]))
                 denom = jnp.sqrt(v_max) / bias_correction2_sqrt + eps
             else:
                 denom = jnp.sqrt(v) / bias_correction2_sqrt + eps
             p = p - (lr / (1 - beta1 ** t)) * m / denom
-            out[0].append(_unless_skipped(skip, p, param))
-            out[1].append(_unless_skipped(skip, unscaled, grad))
-            out[2].append(_unless_skipped(skip, m, exp_avg))
-            out[3].append(_unless_skipped(skip, v, exp_avg_sq))
-        if not amsgrad:
-            out[4] = list(max_exp_avg_sqs)
-        return tuple(out)
+            new_params.append(_unless_skipped(skip, p, param))
+            new_grads.append(_unless_skipped(skip, unscaled, grad))
+            new_exp_avgs.append(_unless_skipped(skip, m, exp_avg))
+            new_exp_avg_sqs.append(_unless_skipped(skip, v, exp_avg_sq))
+        return new_params, new_grads, new_exp_avgs, new_exp_avg_sqs, new_max_exp_avg_sqs
 
     return step
 
