@@ -25,22 +25,22 @@ _swap = torch.__future__.get_swap_module_params_on_conversion
 _set_swap = torch.__future__.set_swap_module_params_on_conversion
 
 
-def _swappable(module: torch.nn.Module) -> bool:
-    return not any(weakref.getweakrefs(p) for p in module.parameters())
-
-
-def _involves_tpu(module: torch.nn.Module, device) -> bool:
-    if device is not None and torch.device(device).type == "tpu":
-        return True
-    tensors = (t for ts in (module.parameters(), module.buffers()) for t in ts)
-    return any(t.device.type == "tpu" for t in tensors)
+def _swaps_for(module: torch.nn.Module, device) -> list | None:
+    """The module's parameters when converting it to `device` should swap them (it involves `tpu` and
+    every parameter can be swapped), else None. One pass: this runs on every `Module.to`."""
+    parameters = list(module.parameters())
+    involves_tpu = (device is not None and torch.device(device).type == "tpu") or any(
+        t.device.type == "tpu" for ts in (parameters, module.buffers()) for t in ts)
+    if not involves_tpu or any(weakref.getweakrefs(p) for p in parameters):
+        return None
+    return parameters
 
 
 @contextlib.contextmanager
-def _swapping(module: torch.nn.Module):
+def _swapping(parameters: list):
     """Swap parameters while converting; a swap also exchanges the Python attributes (`__dict__`), and
     those a user or a library set on a parameter are put back, as an in-place move keeps them."""
-    attributes = [(p, dict(p.__dict__)) for p in module.parameters() if p.__dict__]
+    attributes = [(p, dict(p.__dict__)) for p in parameters if p.__dict__]
     _set_swap(True)
     try:
         yield
@@ -55,10 +55,11 @@ def _keeping_parameters(convert, device_of):
 
     @functools.wraps(convert)
     def wrapper(self, *args, **kwargs):
-        if _swap() or not _involves_tpu(self, device_of(*args, **kwargs)) or not _swappable(self):
+        parameters = None if _swap() else _swaps_for(self, device_of(*args, **kwargs))
+        if parameters is None:
             return convert(self, *args, **kwargs)
         try:
-            with _swapping(self):
+            with _swapping(parameters):
                 return convert(self, *args, **kwargs)
         except RuntimeError as e:
             if "Couldn't swap" not in str(e):
