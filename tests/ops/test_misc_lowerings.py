@@ -150,3 +150,14 @@ def test_ldl_factor_takes_lapacks_pivots_and_solves(dtype):
 def test_ldl_factor_reports_a_singular_column_in_info():
     singular = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0], [1.0, 0.0, 2.0]])
     _assert_same(torch.linalg.ldl_factor_ex, singular)
+
+
+@pytest.mark.parametrize("dim", [-1, 0])
+def test_safe_softmax_rows_of_only_minus_inf_nan_and_empty(dim):
+    """SDPA's softmax: a fully masked row gives zeros (not NaN), a row holding NaN stays NaN, and an
+    empty dim gives an empty result."""
+    inf = float("inf")
+    x = torch.tensor([[-inf, -inf, -inf], [0.5, -inf, 2.0], [float("nan"), -inf, -inf], [inf, -inf, 1.0]])
+    _assert_same(torch._safe_softmax, x, dim)
+    _assert_same(torch._safe_softmax, torch.empty(0, 3), dim)
+    _assert_same(torch._safe_softmax, torch.empty(3, 0), dim)
