@@ -44,21 +44,48 @@ from . import dtypes, platform
 
 # DLTensor's fields (data, device type and id, ndim, dtype code/bits/lanes, shape pointer, strides
 # pointer, byte offset), written with one memmove: field-by-field ctypes assignment cost more than the
-# whole op's launch. The shape pointer points at a cached int64 array of the shape (PyTorch copies the
-# sizes while it builds the tensor; NumPy frees its own shape copy with the struct, not through the
-# pointer), the strides pointer is NULL (compact row-major) and the offset 0.
+# whole op's launch. The shape pointer points at an int64 array of the shape, kept with the shape's
+# `_Layout` (PyTorch copies the sizes while it builds the tensor; NumPy frees its own shape copy with
+# the struct, not through the pointer), the strides pointer is NULL (compact row-major) and the offset 0.
 _DL_TENSOR = struct.Struct("<QiiiBBHQQQ")
-_SHAPES: dict = {}  # shape -> (int64 ctypes array, its address)
-_SHAPES_CACHED = 4096
+# the fields a new tensor's address and chip decide; the rest is its layout's, packed once (`_layout`)
+_DL_HEAD = struct.Struct("<Qii")
+_LAYOUTS: dict = {}  # (shape, dtype) -> _Layout
+_LAYOUTS_CACHED = 4096
 _DL_EXT_DEV = 12  # kDLExtDev: PyTorch maps it to PrivateUse1, i.e. `tpu`
 _capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
 _capsule_pointer.restype = ctypes.c_void_p
 _capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 _from_dlpack = torch._C._from_dlpack
-_OWNER_SHAPES = [(1,) * n for n in range(65)]
-_dlpack_code = functools.cache(dtypes.dlpack_code)
 
 _ALIGN = 256
+
+
+class _Layout(NamedTuple):
+    """What every tensor of one shape and dtype shares: its size, its address span, the owner array's
+    shape, and the DLTensor fields after the address and chip, packed (with the shape array they
+    point at, kept alive here)."""
+
+    nbytes: int
+    span: int
+    owner_shape: tuple
+    tail: bytes
+    sizes: object
+
+
+def _layout(shape: tuple, dtype: torch.dtype) -> _Layout:
+    ndim = len(shape)
+    nbytes = math.prod(shape) * dtype.itemsize
+    code, bits = dtypes.dlpack_code(dtype)
+    sizes = (ctypes.c_int64 * max(ndim, 1))(*shape)
+    tail = _DL_TENSOR.pack(0, 0, 0, ndim, code, bits, 1, ctypes.addressof(sizes), 0, 0)[_DL_HEAD.size:]
+    if len(_LAYOUTS) >= _LAYOUTS_CACHED:
+        _LAYOUTS.clear()
+    layout = _LAYOUTS[(shape, dtype)] = _Layout(nbytes, (nbytes + 2 * _ALIGN - 1) // _ALIGN * _ALIGN,
+                                                 (1,) * ndim, tail, sizes)
+    return layout
+
+
 _FIRST_ADDRESS = 1 << 48  # above every user-space address: never a real pointer, 2**63 bytes of room
 
 
@@ -156,43 +183,42 @@ class _Allocator:
         as PyTorch counts an empty tensor's memory); `shape` a tuple of ints. This runs once per op
         result, so an op's concrete single-chip result is held and counted here under the one lock
         rather than through `Buffer.array`."""
-        ndim = len(shape)
-        nbytes = math.prod(shape) * dtype.itemsize
-        owner = np.empty(_OWNER_SHAPES[ndim], np.uint8)
+        layout = _LAYOUTS.get((shape, dtype))
+        if layout is None:
+            layout = _layout(shape, dtype)
+        nbytes = layout.nbytes
+        owner = np.empty(layout.owner_shape, np.uint8)
         capsule = owner.__dlpack__()
         dl = _capsule_pointer(capsule, b"dltensor")
         release = self._release
         with self.lock:
             address = self.next_address
-            self.next_address += (nbytes + 2 * _ALIGN - 1) // _ALIGN * _ALIGN
+            self.next_address += layout.span
             buf = Buffer(shape, dtype, device_index, nbytes, address)
             # a plain weakref with a closure: KeyedRef's Python-level constructor cost a microsecond
             self.live[address] = (buf, weakref.ref(owner, lambda _, address=address: release(address)))
             self.num_allocs[device_index] = self.num_allocs.get(device_index, 0) + 1
             if array is None or type(array) is Lazy or sharded_arrays_exist:
                 plain = False
-            else:
+            else:  # `_change_holders(array, 1)` and `_add(device_index, nbytes)`, inline
                 plain = True
                 buf._array = array
-                self._change_holders(array, 1)
+                holding = self.holding
+                key = id(array)
+                holding[key] = holding.get(key, 0) + 1
                 buf.counted = True
-                self._add(device_index, nbytes)
+                used = self.allocated.get(device_index, 0) + nbytes
+                self.allocated[device_index] = used
+                if used > self.peak.get(device_index, 0):
+                    self.peak[device_index] = used
         del owner  # the capsule holds it now; it dies with the storage
         if not plain:
             if array is None:
                 self.count(buf)
             else:
                 buf.array = array
-        code, bits = _dlpack_code(dtype)
-        sizes = _SHAPES.get(shape)
-        if sizes is None:
-            if len(_SHAPES) >= _SHAPES_CACHED:
-                _SHAPES.clear()
-            sizes_array = (ctypes.c_int64 * max(ndim, 1))(*shape)
-            sizes = _SHAPES[shape] = (sizes_array, ctypes.addressof(sizes_array))
-        ctypes.memmove(dl, _DL_TENSOR.pack(address, _DL_EXT_DEV, device_index, ndim, code, bits, 1, sizes[1], 0, 0),
-                       _DL_TENSOR.size)
-        return _from_dlpack(capsule), buf  # `sizes` holds the shape array until PyTorch has read it
+        ctypes.memmove(dl, _DL_HEAD.pack(address, _DL_EXT_DEV, device_index) + layout.tail, _DL_TENSOR.size)
+        return _from_dlpack(capsule), buf  # the layout holds the shape array until PyTorch has read it
 
     def _release(self, address: int):
         with self.lock:
@@ -200,7 +226,10 @@ class _Allocator:
             if entry is not None:
                 buf = entry[0]
                 if buf.counted:
-                    self._uncount(buf)
+                    if buf.chip_bytes is None:  # `_uncount(buf)`, inline for the common case
+                        self.allocated[buf.device_index] -= buf.nbytes
+                    else:
+                        self._uncount(buf)
                 array = buf._array
                 if array is not None and type(array) is not Lazy:
                     self._change_holders(array, -1)

@@ -1,6 +1,6 @@
 """The one entry point from PyTorch's dispatcher into the lowerings.
 
-Every `tpu` kernel is `dispatch(signature, args, kwargs)`. It reads the call against the op's
+Every `tpu` kernel is `dispatch(signature, *args, **kwargs)`. It reads the call against the op's
 schema, builds a key from what decides the compiled code (op, static arguments, shapes, dtypes and
 view layouts of the tensors, Python types of the scalars), and runs the cached program for that key
 through the current execution mode. On a miss it asks PyTorch's meta kernel for the output shapes and
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import os
 import threading
 import typing
@@ -75,6 +76,9 @@ class Signature:
     written: tuple | None  # for a variant writing arguments it does not return: each functional result's argument
     static_args: tuple  # per argument: True where the lowering asked for the Python value
     static_values: tuple  # per argument: the values compiled in when passed (Lowering.static_values), or None
+    # the op in a call's key: an int, as an OpOverload hashes in Python (every eager op hashes its key,
+    # every deferred flush the keys of all its ops)
+    ident: int = dataclasses.field(default_factory=itertools.count().__next__)
 
     @property
     def name(self) -> str:
@@ -217,15 +221,18 @@ def _device_mismatch(sig, a, b) -> RuntimeError:
 class _Call:
     """One op call split into operands, scalars and a hashable key."""
 
-    __slots__ = ("sig", "values", "operands", "scalars", "key", "device_index", "rng")
+    __slots__ = ("sig", "values", "operands", "arrays", "scalars", "key", "device_index", "rng")
 
     def __init__(self, sig: Signature, values: list):
         self.sig = sig
         self.values = values
+        # the operands' arrays as they are: concrete, Lazy results of deferred ops, or None for an
+        # uninitialised buffer (the program makes its zeros, which XLA drops when they are overwritten)
+        self.arrays = []
         operands = []
         scalars = []
         # the float32 matmul precision is read while a program is traced, so it decides the program
-        key = [sig.op, _matmul_precision()]
+        key = [sig.ident, _matmul_precision()]
         device_index = None
         rng = False
         i = 0
@@ -276,7 +283,9 @@ class _Call:
         if t.is_cpu:
             if t.dim() == 0 or host_ok:
                 # PyTorch lets a CPU scalar tensor join an op on an accelerator: its value is an input
-                operands.append(_operand((t, None, buffer.host_array(t))))
+                host = buffer.host_array(t)
+                operands.append(_operand((t, None, host)))
+                self.arrays.append(host)
                 key.append(("cpu", tuple(t.shape), t.dtype))
                 return device_index
             raise _device_mismatch(self.sig, f"tpu:{device_index or 0}", t.device)
@@ -291,13 +300,11 @@ class _Call:
             raise _device_mismatch(self.sig, f"tpu:{device_index}", f"tpu:{buf.device_index}")
         view = _view_of(t, buf)
         operands.append(_operand((t, buf, view)))
-        key.append((buf.shape, buf.dtype, view, buf._array is None))
+        array = buf._array
+        self.arrays.append(array)
+        key.append((buf.shape, buf.dtype, view, array is None))
         return buf.device_index
 
-    def arrays(self):
-        """The operands' arrays as they are: concrete, Lazy results of deferred ops, or None for an
-        uninitialised buffer (the program makes its zeros, which XLA drops when they are overwritten)."""
-        return [op.buf._array if op.buf is not None else op.view for op in self.operands]
 
 
 def _is_number(v) -> bool:
@@ -684,7 +691,7 @@ def run_lowered(sig: Signature, values: list):
     if sig.mutated:
         _check_writable(call)
         _resize_outs(call)
-    mode = _modes.current()
+    mode = _modes._current[0]
     program = _PROGRAMS.get(call.key)
     if program is None:
         program = _build(call)
@@ -705,7 +712,7 @@ def run_lowered(sig: Signature, values: list):
         results = program.fn(concrete, call.scalars, rng_key)
         out_specs = [(tuple(r.shape), dtypes.to_torch(r.dtype)) for r in results]
     else:
-        arrays = call.arrays()
+        arrays = call.arrays
         if buffer.sharded_arrays_exist:  # a sharded tensor (hf_tpu.distributed) may meet single-chip ones
             arrays = buffer.place_together(arrays)
         results = mode.execute(program, call.key, arrays, call.scalars, rng_key, device_index)
@@ -777,7 +784,7 @@ def _resize_outs(call: _Call):
             out.resize_(shape)
     # operands changed: analyse again
     fresh = _Call(sig, call.values)
-    call.operands, call.key = fresh.operands, fresh.key
+    call.operands, call.arrays, call.key = fresh.operands, fresh.arrays, fresh.key
 
 
 # --- Ops with no lowering: PyTorch's decompositions, then the CPU fallback.
@@ -890,8 +897,8 @@ def run_unlowered(sig: Signature, values):
     raise unsupported(sig, values)
 
 
-def dispatch(sig: Signature, args, kwargs):
-    """The tpu kernel of every op."""
+def dispatch(sig: Signature, *args, **kwargs):
+    """The tpu kernel of every op, bound to the op's signature (`_kernel`)."""
     values = _bind(sig, args, kwargs)
     if sig.kernel is not None:
         return sig.kernel(sig, values)
@@ -926,11 +933,8 @@ def _derived_variants(functional):
 
 
 def _kernel(sig: Signature):
-    def kernel(*args, **kwargs):
-        return dispatch(sig, args, kwargs)
-
-    kernel.__name__ = f"tpu_{sig.op._schema.name.split('::')[1]}"
-    return kernel
+    # a partial rather than a closure: one Python frame fewer on every op
+    return functools.partial(dispatch, sig)
 
 
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
@@ -946,7 +950,7 @@ def _cpu_view_kernel(op):
 
 
 def _fallback(op, *args, **kwargs):
-    return dispatch(signature(op), args, kwargs)
+    return dispatch(signature(op), *args, **kwargs)
 
 
 def register_kernels() -> None:
@@ -973,8 +977,7 @@ def register_kernels() -> None:
     fallback = torch.library.Library("_", "IMPL")
     fallback.fallback(_fallback, "PrivateUse1")
     _libraries.extend([*libraries.values(), fallback])
-    _hide_from_dynamo(_kernel(signature(aten.add.Tensor)).__code__, _cpu_view_kernel(aten.view.default).__code__,
-                      _fallback.__code__)
+    _hide_from_dynamo(dispatch.__code__, _cpu_view_kernel(aten.view.default).__code__, _fallback.__code__)
 
 
 def _hide_from_dynamo(*entry_points) -> None:

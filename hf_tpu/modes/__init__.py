@@ -74,7 +74,7 @@ class _Eager:
             if self.blocking:
                 jax.block_until_ready(out)
         except jax.errors.JaxRuntimeError as e:
-            raise_out_of_memory(e, device_index, f"an op ({key[0]})")
+            raise_out_of_memory(e, device_index, f"an op ({program.name})")
             raise
         return out
 

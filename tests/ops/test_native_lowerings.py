@@ -244,11 +244,11 @@ def test_matmuls_contract_transposed_operands_in_place(eager_mode, rows, monkeyp
     programs = []
     execute = modes._Eager.execute
     monkeypatch.setattr(modes._Eager, "execute", lambda self, program, key, arrays, scalars, rng, index: (
-        programs.append((key[0], program, arrays, scalars)), execute(self, program, key, arrays, scalars, rng, index))[1])
+        programs.append((program.name, program, arrays, scalars)), execute(self, program, key, arrays, scalars, rng, index))[1])
     with torch.tpu.use_eager_mode(eager_mode):
         for name, fn in _TRANSPOSED_MATMULS:
             torch.testing.assert_close(fn(*device_operands).cpu(), fn(*operands), **TOLERANCE, msg=name)
-    products = [p for p in programs if p[0]._schema.name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")]
+    products = [p for p in programs if p[0] in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")]
     assert len(products) == (len(_TRANSPOSED_MATMULS) if eager_mode == "DEFER_NEVER" else 0)
     for op, program, arrays, scalars in products:
         jaxpr = str(jax.make_jaxpr(program.fn)(arrays, scalars, None))
