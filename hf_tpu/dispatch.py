@@ -944,12 +944,8 @@ _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
 
 def _cpu_view_kernel(op):
-    redispatch = op._handle.redispatch_boxed
-
-    def kernel(*args, **kwargs):
-        return redispatch(_CPU, *args, **kwargs)
-
-    return kernel
+    # a partial of the C++ redispatch: no Python frame between PyTorch's dispatcher and its CPU kernel
+    return functools.partial(op._handle.redispatch_boxed, _CPU)
 
 
 def _fallback(op, *args, **kwargs):
@@ -980,7 +976,7 @@ def register_kernels() -> None:
     fallback = torch.library.Library("_", "IMPL")
     fallback.fallback(_fallback, "PrivateUse1")
     _libraries.extend([*libraries.values(), fallback])
-    _hide_from_dynamo(dispatch.__code__, _cpu_view_kernel(aten.view.default).__code__, _fallback.__code__)
+    _hide_from_dynamo(dispatch.__code__, _fallback.__code__)  # a view kernel has no Python frame
 
 
 def _hide_from_dynamo(*entry_points) -> None:
