@@ -309,7 +309,6 @@ class _Call:
         return buf.device_index
 
 
-
 def _is_number(v) -> bool:
     return isinstance(v, (bool, int, float, complex))
 
