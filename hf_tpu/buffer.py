@@ -200,17 +200,12 @@ class _Allocator:
             self.num_allocs[device_index] = self.num_allocs.get(device_index, 0) + 1
             if array is None or type(array) is Lazy or sharded_arrays_exist:
                 plain = False
-            else:  # `_change_holders(array, 1)` and `_add(device_index, nbytes)`, inline
+            else:
                 plain = True
                 buf._array = array
-                holding = self.holding
-                key = id(array)
-                holding[key] = holding.get(key, 0) + 1
+                self._change_holders(array, 1)
                 buf.counted = True
-                used = self.allocated.get(device_index, 0) + nbytes
-                self.allocated[device_index] = used
-                if used > self.peak.get(device_index, 0):
-                    self.peak[device_index] = used
+                self._add(device_index, nbytes)
         del owner  # the capsule holds it now; it dies with the storage
         if not plain:
             if array is None:
@@ -226,10 +221,7 @@ class _Allocator:
             if entry is not None:
                 buf = entry[0]
                 if buf.counted:
-                    if buf.chip_bytes is None:  # `_uncount(buf)`, inline for the common case
-                        self.allocated[buf.device_index] -= buf.nbytes
-                    else:
-                        self._uncount(buf)
+                    self._uncount(buf)
                 array = buf._array
                 if array is not None and type(array) is not Lazy:
                     self._change_holders(array, -1)

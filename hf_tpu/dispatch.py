@@ -184,12 +184,10 @@ def _bind(sig: Signature, args, kwargs) -> list:
     values = list(args)
     n = len(values)
     if n < len(sig.names):
-        if not kwargs:  # the common case: the schema's defaults, in one C-level extend
-            values.extend(sig.defaults[n:])
-            return values
-        for i in range(n, len(sig.names)):
-            name = sig.names[i]
-            values.append(kwargs[name] if name in kwargs else sig.defaults[i])
+        omitted = sig.defaults[n:]  # the schema's defaults, overlaid by any keyword arguments
+        if kwargs:
+            omitted = [kwargs.get(name, default) for name, default in zip(sig.names[n:], omitted)]
+        values.extend(omitted)
     return values
 
 
