@@ -29,7 +29,7 @@ from torch._prims_common import elementwise_dtypes
 
 from . import buffer, counters, dtypes, index_checks, platform, random
 from . import modes as _modes
-from .ops.registry import CPU_VIEW_KERNELS, KERNELS, LOWERINGS, Lowering
+from .ops.registry import BACKEND_CHOICES, CPU_VIEW_KERNELS, KERNELS, LOWERINGS, Lowering
 
 aten = torch.ops.aten
 _counters = counters.counters
@@ -951,8 +951,9 @@ def _fallback(op, *args, **kwargs):
 
 def register_kernels() -> None:
     """Register a tpu kernel for every op with a lowering (and its derived variants) or a storage
-    kernel, and PyTorch's CPU kernel for the view ops that only compute sizes and strides; everything
-    else reaches the same entry point through the PrivateUse1 fallback."""
+    kernel, PyTorch's CPU kernel for the view ops that only compute sizes and strides, and the backend
+    choices of composite ops; everything else reaches the same entry point through the PrivateUse1
+    fallback."""
     ops = set(KERNELS)
     for functional in LOWERINGS:
         if not _is_composite_implicit(functional):
@@ -970,6 +971,11 @@ def register_kernels() -> None:
         if op.namespace not in libraries:
             libraries[op.namespace] = torch.library.Library(op.namespace, "IMPL")
         libraries[op.namespace].impl(op, _cpu_view_kernel(op), "PrivateUse1")
+    for op, choice in BACKEND_CHOICES.items():
+        if op.namespace not in libraries:
+            libraries[op.namespace] = torch.library.Library(op.namespace, "IMPL")
+        for key in ("AutogradPrivateUse1", "PrivateUse1"):  # the latter where autograd is off (inference_mode)
+            libraries[op.namespace].impl(op, choice, key)
     fallback = torch.library.Library("_", "IMPL")
     fallback.fallback(_fallback, "PrivateUse1")
     _libraries.extend([*libraries.values(), fallback])

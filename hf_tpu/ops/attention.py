@@ -1,10 +1,12 @@
 """Attention: PyTorch's fused SDPA op, and hf_tpu's own blocked attention op.
 
-`torch.ops.hf_tpu.flash_attention` (below) is the op to call for long sequences: its tpu lowering
-never holds the (query, key) score matrix. `F.scaled_dot_product_attention` picks its backend through a C++ DispatchStub that a Python
-backend cannot register, so on `tpu` it takes the math path (`_scaled_dot_product_attention_math`,
-composite: matmuls and `_safe_softmax`). The fused CPU op lowered here serves graphs that call it
-directly (export, compile) and is the same computation.
+`F.scaled_dot_product_attention` picks its backend through a C++ DispatchStub that a Python backend
+cannot register, which would leave `tpu` on the unfused math path (matmuls and `_safe_softmax`, eight
+ops). `_scaled_dot_product_attention` below makes the choice for `tpu` instead: where PyTorch's CPU takes
+its fused kernel, so does `tpu` (`_scaled_dot_product_flash_attention_for_cpu`, one op with one lowering
+and PyTorch's own derivative); elsewhere (dropout, grouped heads, a mask needing a gradient) the math
+path runs as before. `torch.ops.hf_tpu.flash_attention` (further below) is the op to call for long
+sequences: its tpu lowering never holds the (query, key) score matrix.
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import torch
 
 from .linalg import matmul_precision
-from .nn import _opmath, _safe_softmax_along
-from .registry import lowering
+from .nn import _opmath
+from .registry import backend_choice, lowering
 
 aten = torch.ops.aten
 
@@ -37,16 +40,58 @@ def _scores(query, key, attn_mask, is_causal, scale):
 
 
 def _attention(query, key, value, attn_mask, is_causal, scale):
-    """(output, logsumexp); rows with every position masked out give 0."""
+    """(output, logsumexp). The exponentials are normalised after the product with the values: dividing
+    the (query, head_dim) result rather than the (query, key) probabilities saves a whole pass over the
+    scores (on XLA:CPU a quarter of the attention). Rows with every position masked out give 0."""
     scores = _scores(query, key, attn_mask, is_causal, scale)
-    out = jnp.einsum("...ls,...se->...le", _safe_softmax_along(scores, -1), value)
-    return out, jax.nn.logsumexp(scores, -1)
+    row_max = lax.stop_gradient(jnp.max(scores, -1, keepdims=True, initial=-jnp.inf))
+    row_max = jnp.where(row_max == -jnp.inf, 0, row_max)  # a fully masked row: every weight is 0
+    weights = jnp.exp(scores - row_max)
+    total = jnp.sum(weights, -1, keepdims=True)
+    out = jnp.einsum("...ls,...se->...le", weights, value) / jnp.where(total == 0, 1, total)
+    return out, (row_max + jnp.log(total))[..., 0]
 
 
 def _no_dropout(dropout_p):
     if dropout_p > 0:
         # the op has no Generator argument, so its mask could not follow torch.manual_seed
         raise NotImplementedError("attention dropout on tpu: use F.scaled_dot_product_attention (math path)")
+
+
+def _fused_attention_applies(query, key, value, attn_mask, dropout_p) -> bool:
+    """Whether SDPA's fused CPU op computes this call: PyTorch's own conditions for it (4-D, one head size,
+    no dropout, as many key as query heads), a mask that needs no gradient; everything else is left to the
+    math path, which also raises PyTorch's errors for inputs it rejects. As on CPU, a mask may come with
+    `is_causal` (the math path refuses the pair)."""
+    if dropout_p != 0.0 or not torch.backends.cuda.flash_sdp_enabled():  # `sdpa_kernel` may exclude it
+        return False
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        return False
+    if not query.dtype.is_floating_point or not query.dtype == key.dtype == value.dtype:
+        return False
+    if key.shape != value.shape or query.shape[:2] != key.shape[:2] or query.shape[3] != key.shape[3]:
+        return False
+    if attn_mask is None:
+        return True
+    full = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    return (not attn_mask.requires_grad and attn_mask.device == query.device
+            and attn_mask.dtype in (torch.bool, query.dtype) and attn_mask.dim() <= 4
+            and all(m in (1, f) for m, f in zip(reversed(attn_mask.shape), reversed(full))))
+
+
+@backend_choice(aten.scaled_dot_product_attention.default)
+def _scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                  enable_gqa=False):
+    """SDPA on tpu: the fused op (one lowering, scores never leave the program) where PyTorch's CPU
+    would take its fused kernel, else PyTorch's math decomposition."""
+    if _fused_attention_applies(query, key, value, attn_mask, dropout_p):
+        out = aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+        # the fused op's meta strides follow the query's; the math path's result, which callers (and
+        # compiled graphs' views) expect here, is contiguous, as every tpu result already is
+        return out.contiguous()
+    return aten.scaled_dot_product_attention.default.decompose(
+        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
 
 
 @lowering(aten._scaled_dot_product_flash_attention_for_cpu.default)

@@ -23,7 +23,8 @@ from typing import Callable
 import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as Promote
 
-__all__ = ["Lowering", "LOWERINGS", "lowering", "KERNELS", "kernel", "CPU_VIEW_KERNELS", "reuse_cpu_kernel", "Promote"]
+__all__ = ["Lowering", "LOWERINGS", "lowering", "KERNELS", "kernel", "CPU_VIEW_KERNELS", "reuse_cpu_kernel",
+           "BACKEND_CHOICES", "backend_choice", "Promote"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,3 +103,17 @@ CPU_VIEW_KERNELS: set = set()
 
 def reuse_cpu_kernel(*ops):
     CPU_VIEW_KERNELS.update(ops)
+
+
+# CompositeImplicitAutograd ops for which PyTorch picks a fused kernel per device in C++ (a DispatchStub
+# a Python backend cannot extend), leaving tpu on the unfused math decomposition: on tpu this choice
+# runs instead, above autograd, and calls an op with a lowering and a derivative of its own.
+BACKEND_CHOICES: dict[torch._ops.OpOverload, Callable] = {}
+
+
+def backend_choice(op):
+    def register(fn):
+        BACKEND_CHOICES[op] = fn
+        return fn
+
+    return register
