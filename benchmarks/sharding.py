@@ -6,7 +6,8 @@ sharding: two all-reduces per layer, after o_proj and after down_proj).
 
 Collectives are counted in the optimized HLO of the deferred mode's forward programs (XLA dumps
 them): the model is built with L and 2L layers and the difference is divided by L, so the embedding's
-and the head's collectives are not counted as a layer's. Each chip count runs in its own process with
+and the head's collectives are not counted as a layer's. The deferred mode's early cuts are off here:
+with them, identical layers share pieces that compile (and are dumped) once. Each chip count runs in its own process with
 8 simulated chips and no compilation cache (a cached program is not compiled, so not dumped). On the
 CPU the simulated chips share the host's cores: the times show overheads, not speed-ups.
 
@@ -132,8 +133,9 @@ def main():
     rows = []
     for chips in (1, 2, 4, 8):
         with tempfile.TemporaryDirectory() as dump_dir:
+            # no early cuts: identical layers would share cut pieces, compiled (and dumped) only once
             env = dict(os.environ, HF_TPU_NUM_DEVICES="8", HF_TPU_PLATFORM="cpu", HF_TPU_CACHE_DIR="",
-                       XLA_FLAGS=f"--xla_dump_to={dump_dir} --xla_dump_hlo_as_text")
+                       HF_TPU_EARLY_FLUSH="0", XLA_FLAGS=f"--xla_dump_to={dump_dir} --xla_dump_hlo_as_text")
             done = subprocess.run(
                 [sys.executable, "-m", "benchmarks.sharding", "--chips", str(chips), "--layers", str(args.layers),
                  "--iters", str(args.iters), "--dump-dir", dump_dir, "--attention", args.attention],

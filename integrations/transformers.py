@@ -274,8 +274,9 @@ def _load_sharded(original, cls, pretrained_model_name_or_path, args, kwargs):
     _check_tensor_parallel(pretrained_model_name_or_path, kwargs, size)
     check_before_loading(pretrained_model_name_or_path, kwargs.get("dtype", kwargs.get("torch_dtype")))
     kwargs.pop("device_map")
-    # the blocked attention op keeps batch and heads apart, so a head-sharded layer needs 2 all-gathers
-    # instead of the 5 of SDPA's math path (which merges them for its bmm); see docs/design/sharding.md
+    # the blocked attention op keeps batch and heads apart for any head count, so a head-sharded layer
+    # needs only its 2 all-reduces; SDPA's math path (taken for grouped-query heads) merges them for its
+    # bmm and adds 3 all-gathers; see docs/design/sharding.md
     kwargs.setdefault("attn_implementation", "tpu")
     model = original.__func__(cls, pretrained_model_name_or_path, *args, **kwargs)
     if plan == "auto":
