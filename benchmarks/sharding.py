@@ -7,9 +7,10 @@ sharding: two all-reduces per layer, after o_proj and after down_proj).
 Collectives are counted in the optimized HLO of the deferred mode's forward programs (XLA dumps
 them): the model is built with L and 2L layers and the difference is divided by L, so the embedding's
 and the head's collectives are not counted as a layer's. The deferred mode's early cuts are off here:
-with them, identical layers share pieces that compile (and are dumped) once. Each chip count runs in its own process with
-8 simulated chips and no compilation cache (a cached program is not compiled, so not dumped). On the
-CPU the simulated chips share the host's cores: the times show overheads, not speed-ups.
+with them, identical layers share pieces that compile (and are dumped) once. Each chip count runs in
+its own process with 8 simulated chips and no compilation cache (a cached program is not compiled, so
+not dumped). On the CPU the simulated chips share the host's cores: the times show overheads, not
+speed-ups.
 
 Run: python -m benchmarks.sharding [--layers 2] [--iters 5] [--attention tpu|sdpa]   (about 4 minutes on 2 CPU cores)
 """
