@@ -59,6 +59,12 @@ def _no_dropout(dropout_p):
         raise NotImplementedError("attention dropout on tpu: use F.scaled_dot_product_attention (math path)")
 
 
+def _mask_broadcasts(attn_mask, query, key) -> bool:
+    """Whether the mask broadcasts to (batch, query heads, query length, key length)."""
+    full = (*query.shape[:3], key.shape[2])
+    return attn_mask.dim() <= 4 and all(m in (1, f) for m, f in zip(reversed(attn_mask.shape), reversed(full)))
+
+
 def _fused_attention_applies(query, key, value, attn_mask, dropout_p) -> bool:
     """Whether SDPA's fused CPU op computes this call: PyTorch's own conditions for it (4-D, one head size,
     no dropout, as many key as query heads), a mask that needs no gradient; everything else is left to the
@@ -74,10 +80,8 @@ def _fused_attention_applies(query, key, value, attn_mask, dropout_p) -> bool:
         return False
     if attn_mask is None:
         return True
-    full = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
     return (not attn_mask.requires_grad and attn_mask.device == query.device
-            and attn_mask.dtype in (torch.bool, query.dtype) and attn_mask.dim() <= 4
-            and all(m in (1, f) for m, f in zip(reversed(attn_mask.shape), reversed(full))))
+            and attn_mask.dtype in (torch.bool, query.dtype) and _mask_broadcasts(attn_mask, query, key))
 
 
 @backend_choice(aten.scaled_dot_product_attention.default)
@@ -152,14 +156,12 @@ def _check_inputs(query, key, value, attn_mask):
             f"hf_tpu.flash_attention: query {tuple(query.shape)} and key {tuple(key.shape)} need the same head_dim "
             "and a number of query heads that is a multiple of the key/value heads"
         )
-    if attn_mask is not None:
-        full = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
-        mask_shape = attn_mask.shape
-        if attn_mask.dim() > 4 or any(m not in (1, f) for m, f in zip(reversed(mask_shape), reversed(full))):
-            raise ValueError(
-                f"hf_tpu.flash_attention: attn_mask {tuple(mask_shape)} does not broadcast to "
-                f"(batch, heads, query, key) = {full}"
-            )
+    if attn_mask is not None and not _mask_broadcasts(attn_mask, query, key):
+        raise ValueError(
+            f"hf_tpu.flash_attention: attn_mask {tuple(attn_mask.shape)} does not broadcast to "
+            f"(batch, heads, query, key) = {(*query.shape[:3], key.shape[2])}"
+        )
+
 
 
 def _default_scale(query, scale):

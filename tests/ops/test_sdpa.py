@@ -27,28 +27,39 @@ def attend_and_grads(q, k, v, mask=None, **options):
     return out, torch.autograd.grad((out * out).sum(), wrt)
 
 
+# name: (query, key, value shapes; mask factory; options; whether the fused op computes it)
 CASES = {
-    "plain": (((2, 3, 5, 8), (2, 3, 7, 8), (2, 3, 7, 8)), None, {}),
-    "causal_top_left": (((2, 3, 4, 8), (2, 3, 6, 8), (2, 3, 6, 8)), None, {"is_causal": True}),
-    "scale": (((1, 2, 5, 4), (1, 2, 5, 4), (1, 2, 5, 4)), None, {"scale": 0.3}),
-    "additive_mask": (((2, 2, 5, 8), (2, 2, 7, 8), (2, 2, 7, 8)), lambda: torch.randn(5, 7), {}),
-    "bool_mask_broadcast": (((2, 2, 5, 8), (2, 2, 7, 8), (2, 2, 7, 8)), lambda: torch.rand(2, 1, 1, 7) > 0.3, {}),
+    "plain": (((2, 3, 5, 8), (2, 3, 7, 8), (2, 3, 7, 8)), None, {}, True),
+    "causal_top_left": (((2, 3, 4, 8), (2, 3, 6, 8), (2, 3, 6, 8)), None, {"is_causal": True}, True),
+    "scale": (((1, 2, 5, 4), (1, 2, 5, 4), (1, 2, 5, 4)), None, {"scale": 0.3}, True),
+    "additive_mask": (((2, 2, 5, 8), (2, 2, 7, 8), (2, 2, 7, 8)), lambda: torch.randn(5, 7), {}, True),
+    "bool_mask_broadcast": (((2, 2, 5, 8), (2, 2, 7, 8), (2, 2, 7, 8)), lambda: torch.rand(2, 1, 1, 7) > 0.3, {},
+                            True),
     # rows with every key masked out give 0, as PyTorch's math path does
     "fully_masked_rows": (((1, 2, 3, 4), (1, 2, 5, 4), (1, 2, 5, 4)),
-                          lambda: torch.tensor([[True] * 5, [False] * 5, [True, False] * 2 + [True]]), {}),
+                          lambda: torch.tensor([[True] * 5, [False] * 5, [True, False] * 2 + [True]]), {}, True),
+    # CPU takes the pair (its fused kernel); the math path would refuse it
+    "mask_with_causal": (((1, 2, 5, 8), (1, 2, 5, 8), (1, 2, 5, 8)), lambda: torch.randn(5, 5), {"is_causal": True},
+                         True),
+    "three_dims": (((4, 3, 8), (4, 6, 8), (4, 6, 8)), None, {}, False),
+    "value_head_dim_differs": (((2, 2, 5, 8), (2, 2, 7, 8), (2, 2, 7, 4)), None, {}, False),
+    "grouped_query_heads": (((2, 4, 5, 8), (2, 2, 7, 8), (2, 2, 7, 8)), None, {"enable_gqa": True}, False),
+    # PyTorch's fused kernel has no gradient for the mask; the math path gives one
+    "mask_requiring_grad": (((2, 2, 5, 8), (2, 2, 7, 8), (2, 2, 7, 8)),
+                            lambda: torch.randn(5, 7, requires_grad=True), {}, False),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_fused_path_matches_cpu_forward_and_backward(case):
-    shapes, mask, options = CASES[case]
+def test_matches_cpu_forward_and_backward_on_the_path_cpu_would_take(case):
+    shapes, mask, options, fused = CASES[case]
     q, k, v = qkv(*shapes)
     mask = mask() if mask else None
     expected = attend_and_grads(q, k, v, mask, **options)
     tq, tk, tv, tmask = on_tpu([q, k, v, mask])
     hf_tpu.reset_metrics()
     out, grads = attend_and_grads(tq, tk, tv, tmask, **options)
-    assert type(out.grad_fn).__name__ == FUSED
+    assert (type(out.grad_fn).__name__ == FUSED) == fused
     assert_same((out, grads), expected)
     assert not hf_tpu.metrics()["cpu_fallbacks"]
 
@@ -64,28 +75,6 @@ def test_fused_path_is_one_op_in_inference_mode_and_bfloat16():
     assert_same(out, expected)
 
 
-MATH_CASES = {
-    "three_dims": (((4, 3, 8), (4, 6, 8), (4, 6, 8)), None, {}),
-    "value_head_dim_differs": (((2, 2, 5, 8), (2, 2, 7, 8), (2, 2, 7, 4)), None, {}),
-    "grouped_query_heads": (((2, 4, 5, 8), (2, 2, 7, 8), (2, 2, 7, 8)), None, {"enable_gqa": True}),
-    # PyTorch's fused kernel has no gradient for the mask; the math path gives one
-    "mask_requiring_grad": (((2, 2, 5, 8), (2, 2, 7, 8), (2, 2, 7, 8)),
-                            lambda: torch.randn(5, 7, requires_grad=True), {}),
-}
-
-
-@pytest.mark.parametrize("case", MATH_CASES)
-def test_math_path_where_the_fused_op_does_not_apply(case):
-    shapes, mask, options = MATH_CASES[case]
-    q, k, v = qkv(*shapes)
-    mask = mask() if mask else None
-    expected = attend_and_grads(q, k, v, mask, **options)
-    tq, tk, tv, tmask = on_tpu([q, k, v, mask])
-    out, grads = attend_and_grads(tq, tk, tv, tmask, **options)
-    assert type(out.grad_fn).__name__ != FUSED
-    assert_same((out, grads), expected)
-
-
 def test_sdpa_kernel_math_backend_is_respected():
     tq, tk, tv = on_tpu(qkv((1, 2, 5, 8), (1, 2, 5, 8), (1, 2, 5, 8)))
     with sdpa_kernel(SDPBackend.MATH):
@@ -99,13 +88,6 @@ def test_dropout_takes_the_math_path():
     assert type(out.grad_fn).__name__ != FUSED
     # without dropout every output is 1 (a mean of ones); dropped and rescaled weights move most of them
     assert (to_cpu(out) != 1).float().mean() > 0.5
-
-
-def test_mask_with_causal_matches_cpu():
-    q, k, v = qkv((1, 2, 5, 8), (1, 2, 5, 8), (1, 2, 5, 8))
-    mask = torch.randn(5, 5)
-    expected = attend_and_grads(q, k, v, mask, is_causal=True)
-    assert_same(attend_and_grads(*on_tpu([q, k, v, mask]), is_causal=True), expected)
 
 
 def test_bad_input_raises_what_cpu_raises():
