@@ -135,11 +135,7 @@ def synchronize(device=None) -> None:
 
     modes.current().sync("torch.tpu.synchronize()")
     index = _index(device)
-    arrays = [
-        buf.array for buf, *_ in list(buffer.allocator.live.values())
-        if buf.device_index == index and isinstance(buf.array, jax.Array)
-    ]
-    jax.block_until_ready(arrays)
+    jax.block_until_ready(buffer.device_arrays(index))
     modes.report_device_checks()
 
 
@@ -218,7 +214,7 @@ def memory_stats(device=None) -> dict:
     current = memory_allocated(index)
     peak = max_memory_allocated(index)
     allocs = buffer.allocator.num_allocs.get(index, 0)
-    live = sum(1 for buf, *_ in list(buffer.allocator.live.values()) if buf.device_index == index)
+    live = len(buffer.live_buffers(index))
     stats = {}
     for pool in ("all", "large_pool", "small_pool"):
         used = current if pool != "small_pool" else 0

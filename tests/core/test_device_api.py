@@ -127,6 +127,23 @@ def test_module_functions():
 
 
 @needs_two_chips
+def test_synchronize_waits_on_every_computed_array_of_its_chip(monkeypatch):
+    from hf_tpu import buffer
+
+    on_chip0 = torch.ones(4, device="tpu:0") * 3
+    on_chip1 = torch.ones(4, device="tpu:1") * 3
+    uninitialised = torch.empty(4, device="tpu:0")
+    waited = []
+    monkeypatch.setattr(jax, "block_until_ready", lambda arrays: waited.append(arrays) or arrays)
+    torch.tpu.synchronize(0)
+    ids = {id(a) for a in waited[0]}
+    assert id(buffer.array_of(on_chip0)) in ids
+    assert id(buffer.buffer_of(on_chip1)._array) not in ids
+    assert buffer.buffer_of(uninitialised)._array is None and None not in waited[0]
+    assert all(a.devices() == {hf_tpu.platform.jax_device(0)} for a in waited[0])
+
+
+@needs_two_chips
 def test_set_device_and_context_manager():
     with torch.tpu.device(1):
         assert torch.tpu.current_device() == 1
