@@ -163,7 +163,6 @@ def _check_inputs(query, key, value, attn_mask):
         )
 
 
-
 def _default_scale(query, scale):
     return query.shape[-1] ** -0.5 if scale is None else scale
 
