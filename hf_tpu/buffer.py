@@ -13,6 +13,7 @@ a deferred graph just the same. See docs/design/memory-model.md.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import functools
 import math
@@ -650,8 +651,20 @@ def host_array(t: torch.Tensor) -> np.ndarray:
 
 
 def from_host(t: torch.Tensor, device_index: int):
-    """A CPU tensor's values as a jax.Array on `tpu:device_index`."""
+    """A CPU tensor's values as a jax.Array on `tpu:device_index`. Tiny values that recur (a
+    scheduler's timestep every denoising step, `torch.tensor([...], device="tpu")` constants) are
+    uploaded once: the arrays of the last few hundred are kept, held (so no program is ever donated
+    one), and shared by the buffers made from equal values; a jax.Array never changes, and an
+    in-place op gives its buffer a new one."""
     host = host_array(t)
+    key = None
+    if host.nbytes <= _RECURRING_BYTES:
+        key = (host.dtype, host.shape, host.tobytes(), device_index)
+        with allocator.lock:
+            array = _recurring.get(key)
+            if array is not None:
+                _recurring.move_to_end(key)
+                return array
     if platform.name() == "cpu":
         # XLA on the CPU may alias host memory: copy, so the tpu tensor never shares the CPU tensor's
         # storage (which PyTorch may free or overwrite)
@@ -659,7 +672,21 @@ def from_host(t: torch.Tensor, device_index: int):
     # the transfer jax.device_put ends in, without its ~40 us of argument handling per call: small
     # host-to-device copies happen every decoding step (jax is pinned to 0.10.x in pyproject.toml)
     device = platform.jax_device(device_index)
-    return pxla.batched_device_put(jax.core.ShapedArray(host.shape, host.dtype), _sharding(device), [host], [device])
+    array = pxla.batched_device_put(jax.core.ShapedArray(host.shape, host.dtype), _sharding(device), [host], [device])
+    if key is not None:
+        with allocator.lock:
+            if key not in _recurring:  # another thread may have uploaded the same value meanwhile
+                allocator.hold(array)
+                _recurring[key] = array
+                if len(_recurring) > _RECURRING_KEPT:
+                    allocator.let_go(_recurring.popitem(last=False)[1])
+    return array
+
+
+# values of at most this many bytes are kept once uploaded, the last `_RECURRING_KEPT` of them
+_RECURRING_BYTES = 64
+_RECURRING_KEPT = 256
+_recurring: collections.OrderedDict = collections.OrderedDict()  # (dtype, shape, bytes, chip) -> jax.Array
 
 
 @functools.cache

@@ -293,6 +293,40 @@ def test_strict_in_place_ops_reuse_memory_unless_the_array_is_shared():
     assert x.sum().item() == 8.0 * 256 * 256
 
 
+@pytest.mark.parametrize("write", ["strict", "deferred", "compiled"])
+def test_a_recurring_tiny_upload_is_shared_and_never_donated(write):
+    """Equal tiny values uploaded twice (a scheduler's timestep every step) share one kept array;
+    an in-place write to one tensor, however it runs, gives that tensor a new array and leaves the
+    kept one, and so the next upload, intact."""
+    first, second = torch.tensor([7.0, 9.0]).to("tpu"), torch.tensor([7.0, 9.0]).to("tpu")
+    kept = hf_tpu.buffer.buffer_of(first).array
+    assert hf_tpu.buffer.buffer_of(second).array is kept
+    assert hf_tpu.buffer.buffer_of(torch.tensor([7.0, 8.0]).to("tpu")).array is not kept
+    del second
+    if write == "compiled":
+        torch.compile(lambda t: t.mul_(3.0), backend="tpu")(first)
+    else:
+        with torch.tpu.use_eager_mode(Mode.DEFER_NEVER if write == "strict" else Mode.DEFER_AND_FUSE):
+            first.mul_(3.0)
+            torch.tpu.synchronize()
+    assert first.tolist() == [21.0, 27.0]
+    assert not kept.is_deleted()
+    again = torch.tensor([7.0, 9.0]).to("tpu")
+    assert hf_tpu.buffer.buffer_of(again).array is kept and again.tolist() == [7.0, 9.0]
+
+
+def test_kept_uploads_are_bounded_and_let_go():
+    """Only the last few hundred tiny uploads are kept: an evicted value's array is held by its
+    tensors alone again, so an in-place op may reuse its memory."""
+    oldest = torch.tensor([-1.5]).to("tpu")
+    array = hf_tpu.buffer.buffer_of(oldest).array
+    assert hf_tpu.buffer.allocator.holders(array) == 2  # the tensor and the kept upload
+    for i in range(hf_tpu.buffer._RECURRING_KEPT):
+        torch.tensor([float(i)]).to("tpu")
+    assert hf_tpu.buffer.allocator.holders(array) == 1
+    assert hf_tpu.buffer.buffer_of(torch.tensor([-1.5]).to("tpu")).array is not array
+
+
 def test_torch_compile_graph_break_runs_tpu_ops_eagerly():
     """A graph break (autograd.grad inside the compiled function) runs its ops eagerly on tpu;
     dynamo must not try to trace the backend's own kernels then."""
