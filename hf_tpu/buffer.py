@@ -672,7 +672,8 @@ def from_host(t: torch.Tensor, device_index: int):
     # the transfer jax.device_put ends in, without its ~40 us of argument handling per call: small
     # host-to-device copies happen every decoding step (jax is pinned to 0.10.x in pyproject.toml)
     device = platform.jax_device(device_index)
-    array = pxla.batched_device_put(jax.core.ShapedArray(host.shape, host.dtype), _sharding(device), [host], [device])
+    aval = jax.core.ShapedArray(host.shape, host.dtype)
+    array = pxla.batched_device_put(aval, _sharding(device), [host], [device])
     if key is not None:
         with allocator.lock:
             if key not in _recurring:  # another thread may have uploaded the same value meanwhile
@@ -687,6 +688,13 @@ def from_host(t: torch.Tensor, device_index: int):
 _RECURRING_BYTES = 64
 _RECURRING_KEPT = 256
 _recurring: collections.OrderedDict = collections.OrderedDict()  # (dtype, shape, bytes, chip) -> jax.Array
+
+
+def let_go_of_kept_uploads() -> None:
+    """`torch.tpu.empty_cache()`: the kept uploads are the only memory hf_tpu keeps that no tensor holds."""
+    with allocator.lock:
+        while _recurring:
+            allocator.let_go(_recurring.popitem()[1])
 
 
 @functools.cache

@@ -316,8 +316,8 @@ def test_a_recurring_tiny_upload_is_shared_and_never_donated(write):
 
 
 def test_kept_uploads_are_bounded_and_let_go():
-    """Only the last few hundred tiny uploads are kept: an evicted value's array is held by its
-    tensors alone again, so an in-place op may reuse its memory."""
+    """Only the last few hundred tiny uploads are kept, until `empty_cache`: an evicted value's array
+    is held by its tensors alone again, so an in-place op may reuse its memory."""
     oldest = torch.tensor([-1.5]).to("tpu")
     array = hf_tpu.buffer.buffer_of(oldest).array
     assert hf_tpu.buffer.allocator.holders(array) == 2  # the tensor and the kept upload
@@ -325,6 +325,9 @@ def test_kept_uploads_are_bounded_and_let_go():
         torch.tensor([float(i)]).to("tpu")
     assert hf_tpu.buffer.allocator.holders(array) == 1
     assert hf_tpu.buffer.buffer_of(torch.tensor([-1.5]).to("tpu")).array is not array
+    newest = hf_tpu.buffer.buffer_of(torch.tensor([-2.5]).to("tpu")).array
+    torch.tpu.empty_cache()  # lets go of every kept upload
+    assert hf_tpu.buffer.allocator.holders(newest) == 0
 
 
 def test_torch_compile_graph_break_runs_tpu_ops_eagerly():
