@@ -29,8 +29,7 @@ def _scores(query, key, attn_mask, is_causal, scale):
     """The scale multiplies the (query, head_dim) query, not the (query, key) scores: read by both the
     row maximum and the exponential, scaled scores become a pass of their own over the whole matrix on
     XLA:CPU (about 30% of the tiny SD3 attention's CPU time)."""
-    scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
-    scores = jnp.einsum("...le,...se->...ls", query * scale, key)
+    scores = jnp.einsum("...le,...se->...ls", query * _default_scale(query, scale), key)
     if is_causal:
         length, source = scores.shape[-2:]
         scores = jnp.where(jnp.tril(jnp.ones((length, source), jnp.bool_)), scores, -jnp.inf)
@@ -167,7 +166,8 @@ def _check_inputs(query, key, value, attn_mask):
 
 
 def _default_scale(query, scale):
-    return query.shape[-1] ** -0.5 if scale is None else scale
+    """SDPA's scale when none is given: 1/sqrt(head_dim), as PyTorch computes it."""
+    return 1 / math.sqrt(query.shape[-1]) if scale is None else scale
 
 
 # --- The reference computation, in torch (the CPU kernels).
