@@ -32,13 +32,17 @@ class _Tracing:
     def __init__(self, rng_base):
         self.mode = None
         self.rng_base = rng_base
-        self.rng_count = 0
+        self.draws = 0  # random ops traced so far: the i-th takes the i-th offset from rng_base
         self.checks = []  # (tensor, raise_if_bad) of each `modes.check_on_device` in the graph
 
+    def random_key(self, generator):
+        if generator is not None:
+            raise _Untraceable("a random op draws from its own torch.Generator")
+        key = random.offset_key(self.rng_base, self.draws)
+        self.draws += 1
+        return key
+
     def execute(self, program, key, arrays, scalars, rng, device_index):
-        if rng is not None:
-            self.rng_count += 1
-            rng = self.rng_base.at[2].add(jnp.uint32(self.rng_count))
         return program.fn(arrays, scalars, rng)
 
     def sync(self, reason: str) -> None:
@@ -72,8 +76,8 @@ class _CompiledGraph:
                             False: jax.jit(self._loop, static_argnums=(2, 4))}
         self.loopable = loopable
         self.eager = False
-        # per (input shapes, non-tensor inputs): each output's (dtype, device) or value, and each check's
-        # (dtype, raise_if_bad)
+        # per (input shapes, non-tensor inputs): each output's (dtype, device) or value, each check's
+        # (dtype, raise_if_bad), and how many random ops the graph has (the offsets a call takes)
         self.out_meta = {}
 
     def _trace(self, overwritten_arrays, other_arrays, values, rng_base):
@@ -104,6 +108,7 @@ class _CompiledGraph:
             [(o.dtype, None if k in self.host_outputs else o.device.index)
              if isinstance(o, torch.Tensor) and not constant[k] else o for k, o in enumerate(outputs)],
             [(value.dtype, raise_if_bad) for value, raise_if_bad in tracer.checks],
+            tracer.draws,
         )
         # the values the graph checks (a linalg `info`, an assert's condition) are outputs too, checked
         # after the call as eager ops check them, so such a graph still runs compiled
@@ -121,12 +126,15 @@ class _CompiledGraph:
         overwritten, others = donation.split(arrays, self.overwritten)
         jitted = self.jitted[self._donatable(args, overwritten)]
         try:
-            results, checked = jitted(overwritten, others, values, random.next_key(device_index))
+            # the graph's random ops take the device's next offsets, the ones eager ops would take;
+            # how many is known once it is traced (a graph without random ops takes none, as in PyTorch)
+            results, checked = jitted(overwritten, others, values, random.current_key(device_index))
         except (_Untraceable, NotImplementedError, jax.errors.JAXTypeError, TypeError) as e:
             self.eager = True
             log.warning("hf_tpu: a compiled graph runs in the eager mode instead (%s: %s)", type(e).__name__, e)
             return self.gm(*args)
-        metas, checks = self._meta(arrays, values)
+        metas, checks, draws = self._meta(arrays, values)
+        random.advance(device_index, draws)
         for (dtype, raise_if_bad), array in zip(checks, checked):
             modes.check_on_device(buffer.new_tensor(array.shape, dtype, device_index, array), raise_if_bad)
         return self._outputs(metas, results)
@@ -165,7 +173,8 @@ class _CompiledGraph:
         return arrays, values, device_index
 
     def _meta(self, arrays, values) -> tuple:
-        """(each output's meta, each check's dtype and raise_if_bad) noted when these inputs were traced."""
+        """(each output's meta, each check's dtype and raise_if_bad, the number of random ops) noted when
+        these inputs were traced."""
         # with one entry (static shapes, the common case) it is that one, and 40-odd input shapes need
         # not be hashed on every call
         if len(self.out_meta) == 1:
@@ -207,11 +216,13 @@ class _CompiledGraph:
             *carried, keep_going = buffer.place_together([*arrays, *carried, keep_going])[len(arrays):]
         jitted = self.loop_jitted[self._donatable(args, overwritten)]
         try:
-            overwritten, carried, keep_going = jitted(overwritten, others, values, random.next_key(device_index),
+            overwritten, carried, keep_going = jitted(overwritten, others, values, random.current_key(device_index),
                                                       tuple(slots), carried, keep_going)
         except (_Untraceable, NotImplementedError, jax.errors.JAXTypeError, TypeError, ValueError) as e:
             raise loops.NotLoopable(f"{type(e).__name__}: {e}") from e
-        return self._outputs(self._meta(arrays, values)[0], [*overwritten, *carried, keep_going])
+        metas, _, draws = self._meta(arrays, values)
+        random.advance(device_index, draws)  # iteration j draws at these offsets plus j * 2**32
+        return self._outputs(metas, [*overwritten, *carried, keep_going])
 
     def _loop(self, overwritten_arrays, other_arrays, values, rng_base, slots, carried, keep_going):
         def go_on(state):

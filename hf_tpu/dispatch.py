@@ -703,7 +703,7 @@ def run_lowered(sig: Signature, values: list):
     device_index = call.device_index
     if device_index is None:
         device_index = _factory_device(sig, values)
-    rng_key = random.next_key(device_index, _generator_arg(sig, values)) if call.rng else None
+    rng_key = _modes.random_key(device_index, _generator_arg(sig, values)) if call.rng else None
     if program.data_dependent:
         _modes.host_read(f"{sig.name} has a data-dependent output shape")
         concrete = [op.buf.value() if op.buf is not None else op.view for op in call.operands]

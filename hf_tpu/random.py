@@ -2,7 +2,9 @@
 
 `torch.manual_seed(s)` reaches `torch.tpu.manual_seed_all(s)`. Each random op takes the next offset,
 so a sequence of random ops is reproducible run to run, and the seed and offset travel into the
-compiled program as data: a new offset never recompiles. A `torch.Generator` passed to an op (a CPU
+compiled program as data: a new offset never recompiles. A `torch.compile` graph's random ops take
+the offsets the same ops would take eagerly, one each, and a graph without any takes none
+(docs/design/compiled-rng-offsets.md). A `torch.Generator` passed to an op (a CPU
 one, or one made with `torch.Generator("tpu")`) instead gives the op a seed drawn from its own stream.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 import secrets
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 
@@ -63,11 +66,31 @@ def next_key(index: int, generator=None) -> np.ndarray:
     if generator is not None:
         # a user's generator: draw a seed from its host stream, so it advances as on CPU
         seed = int(torch.randint(0, 2**62, (), generator=generator, device=_stream_device(generator)))
-        offset = 0
-    else:
-        st = _device_state(index)
-        seed, offset = st
-        st[1] += 1
+        return _key_data(seed, 0)
+    key = current_key(index)
+    advance(index, 1)
+    return key
+
+
+def current_key(index: int) -> np.ndarray:
+    """Key data for the device's next offset, not taken yet: a compiled program draws its random ops'
+    keys from it (`offset_key`) and the caller then `advance`s past as many as the program drew."""
+    seed, offset = _device_state(index)
+    return _key_data(seed, offset)
+
+
+def advance(index: int, n: int) -> None:
+    _device_state(index)[1] += n
+
+
+def offset_key(data, n: int):
+    """Inside a program: the key data `n` offsets after `data`, as `n` more `next_key`s would give it
+    (the 64-bit offset carries from its low word into its high one)."""
+    low = data[2] + jnp.uint32(n)
+    return data.at[2].set(low).at[3].add((low < data[2]).astype(jnp.uint32))
+
+
+def _key_data(seed: int, offset: int) -> np.ndarray:
     return np.array([seed & _MASK32, seed >> 32, offset & _MASK32, offset >> 32], dtype=np.uint32)
 
 

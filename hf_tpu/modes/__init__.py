@@ -19,7 +19,7 @@ import traceback
 import jax
 import torch
 
-from .. import buffer, counters, donation, platform
+from .. import buffer, counters, donation, platform, random
 from .deferred import Deferred
 
 _counters = counters.counters
@@ -177,6 +177,15 @@ def host_read(reason: str) -> None:
     _current[0].sync(reason)
     _counters["host_syncs"] += 1
     report_device_checks()
+
+
+def random_key(device_index: int, generator=None):
+    """Key data for one random op: the device's next offset (or a seed from `generator`), or inside a
+    `torch.compile` trace the trace's next key, so tracing draws nothing from the host stream."""
+    mode = _current[0]
+    if mode.name == "TRACE":
+        return mode.random_key(generator)
+    return random.next_key(device_index, generator)
 
 
 # Checks on device values (`torch.linalg`'s LAPACK `info`, `torch._assert_async`): (value, raise_if_bad).

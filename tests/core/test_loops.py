@@ -92,6 +92,11 @@ def test_each_iteration_draws_new_random_numbers():
     hf_tpu.while_loop(lambda i: i < 5, body, (torch.tensor([0], device="tpu"),))
     rows = draws.cpu()
     assert len({tuple(row.tolist()) for row in rows}) == 5 and bool((rows > 0).all())
+    # the ops after the loop, and a second loop, draw numbers of their own
+    later = torch.rand(1, 3, device="tpu").cpu()
+    hf_tpu.while_loop(lambda i: i < 5, body, (torch.tensor([0], device="tpu"),))
+    every = torch.cat([rows, later, draws.cpu()])
+    assert len({tuple(row.tolist()) for row in every}) == 11
 
 
 @pytest.mark.parametrize("case", ["host read in the body", "cpu tensor carried", "cpu tensor read", "needs gradients"])

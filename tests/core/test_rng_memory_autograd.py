@@ -20,6 +20,37 @@ def test_manual_seed_makes_random_ops_reproducible():
     assert torch.tpu.initial_seed() == 123
 
 
+def _two_draws(x):
+    return x + torch.randn(4, device=x.device), x * torch.rand(4, device=x.device)
+
+
+def test_compiled_random_ops_draw_what_eager_ops_draw():
+    """A compiled graph's random ops take the device's next offsets, as many as it has, so consecutive
+    calls never repeat each other's numbers (dropout masks stay independent from step to step), and the
+    same seed gives the same numbers compiled and eager, the first call (which traces) included."""
+    compiled = torch.compile(_two_draws, backend="tpu")
+    x = torch.ones(4, device="tpu")
+    runs = {}
+    for name, fn in (("eager", _two_draws), ("compiled", compiled)):
+        torch.manual_seed(3)
+        draws = [t.cpu() for _ in range(3) for t in fn(x)]
+        runs[name] = draws + [torch.randn(4, device="tpu").cpu()]
+    for eager, compiled_draw in zip(runs["eager"], runs["compiled"]):  # fused, the arithmetic may round apart
+        torch.testing.assert_close(compiled_draw, eager, rtol=1e-6, atol=1e-6)
+    assert len({tuple(t.tolist()) for t in runs["compiled"]}) == 7
+
+
+def test_a_compiled_graph_without_random_ops_leaves_the_generator_alone():
+    compiled = torch.compile(lambda x: x * 2 + 1, backend="tpu")
+    x = torch.ones(4, device="tpu")
+    torch.manual_seed(5)
+    expected = torch.rand(4, device="tpu").cpu()
+    torch.manual_seed(5)
+    compiled(x)
+    compiled(x)
+    assert torch.equal(torch.rand(4, device="tpu").cpu(), expected)
+
+
 def test_rng_state_round_trips():
     torch.manual_seed(7)
     torch.rand(3, device="tpu")
