@@ -331,4 +331,25 @@ def _capturable_on_tpu() -> None:
     OptimizerVariable._set_capturable = _set_capturable
 
 
+def _tpu_generators_as_cpu_ones() -> None:
+    """Dynamo treats an object of exactly `torch._C.Generator`'s type as a plain object, so a random op
+    given one breaks the graph and runs eagerly, as on CUDA; any other generator type it takes for an
+    opaque TorchScript object, and tracing `torch.randn(..., generator=torch.Generator("tpu"))`
+    failed outright. A `tpu` generator (a subclass, `random.TpuGenerator`) takes the CPU one's path."""
+    from torch._dynamo.variables.builder import VariableBuilder
+
+    original = VariableBuilder._wrap
+    if getattr(original, "_hf_tpu", False):
+        return
+
+    def _wrap(self, value):
+        if type(value) is random.TpuGenerator:
+            return self.wrap_user_defined(value)
+        return original(self, value)
+
+    _wrap._hf_tpu = True
+    VariableBuilder._wrap = _wrap
+
+
 _capturable_on_tpu()
+_tpu_generators_as_cpu_ones()

@@ -51,6 +51,19 @@ def test_a_compiled_graph_without_random_ops_leaves_the_generator_alone():
     assert torch.equal(torch.rand(4, device="tpu").cpu(), expected)
 
 
+@pytest.mark.parametrize("generator_device", ["cpu", "tpu"])
+def test_a_compiled_function_honours_the_generator_it_is_given(generator_device):
+    """As on CUDA, a random op given a generator breaks the graph and draws from that generator."""
+    def noisy(x, generator):
+        return x * 2 + torch.randn(4, device=x.device, generator=generator)
+
+    compiled = torch.compile(noisy, backend="tpu")
+    x = torch.ones(4, device="tpu")
+    expected = noisy(x, torch.Generator(generator_device).manual_seed(1)).cpu()
+    got = compiled(x, torch.Generator(generator_device).manual_seed(1)).cpu()
+    torch.testing.assert_close(got, expected)
+
+
 def test_rng_state_round_trips():
     torch.manual_seed(7)
     torch.rand(3, device="tpu")
