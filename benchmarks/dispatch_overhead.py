@@ -116,7 +116,8 @@ def _launch_inside_op_us(a, b, calls: int = 2000, rounds: int = 9) -> float:
 
 
 def budget():
-    """The parts of one strict `a + b` (1x1024), each timed alone in a hot loop, and the deferred add."""
+    """The parts of one strict `a + b` (1x1024), each timed alone in a hot loop, the launch timed inside
+    the op, and the deferred add."""
     a, b = torch.randn(1, 1024), torch.randn(1, 1024)
     ta, tb = a.to("tpu"), b.to("tpu")
     ja, jb = jnp.asarray(a.numpy()), jnp.asarray(b.numpy())
