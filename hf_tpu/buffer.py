@@ -388,7 +388,7 @@ def swaps_last_two(view: View | None, shape: tuple, dtype: torch.dtype) -> bool:
 def view_of(t: torch.Tensor, buf: Buffer):
     """None when `t` is exactly its buffer (the common case, read for free), else its `View`."""
     dtype = t.dtype
-    if dtype in _COMPLEX and (t.is_conj() or t.is_neg()):
+    if t.is_neg() or t.is_conj():  # the negative bit also marks real views: `z.conj().imag`, `_neg_view`
         return View(tuple(t.shape), tuple(t.stride()), t.storage_offset(), dtype, t.is_conj(), t.is_neg())
     offset = t.storage_offset()
     if offset == 0 and t.is_contiguous():
@@ -400,8 +400,6 @@ def view_of(t: torch.Tensor, buf: Buffer):
             return None
     return View(tuple(t.shape), tuple(t.stride()), offset, dtype)
 
-
-_COMPLEX = frozenset(d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_complex)
 
 
 def _adopt_layout(buf: Buffer, shape, dtype):
@@ -643,10 +641,11 @@ def put_sharded(value, sharding):
 
 
 def host_array(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's values as a NumPy array (bit-exact, bfloat16 included)."""
+    """A CPU tensor's values as a NumPy array (bit-exact, bfloat16 and float8 included)."""
     t = t.detach().resolve_conj().resolve_neg().contiguous()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(dtypes.to_jax(torch.bfloat16))
+    bits = dtypes.HOST_BITS.get(t.dtype)
+    if bits is not None:
+        return t.view(bits).numpy().view(dtypes.to_jax(t.dtype))
     return t.numpy()
 
 
@@ -711,11 +710,12 @@ def host_copy(t: torch.Tensor) -> torch.Tensor:
 def to_host(array, dtype: torch.dtype) -> torch.Tensor:
     """A jax.Array's values as a new CPU tensor of `dtype` (bit-exact)."""
     host = to_numpy(array)
-    if dtype == torch.bfloat16:
-        host = host.view(np.int16)
+    bits = dtypes.HOST_BITS.get(dtype)
+    if bits is not None:
+        host = host.view(dtypes.to_jax(bits))
     with warnings.catch_warnings():  # the array is read-only; it is only read from, once
         warnings.simplefilter("ignore", UserWarning)
         shared = torch.from_numpy(host)
     # a fresh tensor rather than the NumPy-backed one: PyTorch cannot resize that one's storage
     out = torch.empty(host.shape, dtype=shared.dtype).copy_(shared)
-    return out.view(torch.bfloat16) if dtype == torch.bfloat16 else out
+    return out if bits is None else out.view(dtype)

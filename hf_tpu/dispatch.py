@@ -573,7 +573,7 @@ def _build(call: _Call) -> Program:
             result = [r for x in result for r in (x if isinstance(x, (list, tuple)) else [x])]
             written = {}  # elements may be views of one buffer: their writes compose
             for (k, base, dtype), r in zip(written_slots, result):
-                written[base] = buffer.write(written.get(base, arrays[k]), views[k], jnp.asarray(r).astype(dtype))
+                written[base] = buffer.write(written.get(base, arrays[k]), views[k], dtypes.cast(jnp.asarray(r), dtype))
             return [written[base] for _, base, _ in written_slots]
         outs = []
         for j, r in enumerate(result):
@@ -582,7 +582,7 @@ def _build(call: _Call) -> Program:
             r = jnp.asarray(r)
             if specs is not None:
                 shape, dtype = specs[j]
-                r = r.astype(dtypes.to_jax(dtype))
+                r = dtypes.cast(r, dtypes.to_jax(dtype))
                 if r.shape != shape:
                     r = jnp.broadcast_to(r, shape)
             target = returns_mutated[j] if j < len(returns_mutated) else None

@@ -37,6 +37,34 @@ _DLPACK = {
 }
 
 
+# dtypes NumPy cannot hold, moved between host and device as integers of their width (bit-exact)
+HOST_BITS = {
+    torch.bfloat16: torch.int16,
+    torch.float8_e4m3fn: torch.uint8,
+    torch.float8_e5m2: torch.uint8,
+}
+
+_NARROW_INTS = frozenset(map(np.dtype, (jnp.int8, jnp.uint8, jnp.int16, jnp.uint16)))
+_FLOAT8_E4M3FN_MAX = 448.0
+
+
+def cast(x, dtype):
+    """`x` as the jax `dtype`, converted the way PyTorch's CPU kernels convert (JAX's `astype`
+    saturates where they do not): a float goes to an 8- or 16-bit integer through int64, so it wraps
+    (-1.0 -> 255 as uint8; C's conversion gives INT64_MIN, so 0, for NaN, infinities and values beyond
+    int64), and to float8_e4m3fn, which has no infinity, it saturates at +-448 instead of becoming NaN."""
+    dtype = np.dtype(dtype)
+    if x.dtype == dtype or not jnp.issubdtype(x.dtype, jnp.floating):
+        return x.astype(dtype)
+    if dtype in _NARROW_INTS:
+        x = x.astype(jnp.promote_types(x.dtype, jnp.float32))  # float16 cannot hold 2**63
+        in_range = jnp.abs(x) < 2.0**63  # false for NaN
+        return jnp.where(in_range, x, -(2.0**63)).astype(jnp.int64).astype(dtype)
+    if dtype == np.dtype(jnp.float8_e4m3fn):
+        return jnp.clip(x, -_FLOAT8_E4M3FN_MAX, _FLOAT8_E4M3FN_MAX).astype(dtype)
+    return x.astype(dtype)
+
+
 def to_jax(dtype: torch.dtype):
     try:
         return _TORCH_TO_JAX[dtype]

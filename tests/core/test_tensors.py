@@ -148,6 +148,43 @@ def test_dtypes_round_trip_and_compute(dtype):
     differential(lambda d: x.to(d).to(torch.float32))
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_float8_crosses_host_and_device_bit_exact(dtype):
+    x = torch.tensor([1.5, -2.0, 0.0, 448.0, 1e-3]).to(dtype)
+    t = x.to("tpu")
+    assert t.dtype == dtype and torch.equal(t.cpu().view(torch.uint8), x.view(torch.uint8))
+    assert t.tolist() == x.tolist()
+    differential(lambda d: torch.tensor([0.5, 3.0], dtype=dtype, device=d).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.uint16, torch.float8_e4m3fn,
+                                   torch.float8_e5m2])
+@pytest.mark.parametrize("source", [torch.float32, torch.float16, torch.float64])
+def test_out_of_range_floats_convert_as_on_cpu(dtype, source):
+    """PyTorch's CPU casts wrap a float into a narrow integer (through int64) and saturate float8_e4m3fn
+    at +-448; JAX's `astype` saturates the former and gives NaN for the latter."""
+    values = [-1.0, -3.5, 300.0, 70000.0, -40000.0, 500.0, 1e6, float("inf"), float("-inf"), float("nan")]
+
+    def convert(d):
+        x = torch.tensor(values, device=d).to(source)
+        dst = torch.zeros(len(values), dtype=dtype, device=d)
+        dst.copy_(x)
+        return x.to(dtype).float(), dst.float()
+
+    differential(convert)
+
+
+def test_a_real_view_with_the_negative_bit_reads_negated():
+    def views(d):
+        z = torch.tensor([1 + 2j, 3 - 4j], device=d)
+        imag = z.conj().imag  # a float view with PyTorch's negative bit
+        negated = torch._neg_view(torch.tensor([1.0, 2.0], device=d))
+        assert imag.is_neg() and negated.is_neg()
+        return imag * 1, imag.clone(), negated.sum(), negated + 0
+
+    differential(views)
+
+
 def test_view_as_another_dtype_reinterprets_bytes():
     differential(lambda d: torch.tensor([1.0, -2.0], device=d).view(torch.int32))
     differential(lambda d: torch.arange(4, dtype=torch.int16, device=d).view(torch.uint8))
