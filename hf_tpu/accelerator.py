@@ -1,5 +1,5 @@
 """`torch.accelerator` functions that reach a device through C++ hooks a Python backend cannot
-provide (synchronize, memory statistics, capability). While `tpu` is the accelerator they are
+provide (synchronize, memory statistics, capability, the current device and stream). While `tpu` is the accelerator they are
 answered by `torch.tpu`; for any other accelerator PyTorch's own function runs unchanged.
 """
 
@@ -10,6 +10,7 @@ import functools
 import torch
 
 from . import device as tpu
+from . import dispatch
 
 
 def _device_arg(device):
@@ -33,7 +34,38 @@ _ROUTES = {
     "reset_peak_memory_stats": lambda d=None: tpu.reset_peak_memory_stats(_device_arg(d)),
     "get_memory_info": lambda d=None: tpu.mem_get_info(_device_arg(d)),
     "get_device_capability": lambda d=None: {"supported_dtypes": tpu.supported_dtypes()},
+    # a Python backend's device guard cannot hold a current device: `torch.tpu` holds it
+    "current_device_index": lambda: tpu.current_device(),
+    "current_device_idx": lambda: tpu.current_device(),
+    "set_device_index": lambda d: tpu.set_device(d),
+    "set_device_idx": lambda d: tpu.set_device(d),
+    # one stream per device (`torch.tpu.Stream`): the device's, as the `torch.Stream` PyTorch returns
+    "current_stream": lambda d=None: torch.Stream(stream_id=0, device_index=tpu._index(d), device_type=_PRIVATEUSE1),
+    "set_stream": lambda stream: tpu.set_device(stream.device_index),
 }
+_PRIVATEUSE1 = int(torch._C._autograd.DeviceType.PrivateUse1)
+
+
+def _tpu_is_the_accelerator() -> bool:
+    accel = torch.accelerator.current_accelerator()
+    return accel is not None and accel.type == "tpu"
+
+
+class _DeviceIndex(torch.accelerator.device_index):
+    """`with torch.accelerator.device_index(i):` switching `torch.tpu`'s current device."""
+
+    def __enter__(self) -> None:
+        if not _tpu_is_the_accelerator():
+            return super().__enter__()
+        if self.idx is not None:
+            self.prev_idx = tpu.current_device()
+            tpu.set_device(self.idx)
+
+    def __exit__(self, *exc_info) -> None:
+        if not _tpu_is_the_accelerator():
+            return super().__exit__(*exc_info)
+        if self.idx is not None:
+            tpu.set_device(self.prev_idx)
 
 
 def _routed(name, original):
@@ -41,8 +73,7 @@ def _routed(name, original):
 
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
-        accel = torch.accelerator.current_accelerator()
-        if accel is not None and accel.type == "tpu":
+        if _tpu_is_the_accelerator():
             return route(*args, **kwargs)
         return original(*args, **kwargs)
 
@@ -56,3 +87,8 @@ def install() -> None:
         if original is None or hasattr(original, "__hf_tpu_original__"):
             continue
         setattr(torch.accelerator, name, _routed(name, original))
+    if not issubclass(torch.accelerator.device_index, _DeviceIndex):
+        torch.accelerator.device_index = _DeviceIndex
+    # Dynamo asks for the current stream while it compiles: it must not try to compile our answer
+    routed = [getattr(torch.accelerator, name) for name in _ROUTES if hasattr(torch.accelerator, name)]
+    dispatch._hide_from_dynamo(*{wrapper.__code__ for wrapper in routed})

@@ -27,6 +27,25 @@ def test_device_strings_and_accelerator():
     assert torch.accelerator.memory_allocated() == torch.tpu.memory_allocated()
 
 
+@needs_two_chips
+def test_accelerator_device_index_is_the_tpu_current_device():
+    """A Python backend's device guard holds no current device: `torch.accelerator` set, read and
+    switched one that new `tpu` tensors never used."""
+    try:
+        torch.accelerator.set_device_index(1)
+        assert torch.tpu.current_device() == 1 and torch.ones(1, device="tpu").device.index == 1
+        torch.tpu.set_device(0)
+        assert torch.accelerator.current_device_index() == torch.accelerator.current_device_idx() == 0
+        with torch.accelerator.device_index(1):
+            assert torch.ones(1, device="tpu").device.index == 1
+            assert torch.accelerator.current_stream().device_index == 1
+        assert torch.tpu.current_device() == 0
+        torch.accelerator.set_stream(torch.accelerator.current_stream(1))
+        assert torch.tpu.current_device() == 1
+    finally:
+        torch.tpu.set_device(0)
+
+
 def test_pinning_host_memory_for_tpu_copies_and_data_loaders_pin():
     """PyTorch pins for the current accelerator through C++ hooks a Python backend cannot register: with
     `tpu` the accelerator, `pin_memory()` and `DataLoader(pin_memory=True)` raised NotImplementedError."""
