@@ -674,12 +674,55 @@ def _check_writable(call: _Call):
     name = call.sig.op._schema.name.split("::")[1].rstrip("_")
     if name in _WRITES_ALLOWED_ON_EXPANDED:
         return
+    elementwise = call.sig.lowering.promote is not None or name == "copy"
     for i in call.sig.mutated:
         v = call.values[i]
-        if isinstance(v, torch.Tensor) and any(n > 1 and s == 0 for n, s in zip(v.shape, v.stride())):
+        if not isinstance(v, torch.Tensor):
+            continue
+        if any(n > 1 and s == 0 for n, s in zip(v.shape, v.stride())):
             raise RuntimeError(
                 "unsupported operation: more than one element of the written-to tensor refers to a "
                 "single memory location. Please clone() the tensor before performing the operation."
+            )
+        if elementwise:
+            _check_no_partial_overlap(v, call.operands)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: some order of its dims is contiguous."""
+    expected = 1
+    for stride, n in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n != 1):
+        if stride != expected:
+            return False
+        expected *= n
+    return True
+
+
+def _check_no_partial_overlap(written: torch.Tensor, operands):
+    """PyTorch's elementwise kernels (TensorIterator) and `copy_` raise when an input shares some but
+    not all of the written tensor's memory (`x[1:].add_(x[:-1])`): computed functionally here, it
+    would give the answer of a clone, where CPU and CUDA give an error. Its rules: only dense tensors
+    are compared, and equal byte ranges overlap fully (allowed) when the strides are equal too."""
+    buf = next((op.buf for op in operands if op.tensor is written), None)
+    if buf is None:
+        return
+    for op in operands:
+        other = op.tensor
+        if op.buf is not buf or other is written or not other.numel() or not written.numel():
+            continue
+        if not (_dense(written) and _dense(other)):
+            continue
+        begin, other_begin = written.data_ptr(), other.data_ptr()
+        end = begin + written.numel() * written.element_size()
+        other_end = other_begin + other.numel() * other.element_size()
+        if (begin, end) == (other_begin, other_end):
+            partial = written.stride() != other.stride()
+        else:
+            partial = begin < other_end and other_begin < end
+        if partial:
+            raise RuntimeError(
+                "unsupported operation: some elements of the input tensor and the written-to tensor refer "
+                "to a single memory location. Please clone() the tensor before performing the operation."
             )
 
 
@@ -693,12 +736,12 @@ def run_lowered(sig: Signature, values: list):
         _resize_outs(call)
     mode = _modes._current[0]
     program = _PROGRAMS.get(call.key)
-    if program is None:
+    new = program is None
+    if new:
         program = _build(call)
         if not program.data_dependent and mode.name == "DEFER_AND_FUSE":
             # trace once now, so a lowering's error surfaces at the user's op, not at a later flush
             _eval_specs(program.fn, call)
-        _PROGRAMS[call.key] = program
     _counters["ops_dispatched"] += 1
     device_index = call.device_index
     if device_index is None:
@@ -717,6 +760,8 @@ def run_lowered(sig: Signature, values: list):
             arrays = buffer.place_together(arrays)
         results = mode.execute(program, call.key, arrays, call.scalars, rng_key, device_index)
         out_specs = program.out_specs
+    if new:  # kept once it has run: a lowering that rejects its arguments raises in every mode
+        _PROGRAMS[call.key] = program
     outputs = []
     for spec, array in zip(out_specs, results):
         if spec[0] == "mutated":

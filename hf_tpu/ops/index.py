@@ -8,12 +8,14 @@ where PyTorch raises an IndexError, so checking them needs a host sync (left to 
 from __future__ import annotations
 
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
 import torch
 
-from .registry import lowering
+from .. import dispatch
+from .registry import kernel, lowering
 
 aten = torch.ops.aten
 
@@ -51,8 +53,43 @@ def _numpy_index(indices, padded_to=None):
     return tuple(out)
 
 
+def _check_masks(self, indices):
+    """PyTorch's IndexError for a mask whose shape is not that of the dims it indexes: its meta kernel
+    gives up before this check (a mask's result size is data-dependent), and XLA would index anyway."""
+    k = 0  # the dim of `self` the next index starts at
+    for index in indices:
+        if not _is_mask(index):
+            k += 1
+            continue
+        if k + index.ndim > self.ndim:
+            raise IndexError(f"too many indices for tensor of dimension {self.ndim}")
+        for j, n in enumerate(index.shape):
+            if n != self.shape[k + j]:
+                raise IndexError(f"The shape of the mask {list(index.shape)} at index {j} does not match "
+                                 f"the shape of the indexed tensor {list(self.shape)} at index {k + j}")
+        k += index.ndim
+
+
+_INDEX_DTYPES = (torch.int64, torch.int32, torch.uint8, torch.bool, torch.int8)
+
+
+@kernel(aten.index.Tensor)
+def index_tensor(sig, values):
+    """PyTorch's CPU and CUDA kernels read a uint8 index as a mask, with a deprecation warning, and
+    raise an IndexError for an index of another dtype; its meta kernel, which gives our result shapes,
+    rejects a uint8 mask and raises a RuntimeError: such masks become bool first."""
+    self, indices = values
+    if any(i is not None and i.dtype not in _INDEX_DTYPES for i in indices):
+        raise IndexError("tensors used as indices must be long, int, byte or bool tensors")
+    if any(i is not None and i.dtype == torch.uint8 for i in indices):
+        warnings.warn("indexing with dtype torch.uint8 is now deprecated, please use a dtype torch.bool instead.")
+        indices = [i.bool() if i is not None and i.dtype == torch.uint8 else i for i in indices]
+    return dispatch.run_lowered(sig, [self, indices])
+
+
 @lowering(aten.index.Tensor)
 def index(self, indices):
+    _check_masks(self, indices)
     return self[_numpy_index(indices)]
 
 
@@ -82,6 +119,7 @@ def _values_for_padded_masks(self, index_tuple, values, padded_to):
 
 @lowering(aten.index_put.default)
 def index_put(self, indices, values, accumulate=False):
+    _check_masks(self, indices)
     if any(_is_mask(i) for i in indices):
         padded_to = max(i.size for i in indices if _is_mask(i))
         index_tuple = _numpy_index(indices, padded_to)
@@ -450,9 +488,20 @@ def nonzero_static(self, *, size, fill_value=-1):
     return jnp.stack(jnp.nonzero(self, size=size, fill_value=fill_value), axis=1)
 
 
+def _broadcast_shapes(a, b) -> tuple:
+    """The broadcast of shapes `a` and `b`, or PyTorch's error where they cannot be broadcast."""
+    rank = max(len(a), len(b))
+    a, b = (1,) * (rank - len(a)) + tuple(a), (1,) * (rank - len(b)) + tuple(b)
+    for d, (m, n) in enumerate(zip(a, b)):
+        if m != n and 1 not in (m, n):
+            raise RuntimeError(f"The size of tensor a ({m}) must match the size of tensor b ({n}) at "
+                               f"non-singleton dimension {d}")
+    return tuple(max(m, n) if 0 not in (m, n) else 0 for m, n in zip(a, b))
+
+
 @lowering(aten.masked_select.default)
 def masked_select(self, mask):
-    shape = jnp.broadcast_shapes(self.shape, mask.shape)
+    shape = _broadcast_shapes(mask.shape, self.shape)
     return jnp.broadcast_to(self, shape)[jnp.broadcast_to(mask, shape)]
 
 

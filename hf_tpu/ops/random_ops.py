@@ -30,8 +30,41 @@ def _normal(key, like):
     return jax.random.normal(key, like.shape, _sample_dtype(like))
 
 
+# --- PyTorch's argument checks (its meta kernels leave them to the CPU and CUDA kernels). The
+# arguments checked are Python numbers here, so a bad call raises while its program is traced.
+
+# the C++ type names PyTorch's messages give each dtype
+_C_NAMES = {jnp.dtype(jnp.uint8): "unsigned char", jnp.dtype(jnp.int8): "signed char",
+            jnp.dtype(jnp.int16): "short int", jnp.dtype(jnp.int32): "int", jnp.dtype(jnp.bool_): "bool",
+            jnp.dtype(jnp.float32): "float", jnp.dtype(jnp.float64): "double",
+            jnp.dtype(jnp.float16): "c10::Half", jnp.dtype(jnp.bfloat16): "c10::BFloat16"}
+
+
+def _require(ok: bool, message: str):
+    if not ok:
+        raise RuntimeError(message)
+
+
+def _check_uniform_range(x, from_, to):
+    name = _C_NAMES.get(x.dtype, str(x.dtype))
+    limit = float(jnp.finfo(x.dtype).max)
+    _require(-limit <= from_ <= limit, f"from is out of bounds for {name}")
+    _require(-limit <= to <= limit, f"to is out of bounds for {name}")
+    _require(from_ <= to, f"uniform_ expects to return a [from, to) range, but found from={from_:g} > to={to:g}")
+
+
+def _check_integer_range(x, from_, to):
+    _require(from_ < to, f"random_ expects 'from' to be less than 'to', but got from={from_} >= to={to}")
+    if x.dtype == jnp.bool_ or jnp.issubdtype(x.dtype, jnp.integer):
+        name = _C_NAMES.get(x.dtype, str(x.dtype))
+        low, high = (0, 1) if x.dtype == jnp.bool_ else (int(jnp.iinfo(x.dtype).min), int(jnp.iinfo(x.dtype).max))
+        _require(from_ >= low, f"from is out of bounds for {name}")
+        _require(to - 1 <= high, f"to - 1 is out of bounds for {name}")
+
+
 @lowering(aten.uniform.default)
 def uniform(self, from_=0.0, to=1.0, *, generator=None):
+    _check_uniform_range(self, from_, to)
     return _uniform(generator, self, from_, to)
 
 
@@ -76,6 +109,8 @@ def bernoulli(self, *, generator=None):
 @lowering(aten.bernoulli.p, aten.bernoulli.Tensor, aten.bernoulli_.float)
 def bernoulli_p(self, p, *, generator=None):
     # bernoulli_.float has no functional overload of its own; bernoulli.p computes the same values
+    if isinstance(p, float):  # not bernoulli.Tensor's array of probabilities
+        _require(0 <= p <= 1, f"bernoulli_ expects p to be in [0, 1], but got p={p:g}")
     return _uniform(generator, self) < p
 
 
@@ -101,11 +136,14 @@ def random(self, *, generator=None):
 
 @lowering(aten.random.to)
 def random_to(self, to, *, generator=None):
+    _check_integer_range(self, 0, to)
     return _integers(generator, self, 0, to)
 
 
 @lowering(getattr(aten.random, "from"))
 def random_from(self, from_, to, *, generator=None):
+    if to is not None:
+        _check_integer_range(self, from_, to)
     return _integers(generator, self, from_, _default_high(self) if to is None else to)
 
 

@@ -5,6 +5,7 @@ import torch
 
 import hf_tpu
 from hf_tpu import dispatch
+from tests.util import differential
 
 
 def test_cpu_and_tpu_tensors_in_one_op():
@@ -62,6 +63,75 @@ def test_in_place_on_expanded_tensor_raises_like_cpu():
     x = torch.zeros(1, 4, device="tpu").expand(3, 4)
     with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
         x.add_(1)
+
+
+_PARTIAL_OVERLAPS = [
+    ("shifted add_", lambda x: x[1:].add_(x[:-1])),
+    ("shifted copy_", lambda x: x[1:].copy_(x[:-1])),
+    ("out= overlapping an input", lambda x: torch.add(x[:-1], 1, out=x[1:])),
+    ("transposed input", lambda x: x[:4].view(2, 2).add_(x[:4].view(2, 2).t())),
+    ("broadcast row of itself", lambda x: x.view(2, 3).mul_(x.view(2, 3)[0])),
+]
+
+
+@pytest.mark.parametrize("name, fn", _PARTIAL_OVERLAPS, ids=[c[0] for c in _PARTIAL_OVERLAPS])
+def test_inputs_partly_overlapping_the_written_tensor_raise_like_cpu(name, fn):
+    for device in ("cpu", "tpu"):
+        with pytest.raises(RuntimeError, match="some elements of the input tensor and the written-to tensor"):
+            fn(torch.arange(6.0, device=device))
+
+
+def test_inputs_overlapping_the_written_tensor_whole_or_not_at_all_are_fine():
+    def writes(d):
+        x = torch.arange(6.0, device=d).view(2, 3)
+        x.add_(x)
+        x[0].add_(x[1])
+        x[:, 0].mul_(x[:, 1])
+        x.view(-1)[:3].sub_(x[0])
+        return x
+
+    differential(writes)
+
+
+_BAD_RANDOM_ARGUMENTS = [
+    ("randint low >= high", lambda d: torch.randint(5, 2, (2,), device=d), "expects 'from' to be less than 'to'"),
+    ("random_ from >= to", lambda d: torch.empty(2, device=d).random_(5, 2), "expects 'from' to be less than 'to'"),
+    ("random_ to = 0", lambda d: torch.empty(2, device=d).random_(0), "expects 'from' to be less than 'to'"),
+    ("random_ beyond uint8", lambda d: torch.empty(2, dtype=torch.uint8, device=d).random_(0, 300),
+     "to - 1 is out of bounds for unsigned char"),
+    ("uniform_ from > to", lambda d: torch.empty(2, device=d).uniform_(5, 2), r"expects to return a \[from, to\) range"),
+    ("uniform_ to inf", lambda d: torch.empty(2, device=d).uniform_(0, float("inf")), "to is out of bounds for float"),
+    ("bernoulli_ p > 1", lambda d: torch.empty(2, device=d).bernoulli_(1.5), r"expects p to be in \[0, 1\]"),
+    ("bernoulli p < 0", lambda d: torch.bernoulli(torch.empty(2, device=d), -0.1), r"expects p to be in \[0, 1\]"),
+]
+
+
+@pytest.mark.parametrize("name, fn, message", _BAD_RANDOM_ARGUMENTS, ids=[c[0] for c in _BAD_RANDOM_ARGUMENTS])
+def test_random_ops_check_their_arguments_like_cpu(name, fn, message):
+    for device in ("cpu", "tpu"):
+        with pytest.raises(RuntimeError, match=message):
+            fn(device)
+
+
+def test_masks_must_match_the_shape_they_index_like_cpu():
+    for device in ("cpu", "tpu"):
+        x = torch.arange(10, device=device).view(2, 5)
+        with pytest.raises(IndexError, match=r"The shape of the mask \[2\] at index 0 does not match the shape "
+                                             r"of the indexed tensor \[2, 5\] at index 1"):
+            x[:, torch.tensor([True, False], device=device)]
+        with pytest.raises(IndexError, match=r"The shape of the mask \[3\] at index 0"):
+            x[torch.tensor([True, False, True], device=device)] = 9
+        with pytest.raises(IndexError, match="too many indices for tensor of dimension 2"):
+            x[torch.ones(2, 5, 1, dtype=torch.bool, device=device)]
+        with pytest.raises(IndexError, match="tensors used as indices must be long, int, byte or bool tensors"):
+            x[torch.tensor([1.0], device=device)]
+        with pytest.raises(RuntimeError, match=r"The size of tensor a \(2\) must match the size of tensor b \(5\)"):
+            x[0].masked_select(torch.tensor([True, False], device=device))
+
+
+def test_a_uint8_index_is_a_mask_as_on_cpu():
+    with pytest.warns(UserWarning, match="indexing with dtype torch.uint8 is now deprecated"):
+        differential(lambda d: torch.arange(6, device=d).view(3, 2)[torch.tensor([1, 0, 1], dtype=torch.uint8, device=d)])
 
 
 _OUT_OF_RANGE = [
