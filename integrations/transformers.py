@@ -493,16 +493,32 @@ def _loop_runs_on_the_host(generation_config, kwargs) -> bool:
                     GenerationMode.BEAM_SAMPLE)
 
 
-def _padding_keeps_the_result(generation_config) -> bool:
+# generate() arguments that see the prompt's tokens or length: a streamer is sent the prompt, and a
+# processor, stopping criterion or `prefix_allowed_tokens_fn` may read any of it
+_SEE_THE_PROMPT = ("streamer", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn",
+                   "negative_prompt_ids", "negative_prompt_attention_mask")
+
+
+def _padding_keeps_the_result(generation_config, kwargs, model_kwargs) -> bool:
     """Left padding leaves the result unchanged when nothing reads the prompt's length (lengths are
-    given as new tokens) or its n-grams, and only the sequences come back: the attentions, hidden states
-    and cache of a `return_dict_in_generate` output would hold the padded prompt."""
+    given as new tokens), its n-grams or token sequences, when the model takes no other input per
+    prompt token or position (`token_type_ids`, the image tokens of `pixel_values`), and when only
+    the sequences come back: the attentions, hidden states and cache of a `return_dict_in_generate`
+    output would hold the padded prompt."""
     return (
         generation_config.max_new_tokens is not None
         and not generation_config.min_length
         and not generation_config.no_repeat_ngram_size
+        and not generation_config.bad_words_ids
+        and not generation_config.sequence_bias
+        and not generation_config.stop_strings
+        and generation_config.watermarking_config is None
+        and generation_config.guidance_scale in (None, 1)
         and generation_config.prefill_chunk_size is None
         and not generation_config.return_dict_in_generate
+        and not any(kwargs.get(name) for name in _SEE_THE_PROMPT)
+        and not any(isinstance(value, torch.Tensor) for name, value in model_kwargs.items()
+                    if name not in ("input_ids", "attention_mask"))
     )
 
 
@@ -565,7 +581,8 @@ def _wrap_generate(original):
         host_ids = input_ids.cpu()
         host_mask = mask.cpu() if mask is not None else None
         padding = 0
-        if settings.prompt_buckets and getattr(self, "_hf_tpu_pad_prompts", True) and _padding_keeps_the_result(resolved):
+        if settings.prompt_buckets and getattr(self, "_hf_tpu_pad_prompts", True) and _padding_keeps_the_result(
+                resolved, kwargs, model_kwargs):
             padding = bucketed_length(host_ids.shape[1]) - host_ids.shape[1]
         if padding:
             if host_mask is None:

@@ -286,6 +286,65 @@ def test_prompt_lengths_pad_to_buckets(models):
         adapter.configure(prompt_buckets=(0, 16))
 
 
+def _prompt_readers(first_token):
+    """generate() arguments that see the prompt, each set to notice the adapter's left padding (the
+    prompt's first token repeated) if it were there."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class Recorder(BaseStreamer):
+        def __init__(self):
+            self.chunks = []
+
+        def put(self, value):
+            self.chunks.append(value.tolist())
+
+        def end(self):
+            pass
+
+    a, x = int(PROMPT[0, 0]), first_token
+    return {
+        "streamer": lambda: dict(streamer=Recorder()),
+        # a prompt of [a] never holds the word [a, a, x]; a padded one ends in it
+        "bad_words_ids": lambda: dict(bad_words_ids=[[a, a, x]]),
+        "sequence_bias": lambda: dict(sequence_bias={(a, a, x): -100.0}),
+        # forces the token its position among the new tokens names
+        "prefix_allowed_tokens_fn": lambda: dict(prefix_allowed_tokens_fn=lambda row, ids: [20 + len(ids) - 1]),
+    }
+
+
+@pytest.mark.parametrize("reader", ["streamer", "bad_words_ids", "sequence_bias", "prefix_allowed_tokens_fn"])
+def test_what_reads_the_prompt_reads_it_unpadded(models, reader):
+    cpu, tpu = models
+    prompt = PROMPT[:, :1]
+    first_token = int(cpu(prompt).logits[0, -1].argmax())
+    make = _prompt_readers(first_token)[reader]
+    expected_kwargs, actual_kwargs = make(), make()
+    expected = cpu.generate(prompt, max_new_tokens=3, do_sample=False, **expected_kwargs)
+    actual = tpu.generate(prompt.to("tpu"), max_new_tokens=3, do_sample=False, **actual_kwargs)
+    assert torch.equal(actual.cpu(), expected)
+    if reader == "streamer":
+        assert actual_kwargs["streamer"].chunks == expected_kwargs["streamer"].chunks
+
+
+def test_per_token_inputs_besides_the_ids_generate_the_cpu_tokens(tmp_path):
+    """`token_type_ids` (a tokenizer's output for GPT-2 and BERT) hold one entry per prompt token: a
+    padded prompt would not match them."""
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64)).save_pretrained(tmp_path)
+    cpu = AutoModelForCausalLM.from_pretrained(tmp_path)
+    tpu = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="tpu")
+    ids = torch.randint(0, 64, (2, 7))
+    kinds = torch.zeros_like(ids)
+    kinds[:, 4:] = 1
+    common = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    expected = cpu.generate(ids, attention_mask=torch.ones_like(ids), token_type_ids=kinds, **common)
+    actual = tpu.generate(ids.to("tpu"), attention_mask=torch.ones_like(ids).to("tpu"),
+                          token_type_ids=kinds.to("tpu"), **common)
+    assert torch.equal(actual.cpu(), expected)
+
+
 def test_a_static_cache_the_user_chose_keeps_the_length_transformers_gives_it(models, checkpoint):
     from transformers import AutoModelForCausalLM
 
