@@ -27,6 +27,7 @@ ADAPTERS = {
     "diffusers.models.modeling_utils": "hf_tpu.integrations.diffusers",
     "diffusers.utils.testing_utils": "hf_tpu.integrations.diffusers",
     "diffusers.hooks._common": "hf_tpu.integrations.diffusers",
+    "accelerate.state": "hf_tpu.integrations.accelerate",
 }
 
 

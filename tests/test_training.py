@@ -185,3 +185,46 @@ def test_autocast_bfloat16():
     assert torch.allclose(actual.cpu().float(), expected.float(), atol=2e-2)
     actual.float().sum().backward()
     assert model[0].weight.grad.dtype == torch.float32
+
+
+def _trainer_losses(tmp_path, device):
+    from accelerate.state import AcceleratorState
+    from transformers import Trainer, TrainingArguments
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # one Accelerate state per process
+    torch.manual_seed(2)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (6, 16))]
+    args = TrainingArguments(output_dir=str(tmp_path / device), per_device_train_batch_size=2, max_steps=3,
+                             learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no",
+                             use_cpu=device == "cpu", seed=0, disable_tqdm=True)
+    trainer = Trainer(model=_tiny_llama(), args=args, train_dataset=data)
+    assert trainer.accelerator.device.type == device
+    trainer.train()
+    assert trainer.model.device.type == device
+    return torch.tensor([entry["loss"] for entry in trainer.state.log_history if "loss" in entry])
+
+
+def test_the_trainer_trains_on_tpu_with_the_cpu_losses(tmp_path):
+    """Accelerate, which the Trainer trains through, knows no `tpu` backend: it moved the model back to
+    the CPU while the Trainer sent its inputs to `tpu` (`integrations/accelerate.py`)."""
+    cpu = _trainer_losses(tmp_path, "cpu")
+    tpu = _trainer_losses(tmp_path, "tpu")
+    assert len(tpu) == 3 and ((tpu - cpu).abs() / cpu.abs()).max().item() < 1e-4, (tpu, cpu)
+
+
+def test_an_accelerator_prepares_for_tpu():
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        accelerator = Accelerator()
+        assert accelerator.device == torch.device("tpu", 0)
+        model = accelerator.prepare(torch.nn.Linear(4, 2))
+        assert model.weight.device.type == "tpu"
+        loader = accelerator.prepare(torch.utils.data.DataLoader(torch.randn(4, 4), batch_size=2))
+        assert all(batch.device.type == "tpu" for batch in loader)
+        AcceleratorState._reset_state(reset_partial_state=True)
+        assert Accelerator(cpu=True).device == torch.device("cpu")
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
