@@ -1,6 +1,7 @@
 """`torch.accelerator` functions that reach a device through C++ hooks a Python backend cannot
-provide (synchronize, memory statistics, capability, the current device and stream). While `tpu` is the accelerator they are
-answered by `torch.tpu`; for any other accelerator PyTorch's own function runs unchanged.
+provide (synchronize, memory statistics, capability, the current device and stream). While `tpu` is
+the accelerator they are answered by `torch.tpu`; for any other accelerator PyTorch's own function
+runs unchanged.
 """
 
 from __future__ import annotations

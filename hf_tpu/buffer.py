@@ -401,7 +401,6 @@ def view_of(t: torch.Tensor, buf: Buffer):
     return View(tuple(t.shape), tuple(t.stride()), offset, dtype)
 
 
-
 def _adopt_layout(buf: Buffer, shape, dtype):
     """Re-express a whole buffer in the layout of the tensor that covers it, so later reads of that
     tensor are free instead of reinterpreting bytes every time (the bytes do not change)."""

@@ -70,7 +70,7 @@ def _check_masks(self, indices):
         k += index.ndim
 
 
-_INDEX_DTYPES = (torch.int64, torch.int32, torch.uint8, torch.bool, torch.int8)
+_INDEX_DTYPES = (torch.int64, torch.int32, torch.uint8, torch.bool)
 
 
 @kernel(aten.index.Tensor)

@@ -101,6 +101,7 @@ _BAD_RANDOM_ARGUMENTS = [
      "to - 1 is out of bounds for unsigned char"),
     ("uniform_ from > to", lambda d: torch.empty(2, device=d).uniform_(5, 2), r"expects to return a \[from, to\) range"),
     ("uniform_ to inf", lambda d: torch.empty(2, device=d).uniform_(0, float("inf")), "to is out of bounds for float"),
+    ("uniform_ of integers", lambda d: torch.empty(2, dtype=torch.int64, device=d).uniform_(), "not implemented for 'Long'"),
     ("bernoulli_ p > 1", lambda d: torch.empty(2, device=d).bernoulli_(1.5), r"expects p to be in \[0, 1\]"),
     ("bernoulli p < 0", lambda d: torch.bernoulli(torch.empty(2, device=d), -0.1), r"expects p to be in \[0, 1\]"),
 ]
@@ -109,7 +110,7 @@ _BAD_RANDOM_ARGUMENTS = [
 @pytest.mark.parametrize("name, fn, message", _BAD_RANDOM_ARGUMENTS, ids=[c[0] for c in _BAD_RANDOM_ARGUMENTS])
 def test_random_ops_check_their_arguments_like_cpu(name, fn, message):
     for device in ("cpu", "tpu"):
-        with pytest.raises(RuntimeError, match=message):
+        with pytest.raises(RuntimeError, match=message):  # NotImplementedError is one
             fn(device)
 
 
@@ -123,8 +124,9 @@ def test_masks_must_match_the_shape_they_index_like_cpu():
             x[torch.tensor([True, False, True], device=device)] = 9
         with pytest.raises(IndexError, match="too many indices for tensor of dimension 2"):
             x[torch.ones(2, 5, 1, dtype=torch.bool, device=device)]
-        with pytest.raises(IndexError, match="tensors used as indices must be long, int, byte or bool tensors"):
-            x[torch.tensor([1.0], device=device)]
+        for dtype in (torch.float32, torch.int8):
+            with pytest.raises(IndexError, match="tensors used as indices must be long, int, byte or bool tensors"):
+                x[torch.tensor([1], dtype=dtype, device=device)]
         with pytest.raises(RuntimeError, match=r"The size of tensor a \(2\) must match the size of tensor b \(5\)"):
             x[0].masked_select(torch.tensor([True, False], device=device))
 
