@@ -22,12 +22,14 @@ ADAPTERS = {
     "transformers.modeling_utils": "hf_tpu.integrations.transformers",
     "transformers.models.auto.auto_factory": "hf_tpu.integrations.transformers",
     "transformers.generation.utils": "hf_tpu.integrations.transformers",
+    "transformers.trainer": "hf_tpu.integrations.transformers",
     "diffusers.schedulers.scheduling_utils": "hf_tpu.integrations.diffusers",
     "diffusers.pipelines.pipeline_utils": "hf_tpu.integrations.diffusers",
     "diffusers.models.modeling_utils": "hf_tpu.integrations.diffusers",
     "diffusers.utils.testing_utils": "hf_tpu.integrations.diffusers",
     "diffusers.hooks._common": "hf_tpu.integrations.diffusers",
     "accelerate.state": "hf_tpu.integrations.accelerate",
+    "accelerate.accelerator": "hf_tpu.integrations.accelerate",
 }
 
 

@@ -1,4 +1,5 @@
-"""Accelerate on `tpu`: `Accelerator()`, and with it the Trainer, trains on `tpu` once hf_tpu is imported.
+"""Accelerate on `tpu`: `Accelerator()`, and with it the Trainer, trains on `tpu` once hf_tpu is imported,
+and its checkpoints (`save_state`/`load_state`) hold the `tpu` random state as they hold CUDA's.
 
 Accelerate picks its device from a list of backends it knows (CUDA, MPS, XPU, ...), and without one
 of them it picks the CPU. The Trainer already put its inputs on `tpu` (Transformers asks
@@ -10,6 +11,9 @@ forward failed on the two devices. Here, a single process whose accelerator is `
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 
 
@@ -18,8 +22,64 @@ def _tpu_is_the_accelerator() -> bool:
     return accel is not None and accel.type == "tpu" and torch.accelerator.is_available()
 
 
-def install(state_module) -> None:
-    state = state_module.PartialState
+def install(module) -> None:
+    """Patch the Accelerate module that was just imported (`hf_tpu.integrations.ADAPTERS`)."""
+    if module.__name__ == "accelerate.state":
+        _pick_tpu(module.PartialState)
+    elif module.__name__ == "accelerate.accelerator":
+        # Accelerator.save_state/load_state call these through the names this module imported
+        for name, wrap in (("save_accelerator_state", _saving_tpu_rng), ("load_accelerator_state", _loading_tpu_rng)):
+            original = getattr(module, name)
+            if not getattr(original, "_hf_tpu", False):
+                patched = wrap(original)
+                patched._hf_tpu = True
+                setattr(module, name, patched)
+
+
+# the key beside Accelerate's own `torch_cuda_manual_seed`, `torch_xpu_manual_seed`, ...
+_TPU_RNG_KEY = "torch_tpu_manual_seed"
+
+
+def _rng_file(function, args, kwargs):
+    """The file Accelerate keeps a process's random states in, from a save/load call's arguments."""
+    from pathlib import Path
+
+    from accelerate.utils import RNG_STATE_NAME
+
+    bound = inspect.signature(function).bind(*args, **kwargs)
+    folder = bound.arguments.get("output_dir", bound.arguments.get("input_dir"))
+    return Path(folder) / f"{RNG_STATE_NAME}_{bound.arguments['process_index']}.pkl"
+
+
+def _saving_tpu_rng(original):
+    @functools.wraps(original)
+    def save_accelerator_state(*args, **kwargs):
+        location = original(*args, **kwargs)
+        path = _rng_file(original, args, kwargs)
+        if _tpu_is_the_accelerator() and path.is_file():
+            states = torch.load(path, weights_only=False)  # Accelerate's own pickle (Python's random state)
+            states[_TPU_RNG_KEY] = torch.tpu.get_rng_state_all()
+            torch.save(states, path)
+        return location
+
+    return save_accelerator_state
+
+
+def _loading_tpu_rng(original):
+    @functools.wraps(original)
+    def load_accelerator_state(*args, **kwargs):
+        result = original(*args, **kwargs)
+        path = _rng_file(original, args, kwargs)
+        if _tpu_is_the_accelerator() and path.is_file():
+            states = torch.load(path, weights_only=False)
+            if _TPU_RNG_KEY in states:
+                torch.tpu.set_rng_state_all(states[_TPU_RNG_KEY])
+        return result
+
+    return load_accelerator_state
+
+
+def _pick_tpu(state) -> None:
     original = state.default_device
     if getattr(original.fget, "_hf_tpu", False):
         return

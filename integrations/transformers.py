@@ -758,8 +758,48 @@ def _patch(owner, name: str, wrap) -> None:
     setattr(owner, name, wrapped)
 
 
+# --- The Trainer's checkpoints: the tpu random state beside the CUDA one
+
+
+def _trainer_rng_file(trainer, folder: str) -> str:
+    name = "rng_state.pth" if trainer.args.world_size <= 1 else f"rng_state_{trainer.args.process_index}.pth"
+    return os.path.join(folder, name)
+
+
+def _wrap_save_rng_state(original):
+    @functools.wraps(original)
+    def _save_rng_state(self, output_dir):
+        """A checkpoint holds the random states of the devices Transformers knows; the tpu's is added, so
+        a resumed run draws the dropout masks the uninterrupted run would have drawn."""
+        original(self, output_dir)
+        path = _trainer_rng_file(self, output_dir)
+        if self.args.device.type == "tpu" and os.path.isfile(path):
+            states = torch.load(path, weights_only=False)  # the Trainer's own file (Python's random state)
+            states["tpu"] = torch.tpu.get_rng_state_all()
+            torch.save(states, path)
+
+    return _save_rng_state
+
+
+def _wrap_load_rng_state(original):
+    @functools.wraps(original)
+    def _load_rng_state(self, checkpoint):
+        original(self, checkpoint)
+        path = _trainer_rng_file(self, checkpoint) if checkpoint is not None else None
+        if path is not None and self.args.device.type == "tpu" and os.path.isfile(path):
+            states = torch.load(path, weights_only=False)
+            if "tpu" in states:
+                torch.tpu.set_rng_state_all(states["tpu"])
+
+    return _load_rng_state
+
+
 def install(module) -> None:
     """Patch the Transformers module that was just imported (`hf_tpu.integrations.ADAPTERS`)."""
+    if module.__name__ == "transformers.trainer":
+        _patch(module.Trainer, "_save_rng_state", _wrap_save_rng_state)
+        _patch(module.Trainer, "_load_rng_state", _wrap_load_rng_state)
+        return
     if module.__name__ == "transformers.modeling_utils":
         _patch(module.PreTrainedModel, "from_pretrained", _wrap_from_pretrained)
         attention.register()

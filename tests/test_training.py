@@ -228,3 +228,43 @@ def test_an_accelerator_prepares_for_tpu():
         assert Accelerator(cpu=True).device == torch.device("cpu")
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_an_accelerator_checkpoint_restores_the_tpu_random_state(tmp_path):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        accelerator = Accelerator()
+        torch.manual_seed(0)
+        accelerator.save_state(str(tmp_path))
+        drawn = torch.rand(4, device="tpu").cpu()
+        accelerator.load_state(str(tmp_path))
+        assert torch.equal(torch.rand(4, device="tpu").cpu(), drawn)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_a_resumed_trainer_draws_the_dropout_of_the_uninterrupted_run(tmp_path):
+    """The Trainer's checkpoint keeps the RNG of the devices Transformers knows; without the tpu's, a
+    resumed run's dropout masks (and so its losses) were not the uninterrupted run's."""
+    from accelerate.state import AcceleratorState
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    def train(resume=None):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, vocab_size=64, attention_dropout=0.5))
+        data = [{"input_ids": ids, "labels": ids}
+                for ids in torch.randint(0, 64, (8, 8), generator=torch.Generator().manual_seed(0))]
+        args = TrainingArguments(str(tmp_path), max_steps=4, save_steps=2, per_device_train_batch_size=2,
+                                 logging_steps=1, report_to=[], disable_tqdm=True)
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        assert trainer.args.device.type == "tpu"
+        trainer.train(resume_from_checkpoint=resume)
+        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry][-2:]
+
+    uninterrupted = train()
+    assert train(resume=str(tmp_path / "checkpoint-2")) == uninterrupted
