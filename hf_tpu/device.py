@@ -19,8 +19,6 @@ import torch
 
 from . import buffer, dispatch, platform, random
 
-_initialized = False
-
 
 def _index(device=None) -> int:
     if device is None:
@@ -42,13 +40,21 @@ def is_available() -> bool:
 
 
 def is_initialized() -> bool:
-    return _initialized
+    """Whether the devices are in use (JAX's backend is up), as `torch.cuda` initialises on first use.
+    PyTorch saves and restores only an initialised device's random state around a recomputation
+    (`torch.utils.checkpoint` reads `torch.<device>._initialized`): a flag that only `init()` set left
+    a checkpointed dropout drawing new masks in backward, so its gradients were wrong."""
+    return platform.devices.cache_info().currsize > 0
 
 
 def init() -> None:
-    global _initialized
     platform.devices()
-    _initialized = True
+
+
+def __getattr__(name: str):
+    if name == "_initialized":  # what PyTorch reads of a device module
+        return is_initialized()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _is_in_bad_fork() -> bool:

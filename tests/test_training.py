@@ -172,6 +172,35 @@ def test_gradient_checkpointing_matches():
         assert torch.allclose(a, b, atol=1e-6)
 
 
+_CHECKPOINTED_DROPOUT = """
+import torch, hf_tpu
+from torch.utils.checkpoint import checkpoint
+
+block = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 16)).to("tpu")
+x = torch.randn(8, 16, device="tpu", requires_grad=True)
+grads = []
+for recompute in (None, False, True):  # plain, then checkpointed without and with reentrant autograd
+    block.zero_grad()
+    torch.manual_seed(123)
+    y = block(x) if recompute is None else checkpoint(block, x, use_reentrant=recompute)
+    y.square().sum().backward()
+    grads.append(block[0].weight.grad.cpu())
+print(all(torch.equal(grads[0], g) for g in grads[1:]))
+"""
+
+
+def test_a_checkpointed_dropout_recomputes_the_same_masks():
+    """`torch.utils.checkpoint` restores a device's random state for the recomputation only once that
+    device module says it is `_initialized`; it said so only after an explicit `torch.tpu.init()`. A
+    fresh process, so no earlier test has called it."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _CHECKPOINTED_DROPOUT], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "True"
+
+
 def test_autocast_bfloat16():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
     x = torch.randn(4, 8)
