@@ -97,8 +97,13 @@ def _install_schedulers(scheduling_utils) -> None:
 
 
 def _timestep_to_device(module, args, kwargs):
-    """The scheduler's host-side timestep goes where the model runs (an upload, not a sync)."""
-    device, position = module._hf_tpu_timestep_target
+    """The scheduler's host-side timestep goes where the model runs (an upload, not a sync): the chip
+    its weights are on now, since a pipeline may have moved (`pipe.to("cpu")`, `pipe.to("tpu:1")`)."""
+    position = module._hf_tpu_timestep_position
+    weight = next(module.parameters(), None)
+    if weight is None or weight.device.type != "tpu":
+        return args, kwargs
+    device = weight.device
     if "timestep" in kwargs:
         timestep = kwargs["timestep"]
         if isinstance(timestep, torch.Tensor) and timestep.device.type == "cpu":
@@ -117,16 +122,16 @@ def _modules(pipe, names):
             yield name, module
 
 
-def prepare_pipeline(pipe, device: torch.device) -> None:
-    """Each denoiser of a pipeline that runs on `device` (a `tpu`) takes the scheduler's host-side
-    timestep onto it; once per model."""
+def prepare_pipeline(pipe) -> None:
+    """Each denoiser of a pipeline that runs on `tpu` takes the scheduler's host-side timestep onto its
+    chip; once per model."""
     for _, module in _modules(pipe, DENOISERS):
         if getattr(module, _TIMESTEP_HOOK, None) is not None:
             continue
         parameters = list(inspect.signature(module.forward).parameters)
         if "timestep" not in parameters:
             continue
-        module._hf_tpu_timestep_target = (device, parameters.index("timestep"))
+        module._hf_tpu_timestep_position = parameters.index("timestep")
         setattr(module, _TIMESTEP_HOOK, module.register_forward_pre_hook(_timestep_to_device, with_kwargs=True))
 
 
@@ -138,7 +143,7 @@ def _wrap_execution_device(original):
     def _execution_device(self):
         device = original(self)
         if _is_tpu(device):
-            prepare_pipeline(self, device)
+            prepare_pipeline(self)
         return device
 
     return _execution_device
@@ -178,7 +183,7 @@ def compile_pipeline(pipe, *, vae_decoder: bool = True, text_encoders: bool = Tr
         if not _on_tpu(module):
             raise ValueError(f"pipe.{name} is on {next(module.parameters()).device}: call pipe.to('tpu') before "
                              "compile_pipeline(pipe).")
-    prepare_pipeline(pipe, pipe._execution_device)
+    prepare_pipeline(pipe)
     for _, module in targets:
         if getattr(module.forward, _ORIGINAL, None) is None:
             install_output_capturing_hooks(module)

@@ -172,6 +172,19 @@ def test_loaded_with_device_map_tpu(sd3, sd3_path):
     np.testing.assert_allclose(_generate(tpu, steps=2), _generate(sd3[0], steps=2), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("target", ["cpu", "tpu:1"])
+def test_a_pipeline_moved_after_running_on_tpu_runs_where_it_went(sd3, sd3_path, target):
+    """The denoiser's timestep upload follows the weights: it kept sending the timestep to the chip of
+    the first call, so a pipeline moved to the CPU (or another chip) failed on two devices."""
+    if target == "tpu:1" and torch.tpu.device_count() < 2:
+        pytest.skip("needs two tpu chips")
+    pipe = load("sd3", sd3_path).to("tpu")
+    _generate(pipe, steps=2)
+    pipe.to(target)
+    assert pipe.transformer.device == torch.device(target)
+    np.testing.assert_allclose(_generate(pipe, steps=2), _generate(sd3[0], steps=2), atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("kind", [pytest.param("sd", marks=pytest.mark.slow), "sd3"])  # the UNet: 20 s
 def test_compiled_pipeline_same_image_and_no_compiles_on_second_call(kind, sd_path, sd3_path, sd, sd3):
     cpu = {"sd": sd, "sd3": sd3}[kind][0]
