@@ -295,10 +295,23 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, overwritten: tuple 
     return _CompiledGraph(gm, overwritten, loopable)
 
 
+def _touches_tpu(gm: torch.fx.GraphModule, example_inputs) -> bool:
+    """Whether a tensor of the graph (an input, or a value Dynamo recorded) is on `tpu`."""
+    recorded = [node.meta.get("example_value") for node in gm.graph.nodes]
+    return any(isinstance(v, torch.Tensor) and v.device.type == "tpu"
+               for v in torch.utils._pytree.tree_leaves([list(example_inputs), recorded]))
+
+
 def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     """`torch.compile(model, backend="tpu")`."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
+
+    if not _touches_tpu(gm, example_inputs):
+        # A graph of CPU tensors only (a model compiled for tpu, then moved back to the CPU) runs on
+        # the CPU, as the `eager` backend runs it: its ATen graph has the CPU kernels' strides baked in
+        # (a view of CPU attention's output), which the same ops on tpu would not give.
+        return gm.forward
 
     def forward_compiler(graph, inputs):
         return make_boxed_func(_compile_graph(graph, inputs, *_mutated_inputs(graph, inputs)))

@@ -361,6 +361,23 @@ def test_torch_compile_takes_cpu_tensors_and_returns_them_on_the_cpu():
         assert torch.allclose(scaled.cpu(), x * expected_count)
 
 
+def test_torch_compile_of_cpu_tensors_only_runs_on_the_cpu():
+    """The ATen graph of CPU tensors has CPU kernels' strides baked in: CPU attention returns its output
+    transposed, so `.transpose(1, 2).contiguous().reshape(...)` is recorded as a plain view, which the
+    same graph run on tpu (contiguous attention) could not take. Such a graph runs on the CPU."""
+
+    def attention(x):
+        q = x.view(1, 16, 2, 8).transpose(1, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        return out.transpose(1, 2).contiguous().reshape(1, 16, -1)
+
+    x = torch.randn(1, 16, 16)
+    torch._dynamo.reset()
+    compiled = torch.compile(attention, backend="tpu")
+    assert torch.allclose(compiled(x), attention(x), atol=1e-6)
+    assert torch.allclose(compiled(x.to("tpu")).cpu(), attention(x), atol=1e-5)  # recompiled for tpu
+
+
 def test_compiled_optimizer_step_matches_cpu_and_keeps_its_state_on_tpu():
     """`torch.compile(opt.step)`: Dynamo makes the optimizer capturable on tpu as it does on CUDA, so the
     step counts stay on the device and a step reads nothing back to the host."""
