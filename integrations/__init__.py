@@ -23,6 +23,7 @@ ADAPTERS = {
     "transformers.models.auto.auto_factory": "hf_tpu.integrations.transformers",
     "transformers.generation.utils": "hf_tpu.integrations.transformers",
     "transformers.trainer": "hf_tpu.integrations.transformers",
+    "transformers.training_args": "hf_tpu.integrations.transformers",
     "diffusers.schedulers.scheduling_utils": "hf_tpu.integrations.diffusers",
     "diffusers.pipelines.pipeline_utils": "hf_tpu.integrations.diffusers",
     "diffusers.models.modeling_utils": "hf_tpu.integrations.diffusers",
@@ -30,6 +31,7 @@ ADAPTERS = {
     "diffusers.hooks._common": "hf_tpu.integrations.diffusers",
     "accelerate.state": "hf_tpu.integrations.accelerate",
     "accelerate.accelerator": "hf_tpu.integrations.accelerate",
+    "accelerate.utils.dataclasses": "hf_tpu.integrations.accelerate",
 }
 
 

@@ -26,6 +26,8 @@ def install(module) -> None:
     """Patch the Accelerate module that was just imported (`hf_tpu.integrations.ADAPTERS`)."""
     if module.__name__ == "accelerate.state":
         _pick_tpu(module.PartialState)
+    elif module.__name__ == "accelerate.utils.dataclasses":
+        _add_tpu_dynamo_backend(module.DynamoBackend)
     elif module.__name__ == "accelerate.accelerator":
         # Accelerator.save_state/load_state call these through the names this module imported
         for name, wrap in (("save_accelerator_state", _saving_tpu_rng), ("load_accelerator_state", _loading_tpu_rng)):
@@ -93,3 +95,20 @@ def _pick_tpu(state) -> None:
     patched = property(default_device)
     patched.fget._hf_tpu = True
     state.default_device = patched
+
+
+def _add_tpu_dynamo_backend(backends) -> None:
+    """`TorchDynamoPlugin(backend="tpu")`, `ACCELERATE_DYNAMO_BACKEND=tpu` and the Trainer's
+    `torch_compile_backend="tpu"` compile through `torch.compile(backend="tpu")`: Accelerate takes its
+    backends from a closed enum (Inductor's `torch_tpu` lookup fails on tpu), so a `TPU` member joins it
+    as Python's `Enum` makes members, with Accelerate's lower-cased value convention."""
+    if "TPU" in backends._member_map_:
+        return
+    member = str.__new__(backends, "TPU")
+    member._name_ = member._value_ = "TPU"
+    member.__objclass__ = backends
+    member._sort_order_ = len(backends._member_names_)
+    type.__setattr__(backends, "TPU", member)
+    backends._member_names_.append("TPU")
+    backends._member_map_["TPU"] = member
+    backends._value2member_map_["TPU"] = member

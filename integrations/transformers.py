@@ -794,8 +794,30 @@ def _wrap_load_rng_state(original):
     return _load_rng_state
 
 
+# --- The Trainer's `torch_compile=True`: the tpu backend, as Transformers picks HPU's and Neuron's
+
+
+def _wrap_training_args_post_init(original):
+    @functools.wraps(original)
+    def __post_init__(self):
+        """`TrainingArguments(torch_compile=True)` names no backend, and Transformers then picks its
+        accelerator's (`hpu_backend`, `neuron`) or Inductor, which cannot compile for tpu (it imports a
+        `torch_tpu` module). With tpu as PyTorch's accelerator the Trainer compiles with
+        `backend="tpu"` (`integrations/accelerate.py` makes it one of Accelerate's backends)."""
+        accelerator = torch.accelerator.current_accelerator()
+        if ((self.torch_compile or self.torch_compile_mode is not None) and self.torch_compile_backend is None
+                and not self.use_cpu and accelerator is not None and accelerator.type == "tpu"):
+            self.torch_compile_backend = "tpu"
+        original(self)
+
+    return __post_init__
+
+
 def install(module) -> None:
     """Patch the Transformers module that was just imported (`hf_tpu.integrations.ADAPTERS`)."""
+    if module.__name__ == "transformers.training_args":
+        _patch(module.TrainingArguments, "__post_init__", _wrap_training_args_post_init)
+        return
     if module.__name__ == "transformers.trainer":
         _patch(module.Trainer, "_save_rng_state", _wrap_save_rng_state)
         _patch(module.Trainer, "_load_rng_state", _wrap_load_rng_state)

@@ -216,7 +216,7 @@ def test_autocast_bfloat16():
     assert model[0].weight.grad.dtype == torch.float32
 
 
-def _trainer_losses(tmp_path, device):
+def _trainer_losses(tmp_path, device, **arguments):
     from accelerate.state import AcceleratorState
     from transformers import Trainer, TrainingArguments
 
@@ -225,7 +225,7 @@ def _trainer_losses(tmp_path, device):
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (6, 16))]
     args = TrainingArguments(output_dir=str(tmp_path / device), per_device_train_batch_size=2, max_steps=3,
                              learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no",
-                             use_cpu=device == "cpu", seed=0, disable_tqdm=True)
+                             use_cpu=device == "cpu", seed=0, disable_tqdm=True, **arguments)
     trainer = Trainer(model=_tiny_llama(), args=args, train_dataset=data)
     assert trainer.accelerator.device.type == device
     trainer.train()
@@ -238,6 +238,19 @@ def test_the_trainer_trains_on_tpu_with_the_cpu_losses(tmp_path):
     the CPU while the Trainer sent its inputs to `tpu` (`integrations/accelerate.py`)."""
     cpu = _trainer_losses(tmp_path, "cpu")
     tpu = _trainer_losses(tmp_path, "tpu")
+    assert len(tpu) == 3 and ((tpu - cpu).abs() / cpu.abs()).max().item() < 1e-4, (tpu, cpu)
+
+
+def test_the_trainer_compiles_for_tpu_with_the_cpu_losses(tmp_path):
+    """`torch_compile=True` left Transformers to pick Inductor, which cannot compile for tpu, and
+    Accelerate knew no `tpu` backend to name instead."""
+    from accelerate.utils import TorchDynamoPlugin
+
+    assert TorchDynamoPlugin(backend="tpu").to_kwargs()["backend"] == "tpu"
+    cpu = _trainer_losses(tmp_path, "cpu")
+    graphs = hf_tpu.metrics()["compiles_by_mode"].get("COMPILE", 0)
+    tpu = _trainer_losses(tmp_path, "tpu", torch_compile=True)
+    assert hf_tpu.metrics()["compiles_by_mode"]["COMPILE"] > graphs  # the model ran compiled
     assert len(tpu) == 3 and ((tpu - cpu).abs() / cpu.abs()).max().item() < 1e-4, (tpu, cpu)
 
 
