@@ -289,9 +289,24 @@ def _mutated_inputs(gm: torch.fx.GraphModule, example_inputs) -> tuple:
     return tuple(sorted(positions)), loopable
 
 
+def _views_as_reshapes(gm: torch.fx.GraphModule) -> None:
+    """AOT autograd writes a `reshape` as `view` where the traced tensor's strides allow one, and those
+    strides are the meta kernels': `_scaled_dot_product_flash_attention_for_cpu_backward` gives its
+    gradients the query's transposed strides, so the backward of `x.view(b, s, h, d).transpose(1, 2)`
+    views them back. Every tpu result is contiguous, and such a view fails. In a functionalized graph
+    nothing writes through a view, so `reshape`, which views where it can and copies otherwise, means
+    the same there."""
+    views = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.view.default)
+    for node in views:
+        node.target = torch.ops.aten.reshape.default
+    if views:
+        gm.recompile()
+
+
 def _compile_graph(gm: torch.fx.GraphModule, example_inputs, overwritten: tuple = (), loopable: bool = False):
     if os.environ.get("HF_TPU_LOG_COMPILES") == "1":
         log.warning("hf_tpu: compiling a torch.compile graph of %d nodes", len(gm.graph.nodes))
+    _views_as_reshapes(gm)
     return _CompiledGraph(gm, overwritten, loopable)
 
 

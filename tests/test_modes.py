@@ -378,6 +378,24 @@ def test_torch_compile_of_cpu_tensors_only_runs_on_the_cpu():
     assert torch.allclose(compiled(x.to("tpu")).cpu(), attention(x), atol=1e-5)  # recompiled for tpu
 
 
+def test_compiled_backward_through_attention_of_transposed_heads_matches_cpu():
+    """GPT-2's, BERT's and ViT's attention layout: the meta kernel of the fused attention's backward
+    gives its gradients the query's transposed strides, and AOT autograd viewed them back with a
+    `view` that a contiguous tpu result cannot take."""
+
+    def attention(x):
+        q = x.view(2, 10, 4, 8).transpose(1, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        return out.transpose(1, 2).reshape(2, 10, 32).sum()
+
+    x = torch.randn(2, 10, 32, requires_grad=True)
+    attention(x).backward()
+    on_tpu = x.detach().to("tpu").requires_grad_()
+    torch._dynamo.reset()
+    torch.compile(attention, backend="tpu")(on_tpu).backward()
+    assert torch.allclose(on_tpu.grad.cpu(), x.grad, atol=1e-5)
+
+
 def test_compiled_optimizer_step_matches_cpu_and_keeps_its_state_on_tpu():
     """`torch.compile(opt.step)`: Dynamo makes the optimizer capturable on tpu as it does on CUDA, so the
     step counts stay on the device and a step reads nothing back to the host."""
