@@ -395,8 +395,10 @@ def view_of(t: torch.Tensor, buf: Buffer):
         shape = t.shape  # a torch.Size: equal to the buffer's tuple when the sizes are
         if dtype == buf.dtype and shape == buf.shape:
             return None
-        if dtype != buf.dtype and math.prod(shape) * dtype.itemsize == buf.nbytes:
-            _adopt_layout(buf, tuple(shape), dtype)  # e.g. bytes restored by torch.load, read as float32
+        if dtype != buf.dtype and dtype != torch.bool and math.prod(shape) * dtype.itemsize == buf.nbytes:
+            # e.g. bytes restored by torch.load, read as float32; never as bool, which keeps only 0 or 1
+            # of a byte whose other views (`x.view(torch.bool)` of uint8) still see all its bits
+            _adopt_layout(buf, tuple(shape), dtype)
             return None
     return View(tuple(t.shape), tuple(t.stride()), offset, dtype)
 

@@ -188,3 +188,12 @@ def test_a_real_view_with_the_negative_bit_reads_negated():
 def test_view_as_another_dtype_reinterprets_bytes():
     differential(lambda d: torch.tensor([1.0, -2.0], device=d).view(torch.int32))
     differential(lambda d: torch.arange(4, dtype=torch.int16, device=d).view(torch.uint8))
+
+
+def test_a_bool_view_of_bytes_leaves_their_other_bits():
+    """Reading `x.view(torch.bool)` re-expressed the whole uint8 buffer as bool, so `x` read 0 or 1."""
+    x = torch.tensor([2, 3, 0, 255], dtype=torch.uint8, device="tpu")
+    assert x.view(torch.bool).cpu().tolist() == [True, True, False, True]
+    assert x.cpu().tolist() == [2, 3, 0, 255]
+    signed = torch.tensor([-5, 4], dtype=torch.int8, device="tpu")
+    assert signed.view(torch.bool).sum().item() == 2 and signed.cpu().tolist() == [-5, 4]
