@@ -129,6 +129,23 @@ def _targets_tpu(device_map) -> bool:
         return False
 
 
+def _current_chip(device_map):
+    """`device_map="tpu"` means the current chip, as "cuda" means the current CUDA device. Transformers
+    moves weights with `.to("tpu")`, which PyTorch gives index 0 (it fills a missing index from the
+    device guard, and a Python backend's guard always answers 0), while buffers made by factories
+    with `device="tpu"` went to the current chip: one model on two chips."""
+    if isinstance(device_map, dict):
+        return {name: _current_chip(device) for name, device in device_map.items()}
+    if isinstance(device_map, (str, torch.device)) and device_map != "auto":
+        try:
+            device = torch.device(device_map)
+        except (TypeError, RuntimeError):  # "disk"
+            return device_map
+        if device.type == "tpu" and device.index is None:
+            return _tpu_device()
+    return device_map
+
+
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
@@ -302,6 +319,8 @@ def _wrap_from_pretrained(original):
         check_before_loading(pretrained_model_name_or_path, kwargs.get("dtype", kwargs.get("torch_dtype")))
         if device_map == "auto" and kwargs.get("max_memory") is None:
             kwargs["device_map"] = {"": _tpu_device()}
+        else:
+            kwargs["device_map"] = _current_chip(device_map)
         model = original.__func__(cls, pretrained_model_name_or_path, *args, **kwargs)
         if _on_tpu(model):
             prepare_model(model)

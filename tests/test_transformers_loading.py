@@ -50,6 +50,17 @@ def test_device_maps_that_mean_the_accelerator_load_on_tpu(checkpoint, device_ma
     assert {p.device for p in model.parameters()} == {torch.device("tpu", 0)}
 
 
+@pytest.mark.parametrize("device_map", ["tpu", {"": "tpu"}])
+def test_device_map_tpu_loads_on_the_current_chip(checkpoint, device_map):
+    """As "cuda" means the current CUDA device: the weights went to tpu:0 (moved with `.to("tpu")`)
+    and the rotary buffers to the current chip."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.tpu.device(1):
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, device_map=device_map)
+    assert {t.device for t in [*model.parameters(), *model.buffers()]} == {torch.device("tpu", 1)}
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, "auto"])
 def test_dtype_is_applied_on_tpu_as_on_cpu(checkpoint, dtype):
     from transformers import AutoModelForCausalLM
