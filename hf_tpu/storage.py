@@ -72,6 +72,10 @@ def _pin_memory(self, device=None):
 
 
 def install() -> None:
+    # `storage.tpu()` and `storage.is_tpu`, as storages have `cuda()` and `is_cuda` (PyTorch's backend
+    # setup makes the tensor and module methods only)
+    torch.utils.generate_methods_for_privateuse1_backend(
+        for_tensor=False, for_module=False, for_packed_sequence=False, for_storage=True)
     torch.serialization.register_package(15, _tag, _restore)
     torch.UntypedStorage.__new__ = _untyped_storage_new
     torch.Tensor.pin_memory = _pin_memory

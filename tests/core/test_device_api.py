@@ -103,6 +103,13 @@ def test_moving_a_module_keeps_its_parameter_objects_like_cuda():
     assert model.head.weight is weight and weight.device.type == "tpu"
 
 
+def test_storages_move_and_say_where_they_are():
+    host = torch.arange(3.0).untyped_storage()
+    moved = host.tpu()
+    assert moved.is_tpu and not host.is_tpu and moved.device == torch.device("tpu", 0)
+    assert torch.tensor([], device="tpu").set_(moved).cpu().tolist() == [0.0, 1.0, 2.0]
+
+
 def test_a_parameter_that_cannot_be_swapped_still_moves():
     """PyTorch refuses to swap a parameter something holds a weak reference to (or that a pending
     autograd graph uses): such a module moves PyTorch's default way, with new objects."""
