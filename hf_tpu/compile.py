@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from . import buffer, counters, dispatch, donation, loops, modes, random
+from . import buffer, counters, dispatch, donation, loops, modes, platform, random
 
 log = logging.getLogger("hf_tpu.compile")
 _counters = counters.counters
@@ -34,13 +34,22 @@ class _Tracing:
         self.rng_base = rng_base
         self.draws = 0  # random ops traced so far: the i-th takes the i-th offset from rng_base
         self.checks = []  # (tensor, raise_if_bad) of each `modes.check_on_device` in the graph
+        self.replayed = None  # (saved key data, draws since) while `run_with_rng_state` replays an op
 
     def random_key(self, generator):
         if generator is not None:
             raise _Untraceable("a random op draws from its own torch.Generator")
+        if self.replayed is not None:  # inside `run_with_rng_state`: the recomputed op's own draws
+            state, n = self.replayed
+            self.replayed = (state, n + 1)
+            return random.offset_key(state, n)
         key = random.offset_key(self.rng_base, self.draws)
         self.draws += 1
         return key
+
+    def next_key(self):
+        """The key the next random op will take (`run_and_save_rng_state` saves it)."""
+        return random.offset_key(self.rng_base, self.draws)
 
     def execute(self, program, key, arrays, scalars, rng, device_index):
         return program.fn(arrays, scalars, rng)
@@ -379,5 +388,68 @@ def _tpu_generators_as_cpu_ones() -> None:
     VariableBuilder._wrap = _wrap
 
 
+def _rng_state_ops_on_tpu() -> None:
+    """Activation checkpointing in a compiled graph (`torch.utils.checkpoint`, or the Trainer's
+    `gradient_checkpointing` with `torch_compile`) recomputes random ops in the backward graph: the
+    forward graph saves the RNG state before each (`run_and_save_rng_state`) and the backward graph
+    replays it (`run_with_rng_state`). PyTorch implements the two for CPU, CUDA, HPU and XPU only,
+    and raised "Backend not supported for tpu". Here the state is the key data the op draws with,
+    as an int64 tpu tensor, so it stays on the device between the two graphs."""
+    from torch._C import DispatchKey
+    from torch._prims import rng_prims
+
+    # where the recomputed op's own arguments start: after the op, or after the saved state and the op
+    for hop, tpu_kernel, tensors_from in ((rng_prims.run_and_save_rng_state, _run_and_save_rng_state, 1),
+                                          (rng_prims.run_with_rng_state, _run_with_rng_state, 2)):
+        original = hop.py_kernels[DispatchKey.BackendSelect]
+        if getattr(original, "_hf_tpu", False):
+            continue
+
+        def backend_select(*args, _original=original, _tpu_kernel=tpu_kernel, _start=tensors_from,
+                           **kwargs):
+            if rng_prims.get_device(args[_start:], kwargs) == "tpu":
+                return _tpu_kernel(*args, **kwargs)
+            return _original(*args, **kwargs)
+
+        backend_select._hf_tpu = True
+        hop.py_kernels[DispatchKey.BackendSelect] = backend_select
+        hop._dispatch_cache.clear()
+
+
+def _device_index_of(args, kwargs) -> int:
+    device = kwargs.get("device")
+    if device is not None:
+        return dispatch.current_index_for(torch.device(device))
+    return next(a.device.index for a in torch.utils._pytree.tree_leaves(args) if isinstance(a, torch.Tensor))
+
+
+def _run_and_save_rng_state(op, *args, **kwargs):
+    index = _device_index_of(args, kwargs)
+    mode = modes._current[0]
+    if mode.name == "TRACE":
+        state = mode.next_key()
+    else:  # a graph run eagerly (`_CompiledGraph.eager`): the device's next offset
+        state = jax.device_put(random.current_key(index), platform.jax_device(index))
+    return buffer.new_tensor((4,), torch.int64, index, state.astype(jnp.int64)), op(*args, **kwargs)
+
+
+def _run_with_rng_state(rng_state, op, *args, **kwargs):
+    mode = modes._current[0]
+    if mode.name == "TRACE":
+        saved, mode.replayed = mode.replayed, (buffer.array_of(rng_state).astype(jnp.uint32), 0)
+        try:
+            return op(*args, **kwargs)
+        finally:
+            mode.replayed = saved
+    index = rng_state.device.index
+    current = random.get_state(index)
+    random.set_key_state(rng_state.cpu().numpy(), index)
+    try:
+        return op(*args, **kwargs)
+    finally:
+        random.set_state(current, index)
+
+
 _capturable_on_tpu()
 _tpu_generators_as_cpu_ones()
+_rng_state_ops_on_tpu()

@@ -57,6 +57,12 @@ def set_state(state: torch.Tensor, index: int) -> None:
     _state[index] = [int(seed), int(offset)]
 
 
+def set_key_state(data, index: int) -> None:
+    """Make `data` (key data, as `current_key` gives it) the device's next key."""
+    seed_low, seed_high, offset_low, offset_high = (int(word) for word in data)
+    _state[index] = [seed_low | seed_high << 32, offset_low | offset_high << 32]
+
+
 def random_seed() -> int:
     return secrets.randbits(63)
 

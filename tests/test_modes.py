@@ -396,6 +396,41 @@ def test_compiled_backward_through_attention_of_transposed_heads_matches_cpu():
     assert torch.allclose(on_tpu.grad.cpu(), x.grad, atol=1e-5)
 
 
+def test_a_compiled_checkpoint_recomputes_the_dropout_mask_it_drew():
+    """Activation checkpointing in a compiled graph saves the RNG state before each random op it will
+    recompute and replays it in the backward graph; PyTorch does that for CPU, CUDA, HPU and XPU only
+    ("Backend not supported for tpu")."""
+    from torch.utils.checkpoint import checkpoint
+
+    def dropped(x):
+        y = checkpoint(lambda t: torch.nn.functional.dropout(t * 2, 0.5, training=True), x, use_reentrant=False)
+        return y, y.sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(dropped, backend="tpu")
+    for seed in range(2):
+        x = torch.randn(64, device="tpu", requires_grad=True)
+        torch.manual_seed(seed)
+        y, loss = compiled(x)
+        loss.backward()
+        assert torch.equal((x.grad * x).detach().cpu(), y.detach().cpu())  # the mask the forward drew
+        eager = x.detach().clone().requires_grad_()
+        torch.manual_seed(seed)
+        dropped(eager)[1].backward()
+        assert torch.equal(eager.grad.cpu(), x.grad.cpu())
+
+
+def test_rng_state_operators_replay_a_draw_outside_a_trace():
+    """A compiled graph that falls back to running eagerly calls the same two operators on tpu tensors."""
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+
+    torch._dynamo.lookup_backend("tpu")  # what installs hf_tpu's compile patches
+    state, drawn = run_and_save_rng_state(torch.ops.aten.rand.default, [8], device="tpu")
+    following = torch.rand(8, device="tpu")
+    assert torch.equal(run_with_rng_state(state, torch.ops.aten.rand.default, [8], device="tpu").cpu(), drawn.cpu())
+    assert not torch.equal(torch.rand(8, device="tpu").cpu(), following.cpu())  # the stream went on
+
+
 def test_compiled_optimizer_step_matches_cpu_and_keeps_its_state_on_tpu():
     """`torch.compile(opt.step)`: Dynamo makes the optimizer capturable on tpu as it does on CUDA, so the
     step counts stay on the device and a step reads nothing back to the host."""
