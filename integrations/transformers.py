@@ -504,12 +504,13 @@ def _is_plain_prompt(model, input_ids, model_kwargs) -> bool:
 
 def _loop_runs_on_the_host(generation_config, kwargs) -> bool:
     """Greedy search, sampling and beam search move each step's inputs to the model and its logits back;
-    assisted generation (an assistant model or prompt lookup) mixes the ids with the model's tensors."""
+    assisted generation (an assistant model or prompt lookup) mixes the ids with the model's tensors, and
+    classifier-free guidance (`guidance_scale`) runs the model on the ids from a logits processor."""
     from transformers.generation import GenerationMode
 
     mode = generation_config.get_generation_mode(kwargs.get("assistant_model"))
     return mode in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH,
-                    GenerationMode.BEAM_SAMPLE)
+                    GenerationMode.BEAM_SAMPLE) and generation_config.guidance_scale in (None, 1)
 
 
 # generate() arguments that see the prompt's tokens or length: a streamer is sent the prompt, and a

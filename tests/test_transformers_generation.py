@@ -326,6 +326,13 @@ def test_what_reads_the_prompt_reads_it_unpadded(models, reader):
         assert actual_kwargs["streamer"].chunks == expected_kwargs["streamer"].chunks
 
 
+def test_classifier_free_guidance_generates_the_cpu_tokens(models):
+    """`guidance_scale` runs the model from a logits processor on the ids it is given: they must stay on
+    the model's device, not move to the host with the rest of the loop's bookkeeping."""
+    expected, actual = _both(models, max_new_tokens=4, do_sample=False, guidance_scale=1.5)
+    assert torch.equal(actual, expected)
+
+
 def test_per_token_inputs_besides_the_ids_generate_the_cpu_tokens(tmp_path):
     """`token_type_ids` (a tokenizer's output for GPT-2 and BERT) hold one entry per prompt token: a
     padded prompt would not match them."""
