@@ -504,13 +504,17 @@ def _is_plain_prompt(model, input_ids, model_kwargs) -> bool:
 
 def _loop_runs_on_the_host(generation_config, kwargs) -> bool:
     """Greedy search, sampling and beam search move each step's inputs to the model and its logits back;
-    assisted generation (an assistant model or prompt lookup) mixes the ids with the model's tensors, and
-    classifier-free guidance (`guidance_scale`) runs the model on the ids from a logits processor."""
+    assisted generation (an assistant model or prompt lookup) mixes the ids with the model's tensors,
+    classifier-free guidance (`guidance_scale`) runs the model on the ids from a logits processor, and
+    a user's own processors and stopping criteria may hold tensors on the model's device, where
+    Transformers gives them the scores and ids."""
     from transformers.generation import GenerationMode
 
     mode = generation_config.get_generation_mode(kwargs.get("assistant_model"))
-    return mode in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH,
-                    GenerationMode.BEAM_SAMPLE) and generation_config.guidance_scale in (None, 1)
+    return (mode in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH,
+                     GenerationMode.BEAM_SAMPLE)
+            and generation_config.guidance_scale in (None, 1)
+            and not kwargs.get("logits_processor") and not kwargs.get("stopping_criteria"))
 
 
 # generate() arguments that see the prompt's tokens or length: a streamer is sent the prompt, and a
@@ -528,6 +532,7 @@ def _padding_keeps_the_result(generation_config, kwargs, model_kwargs) -> bool:
     return (
         generation_config.max_new_tokens is not None
         and not generation_config.min_length
+        and generation_config.forced_bos_token_id is None  # forced where the ids are one token long
         and not generation_config.no_repeat_ngram_size
         and not generation_config.bad_words_ids
         and not generation_config.sequence_bias
@@ -604,6 +609,10 @@ def _wrap_generate(original):
         if settings.prompt_buckets and getattr(self, "_hf_tpu_pad_prompts", True) and _padding_keeps_the_result(
                 resolved, kwargs, model_kwargs):
             padding = bucketed_length(host_ids.shape[1]) - host_ids.shape[1]
+            # a model's position tables (and GPT-Neo's causal mask) end at its longest sequence
+            longest = getattr(self.config.get_text_config(decoder=True), "max_position_embeddings", None)
+            if longest is not None and host_ids.shape[1] + padding + resolved.max_new_tokens > longest:
+                padding = 0
         if padding:
             if host_mask is None:
                 host_mask = _prompt_mask(host_ids, resolved)

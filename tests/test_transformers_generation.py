@@ -333,6 +333,45 @@ def test_classifier_free_guidance_generates_the_cpu_tokens(models):
     assert torch.equal(actual, expected)
 
 
+def test_a_forced_first_token_is_forced_after_a_one_token_prompt(models):
+    """`forced_bos_token_id` forces the token where the ids are one token long: not after a padded prompt."""
+    expected, actual = _both(models, prompt=PROMPT[:, :1], max_new_tokens=3, do_sample=False, forced_bos_token_id=7)
+    assert expected[0, 1] == 7 and torch.equal(actual, expected)
+
+
+def test_a_users_processor_gets_the_scores_on_the_models_device(models):
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Favour(LogitsProcessor):
+        def __init__(self, device):
+            self.bias = torch.zeros(128, device=device)
+            self.bias[9] = 100.0
+
+        def __call__(self, input_ids, scores):
+            return scores + self.bias
+
+    cpu, tpu = models
+    expected = cpu.generate(PROMPT, max_new_tokens=3, do_sample=False, logits_processor=LogitsProcessorList([Favour("cpu")]))
+    actual = tpu.generate(PROMPT.to("tpu"), max_new_tokens=3, do_sample=False,
+                          logits_processor=LogitsProcessorList([Favour(tpu.device)]))
+    assert expected[0, -3:].tolist() == [9, 9, 9] and torch.equal(actual.cpu(), expected)
+
+
+def test_a_prompt_is_not_padded_past_the_models_longest_sequence(tmp_path):
+    """GPT-Neo's causal mask covers `max_position_embeddings` positions: 100 + 20 tokens fit in 128,
+    a prompt padded to the 128 bucket does not."""
+    from transformers import AutoModelForCausalLM, GPTNeoConfig, GPTNeoForCausalLM
+
+    torch.manual_seed(0)
+    config = GPTNeoConfig(hidden_size=32, num_layers=1, num_heads=4, attention_types=[[["global"], 1]],
+                          max_position_embeddings=128, vocab_size=64, bos_token_id=1, eos_token_id=2)
+    GPTNeoForCausalLM(config).save_pretrained(tmp_path)
+    ids = torch.randint(3, 64, (1, 100))
+    expected = AutoModelForCausalLM.from_pretrained(tmp_path).generate(ids, max_new_tokens=20, do_sample=False)
+    tpu = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="tpu")
+    assert torch.equal(tpu.generate(ids.to("tpu"), max_new_tokens=20, do_sample=False).cpu(), expected)
+
+
 def test_per_token_inputs_besides_the_ids_generate_the_cpu_tokens(tmp_path):
     """`token_type_ids` (a tokenizer's output for GPT-2 and BERT) hold one entry per prompt token: a
     padded prompt would not match them."""
