@@ -24,6 +24,7 @@ off), `HF_TPU_CACHE_LENGTH_MULTIPLE`, `HF_TPU_STATIC_CACHE` ("0" keeps Transform
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -609,18 +610,49 @@ def _wrap_generate(original):
         if settings.prompt_buckets and getattr(self, "_hf_tpu_pad_prompts", True) and _padding_keeps_the_result(
                 resolved, kwargs, model_kwargs):
             padding = bucketed_length(host_ids.shape[1]) - host_ids.shape[1]
-            # a model's position tables (and GPT-Neo's causal mask) end at its longest sequence
-            longest = getattr(self.config.get_text_config(decoder=True), "max_position_embeddings", None)
+            longest = _longest_sequence(self.config.get_text_config(decoder=True))
             if longest is not None and host_ids.shape[1] + padding + resolved.max_new_tokens > longest:
                 padding = 0
         if padding:
             if host_mask is None:
                 host_mask = _prompt_mask(host_ids, resolved)
             host_ids, host_mask = _left_pad(host_ids, host_mask, padding)
-        output = original(self, host_ids, generation_config, attention_mask=host_mask, **kwargs)
+        with _step_inputs_on_the_model(self):
+            output = original(self, host_ids, generation_config, attention_mask=host_mask, **kwargs)
         return _to_device(_strip_padding(output, padding), input_ids.device)
 
     return generate
+
+
+# what configs call the longest sequence their position tables (GPT-Neo's causal mask, MPT's ALiBi
+# biases) cover
+_LONGEST_SEQUENCE_NAMES = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length")
+
+
+def _longest_sequence(config) -> int | None:
+    return next((getattr(config, name) for name in _LONGEST_SEQUENCE_NAMES
+                 if isinstance(getattr(config, name, None), int)), None)
+
+
+@contextlib.contextmanager
+def _step_inputs_on_the_model(model):
+    """Transformers' own `prepare_inputs_for_generation` moves each step's inputs to the model; some
+    models' overrides build them on the ids' device and do not (XLM, Flaubert), which with the ids on
+    the host gave a tpu model CPU inputs. For the call, the model's own preparation is followed by
+    that move (a no-op where it already happened)."""
+    from transformers.pytorch_utils import move_to_device
+
+    prepare = model.prepare_inputs_for_generation
+
+    @functools.wraps(prepare)  # Transformers reads its signature to validate generate()'s arguments
+    def prepare_inputs_for_generation(*args, **kwargs):
+        return move_to_device(prepare(*args, **kwargs), model.device)
+
+    model.prepare_inputs_for_generation = prepare_inputs_for_generation
+    try:
+        yield
+    finally:
+        del model.prepare_inputs_for_generation
 
 
 # --- Decoding on the device: every token after the first in one hf_tpu.while_loop

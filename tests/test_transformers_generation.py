@@ -357,19 +357,46 @@ def test_a_users_processor_gets_the_scores_on_the_models_device(models):
     assert expected[0, -3:].tolist() == [9, 9, 9] and torch.equal(actual.cpu(), expected)
 
 
-def test_a_prompt_is_not_padded_past_the_models_longest_sequence(tmp_path):
-    """GPT-Neo's causal mask covers `max_position_embeddings` positions: 100 + 20 tokens fit in 128,
-    a prompt padded to the 128 bucket does not."""
-    from transformers import AutoModelForCausalLM, GPTNeoConfig, GPTNeoForCausalLM
+def _gpt_neo():
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    return GPTNeoForCausalLM(GPTNeoConfig(hidden_size=32, num_layers=1, num_heads=4, attention_types=[[["global"], 1]],
+                                          max_position_embeddings=128, vocab_size=64, bos_token_id=1, eos_token_id=2))
+
+
+def _mpt():
+    from transformers import MptConfig, MptForCausalLM
+
+    return MptForCausalLM(MptConfig(d_model=32, n_layers=1, n_heads=4, max_seq_len=128, vocab_size=64,
+                                    bos_token_id=1, eos_token_id=2))
+
+
+@pytest.mark.parametrize("build", [_gpt_neo, _mpt], ids=["gpt_neo", "mpt"])
+def test_a_prompt_is_not_padded_past_the_models_longest_sequence(tmp_path, build):
+    """GPT-Neo's causal mask and MPT's ALiBi biases cover 128 positions (`max_position_embeddings`,
+    `max_seq_len`): 100 + 20 tokens fit, a prompt padded to the 128 bucket does not."""
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = GPTNeoConfig(hidden_size=32, num_layers=1, num_heads=4, attention_types=[[["global"], 1]],
-                          max_position_embeddings=128, vocab_size=64, bos_token_id=1, eos_token_id=2)
-    GPTNeoForCausalLM(config).save_pretrained(tmp_path)
+    build().save_pretrained(tmp_path)
     ids = torch.randint(3, 64, (1, 100))
     expected = AutoModelForCausalLM.from_pretrained(tmp_path).generate(ids, max_new_tokens=20, do_sample=False)
     tpu = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="tpu")
     assert torch.equal(tpu.generate(ids.to("tpu"), max_new_tokens=20, do_sample=False).cpu(), expected)
+
+
+def test_a_model_that_prepares_its_step_inputs_itself_generates_the_cpu_tokens(tmp_path):
+    """XLM builds each step's inputs on the ids' device and does not move them to the model."""
+    from transformers import AutoModelForCausalLM, XLMConfig, XLMWithLMHeadModel
+
+    torch.manual_seed(0)
+    XLMWithLMHeadModel(XLMConfig(emb_dim=32, n_layers=1, n_heads=4, vocab_size=64)).save_pretrained(tmp_path)
+    ids = torch.randint(3, 64, (2, 8))
+    common = dict(attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    expected = AutoModelForCausalLM.from_pretrained(tmp_path).generate(ids, **common)
+    tpu = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="tpu")
+    actual = tpu.generate(ids.to("tpu"), **{**common, "attention_mask": common["attention_mask"].to("tpu")})
+    assert torch.equal(actual.cpu(), expected)
 
 
 def test_per_token_inputs_besides_the_ids_generate_the_cpu_tokens(tmp_path):
