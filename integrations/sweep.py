@@ -89,6 +89,8 @@ OVERRIDES: dict[str, dict] = {
     # one attention layer and one MoE layer among the two
     "recurrent_gemma": {"num_hidden_layers": 3},  # block_types cycles recurrent, recurrent, attention
     "jamba": {"attn_layer_offset": 1, "attn_layer_period": 2, "expert_layer_offset": 1, "expert_layer_period": 2},
+    # ReformerModelWithLMHead refuses an encoder's config; axial position factors need a big hidden size
+    "reformer": {"is_decoder": True, "axial_pos_embds": False, "attn_layers": ["local", "local"]},
 }
 
 
