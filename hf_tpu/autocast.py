@@ -24,7 +24,7 @@ FLOAT32 = (
     "sinh", "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar", "softplus", "layer_norm",
     "native_layer_norm", "group_norm", "norm.Scalar", "norm.ScalarOpt_dim", "cosine_similarity", "nll_loss",
     "nll_loss2d", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss", "binary_cross_entropy_with_logits",
-    "cdist", "logsumexp", "softmax.int", "log_softmax.int", "cumsum", "cumprod", "prod", "sum.dim_IntList",
+    "cdist", "logsumexp", "softmax.int", "log_softmax.int", "cumsum", "cumprod", "prod", "sum",
 )
 
 _KEY = torch._C.DispatchKey.AutocastPrivateUse1

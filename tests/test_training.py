@@ -211,6 +211,7 @@ def test_autocast_bfloat16():
         actual = model(x.to("tpu"))
         assert actual.dtype == torch.bfloat16
         assert torch.softmax(actual, -1).dtype == torch.float32
+        assert actual.sum().dtype == actual.sum(0).dtype == torch.float32  # CUDA's policy, every overload
     assert torch.allclose(actual.cpu().float(), expected.float(), atol=2e-2)
     actual.float().sum().backward()
     assert model[0].weight.grad.dtype == torch.float32
