@@ -245,7 +245,7 @@ class _Call:
                 elif v is None:
                     key.append(None)
                 elif _is_static_scalar(sig, i, v):
-                    key.append((type(v), v))
+                    key.append(_hashable(v))
                 else:  # a Python number PyTorch wrapped as a tensor: a scalar here
                     scalars.append(v)
                     key.append(type(v))
@@ -254,7 +254,7 @@ class _Call:
             elif kind == SCALAR:
                 default = sig.defaults[i]  # the schema's default (alpha=1) first: the common case
                 if (type(v) is type(default) and v == default) or _is_static_scalar(sig, i, v):
-                    key.append((type(v), v))  # typed: 2 and 2.0 promote differently
+                    key.append(_hashable(v))
                 else:
                     scalars.append(v)
                     key.append(type(v))
@@ -348,9 +348,20 @@ def _wrapped_numbers(values, sig: Signature, device):
 
 
 def _hashable(v):
-    if isinstance(v, list):
+    """A key for a value compiled into a program. Numbers are typed (2, 2.0 and True promote
+    differently, yet are equal in Python) and floats exact (0.0 and -0.0 differ; a NaN equals itself)."""
+    kind = type(v)
+    if kind is int:
+        return v
+    if kind is float:
+        return float, v.hex()
+    if kind is bool:
+        return bool, v
+    if kind is complex:
+        return complex, v.real.hex(), v.imag.hex()
+    if kind is list:
         return tuple(_hashable(x) for x in v)
-    if isinstance(v, torch.device):
+    if kind is torch.device:
         return str(v)
     return v
 

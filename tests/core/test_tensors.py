@@ -2,6 +2,7 @@
 
 import copy
 import io
+import math
 import pickle
 
 import pytest
@@ -197,3 +198,14 @@ def test_a_bool_view_of_bytes_leaves_their_other_bits():
     assert x.cpu().tolist() == [2, 3, 0, 255]
     signed = torch.tensor([-5, 4], dtype=torch.int8, device="tpu")
     assert signed.view(torch.bool).sum().item() == 2 and signed.cpu().tolist() == [-5, 4]
+
+
+def test_clamp_bounds_of_another_type_or_sign_compile_their_own_program():
+    """Optional scalars were keyed by value, and 2 == 2.0 and 0.0 == -0.0 in Python: the first call's
+    program (its result dtype, its zero) served the other."""
+    ints = torch.tensor([1, 2, 3], device="tpu")
+    assert ints.clamp(0.0, 1.0).dtype == torch.float32 and ints.clamp(0, 1).dtype == torch.int64
+    assert ints.clamp(max=2).dtype == torch.int64 and ints.clamp(max=2.0).dtype == torch.float32
+    x = torch.tensor([-1.0, 2.0], device="tpu")
+    assert x.clamp(min=0.0).reciprocal().cpu().tolist() == [math.inf, 0.5]
+    assert x.clamp(min=-0.0).reciprocal().cpu().tolist() == [-math.inf, 0.5]
