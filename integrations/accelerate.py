@@ -30,10 +30,10 @@ def install(module) -> None:
         _add_tpu_dynamo_backend(module.DynamoBackend)
     elif module.__name__ == "accelerate.accelerator":
         # Accelerator.save_state/load_state call these through the names this module imported
-        for name, wrap in (("save_accelerator_state", _saving_tpu_rng), ("load_accelerator_state", _loading_tpu_rng)):
+        for name, action in (("save_accelerator_state", _save_tpu_rng), ("load_accelerator_state", _load_tpu_rng)):
             original = getattr(module, name)
             if not getattr(original, "_hf_tpu", False):
-                patched = wrap(original)
+                patched = _then_on_the_rng_file(original, action)
                 patched._hf_tpu = True
                 setattr(module, name, patched)
 
@@ -53,32 +53,30 @@ def _rng_file(function, args, kwargs):
     return Path(folder) / f"{RNG_STATE_NAME}_{bound.arguments['process_index']}.pkl"
 
 
-def _saving_tpu_rng(original):
+def _then_on_the_rng_file(original, action):
+    """`original` (Accelerate's save or load of a checkpoint), then `action(path)` on the file it keeps
+    the process's random states in, when tpu is the accelerator."""
     @functools.wraps(original)
-    def save_accelerator_state(*args, **kwargs):
-        location = original(*args, **kwargs)
-        path = _rng_file(original, args, kwargs)
-        if _tpu_is_the_accelerator() and path.is_file():
-            states = torch.load(path, weights_only=False)  # Accelerate's own pickle (Python's random state)
-            states[_TPU_RNG_KEY] = torch.tpu.get_rng_state_all()
-            torch.save(states, path)
-        return location
-
-    return save_accelerator_state
-
-
-def _loading_tpu_rng(original):
-    @functools.wraps(original)
-    def load_accelerator_state(*args, **kwargs):
+    def wrapper(*args, **kwargs):
         result = original(*args, **kwargs)
         path = _rng_file(original, args, kwargs)
         if _tpu_is_the_accelerator() and path.is_file():
-            states = torch.load(path, weights_only=False)
-            if _TPU_RNG_KEY in states:
-                torch.tpu.set_rng_state_all(states[_TPU_RNG_KEY])
+            action(path)
         return result
 
-    return load_accelerator_state
+    return wrapper
+
+
+def _save_tpu_rng(path) -> None:
+    states = torch.load(path, weights_only=False)  # Accelerate's own pickle (Python's random state)
+    states[_TPU_RNG_KEY] = torch.tpu.get_rng_state_all()
+    torch.save(states, path)
+
+
+def _load_tpu_rng(path) -> None:
+    states = torch.load(path, weights_only=False)
+    if _TPU_RNG_KEY in states:
+        torch.tpu.set_rng_state_all(states[_TPU_RNG_KEY])
 
 
 def _pick_tpu(state) -> None:
