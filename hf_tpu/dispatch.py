@@ -70,12 +70,14 @@ class Signature:
     lowering: Lowering | None
     kernel: object  # a storage kernel taking the bound values, or None
     index_check: object  # raises PyTorch's error for out-of-range indices (when checks are on), or None
+    check: object  # the lowering's check of argument values (`Lowering.check`), or None
     functional: torch._ops.OpOverload | None  # for in-place/out= overloads: the op that computes
     returns_list: bool  # the op returns Tensor[] (its one return is a list)
     num_returns: int
     written: tuple | None  # for a variant writing arguments it does not return: each functional result's argument
     static_args: tuple  # per argument: True where the lowering asked for the Python value
     static_values: tuple  # per argument: the values compiled in when passed (Lowering.static_values), or None
+    write_checks: tuple  # for a writing op: (expanded writes allowed, overlap rejected), see `_write_checks`
     # the op in a call's key: an int, as an OpOverload hashes in Python (every eager op hashes its key,
     # every deferred flush the keys of all its ops)
     ident: int = dataclasses.field(default_factory=itertools.count().__next__)
@@ -171,12 +173,14 @@ def signature(op) -> Signature:
         lowering=low,
         kernel=KERNELS.get(op),
         index_check=index_checks.check_for(op),
+        check=low.check if low is not None else None,
         functional=functional,
         returns_list=len(schema.returns) == 1 and str(schema.returns[0].type) == "List[Tensor]",
         num_returns=len(schema.returns),
         written=_written_args(args, mutated, returns_mutated, functional) if functional is not None else None,
         static_args=tuple(low is not None and a.name in low.static for a in args),
         static_values=tuple(dict(low.static_values).get(a.name) if low is not None else None for a in args),
+        write_checks=_write_checks(op, low),
     )
 
 
@@ -466,12 +470,58 @@ def _out_specs(call: _Call):
     return [None if r is None else (tuple(r.shape), r.dtype) for r in _flatten_returns(result)]
 
 
+# How PyTorch's CPU kernels take an out= tensor of another dtype than the result. Most cast to it, the
+# elementwise ones with type promotion only when the cast is safe (TensorIterator). These functional
+# ops or overloads want the result's dtype exactly: structured kernels' outputs, and the elementwise
+# ops TensorIterator builds with check_all_same_dtype (`neg`, `clamp` of Python numbers).
+_OUT_EXACT_DTYPE = frozenset((
+    "abs", "sign", "sgn", "floor", "ceil", "round", "trunc", "frac", "neg", "bitwise_not", "nan_to_num", "where",
+    "conj_physical", "clamp.default", "clamp_min.default", "clamp_max.default", "heaviside",
+    "mm", "bmm", "addmm", "baddbmm", "mv", "gather", "index_select", "index_add", "index_copy", "take",
+    "scatter.src", "scatter.value", "scatter_add", "scatter_reduce.two", "masked_select", "nonzero",
+    "sort", "sort.stable", "topk", "max.dim", "min.dim", "amax", "amin", "all", "any", "isin", "tril", "triu",
+    "slice_scatter", "_softmax", "_log_softmax", "logcumsumexp", "linalg_vector_norm", "linalg_cross",
+    "renorm", "searchsorted", "bucketize", "multinomial", "histc", "softplus", "softshrink", "hardshrink",
+    "gelu", "avg_pool3d", "_linalg_eigh", "_linalg_solve_ex", "linalg_lu_solve", "linalg_ldl_solve",
+    "linalg_solve_triangular", "ormqr",
+))
+
+
+def _check_out_dtypes(call: _Call):
+    """Raise PyTorch's error for an out= tensor whose dtype the CPU kernel would not write (PyTorch's
+    meta kernels leave most of these checks to the kernels)."""
+    sig = call.sig
+    inputs = {a.name for a in sig.functional._schema.arguments}
+    meta_values = _to_meta(call.values, sig)
+    try:
+        results = _flatten_returns(sig.functional(**{n: v for n, v in zip(sig.names, meta_values) if n in inputs}))
+    except NotImplementedError:  # no meta kernel
+        return
+    name = sig.functional._schema.name.split("::")[1]
+    overload = sig.functional._overloadname
+    exact = name in _OUT_EXACT_DTYPE or f"{name}.{overload}" in _OUT_EXACT_DTYPE
+    elementwise = sig.lowering.promote is not None
+    for result, i in zip(results, sig.returns_mutated):
+        out = call.values[i]
+        if result is None or i is None or not isinstance(out, torch.Tensor) or out.dtype == result.dtype:
+            continue
+        want, got = dtypes.scalar_type_name(result.dtype), dtypes.scalar_type_name(out.dtype)
+        if exact:
+            raise RuntimeError(f"{sig.name}: expected out tensor to have dtype {want}, but got {got} instead")
+        if elementwise and not torch.can_cast(result.dtype, out.dtype):
+            raise RuntimeError(f"{sig.name}: result type {want} can't be cast to the desired output type {got}")
+
+
 def _promotion(call: _Call, low: Lowering):
     """The computation dtype for PyTorch's elementwise type promotion, or None."""
     if low.promote is None:
         return None
+    sig = call.sig
+    inputs = {a.name for a in (sig.functional or sig.op)._schema.arguments}  # not an out= argument
     participants = []
-    for kind, v in zip(call.sig.kinds, call.values):
+    for name, kind, v in zip(sig.names, sig.kinds, call.values):
+        if name not in inputs:
+            continue
         if kind in (TENSOR, OPT_TENSOR) and isinstance(v, torch.Tensor):
             participants.append(torch.empty((0,) * v.dim(), dtype=v.dtype, device="meta"))
         elif kind in (SCALAR, TENSOR, OPT_TENSOR) and v is not None:
@@ -548,11 +598,14 @@ def _build(call: _Call) -> Program:
                 transposed[k] = op.buf.shape
     returns_mutated = sig.returns_mutated
     is_out_variant = sig.functional is not None and not sig.op._schema.name.endswith("_")
+    if is_out_variant and sig.written is None:
+        _check_out_dtypes(call)
     lowered_schema = (sig.functional or sig.op)._schema
     lowered_params = [(a.name, a.kwarg_only) for a in lowered_schema.arguments]
     lowered_names = {name for name, _ in lowered_params}
     jax_compute = dtypes.to_jax(compute_dtype) if compute_dtype is not None else None
     written_slots = _written_slots(call, first_slot)
+    operand_dtypes = [op.tensor.dtype for op in call.operands]  # not the call: a program outlives its tensors
 
     def fn(arrays, scalars, rng_data):
         rng_key = random.key_from_data(rng_data) if rng_data is not None else None
@@ -579,7 +632,12 @@ def _build(call: _Call) -> Program:
         # in-place variant may order its arguments differently (polygamma_(self, n) / polygamma(n, self))
         args = [by_name[name] for name, kw in lowered_params if not kw and name in by_name]
         kwargs = {name: by_name[name] for name, kw in lowered_params if kw and name in by_name}
-        result = _flatten_returns(low.fn(*args, **kwargs))
+        try:
+            result = _flatten_returns(low.fn(*args, **kwargs))
+        except (TypeError, ValueError) as e:
+            if isinstance(e, _DATA_DEPENDENT_ERRORS) or not _raised_by_library(e):
+                raise
+            raise _no_kernel_for_dtypes(sig.name, operand_dtypes, e) from e
         if written_slots is not None:  # each result (a list's elements one by one) overwrites its argument
             result = [r for x in result for r in (x if isinstance(x, (list, tuple)) else [x])]
             written = {}  # elements may be views of one buffer: their writes compose
@@ -651,6 +709,27 @@ _DATA_DEPENDENT_ERRORS = (
 )
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _raised_by_library(error: Exception) -> bool:
+    """Whether the error was raised in JAX or NumPy under a lowering, not by hf_tpu itself."""
+    frame = error.__traceback__
+    while frame.tb_next is not None:
+        frame = frame.tb_next
+    return not frame.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR)
+
+
+def _no_kernel_for_dtypes(op_name: str, operand_dtypes: list, error: Exception) -> NotImplementedError:
+    """JAX rejecting an operand's dtype (`bitwise_and` of floats, a shift of bools) is the case where
+    PyTorch's CPU kernel has no code for that dtype: its exception type, naming the op and dtypes."""
+    names = dict.fromkeys(map(dtypes.scalar_type_name, operand_dtypes))
+    return NotImplementedError(
+        f'"{op_name}" not implemented for {", ".join(map(repr, names))} on tpu ({error}). '
+        "See docs/compatibility.md."
+    )
+
+
 def _promotable(v) -> bool:
     return jnp.issubdtype(v.dtype, jnp.number) or v.dtype == jnp.bool_
 
@@ -675,28 +754,45 @@ def _eval_specs(fn, call):
 _PROGRAMS: dict = {}
 
 
-# In-place ops PyTorch lets write through an expanded (stride 0) tensor: they write one value per
-# memory location. Every other op raises PyTorch's overlap error (meta kernels do not check it).
-_WRITES_ALLOWED_ON_EXPANDED = ("fill", "zero", "masked_fill", "masked_scatter", "index_fill", "index_put",
-                               "_index_put_impl", "index_copy", "put")
+# How PyTorch's CPU kernels check a written tensor against the op's other tensors. In-place ops may not
+# write through an expanded (stride 0) tensor, except these, which write one value per memory location.
+_WRITES_ALLOWED_ON_EXPANDED = frozenset(("fill", "zero", "masked_fill", "masked_scatter", "index_fill", "index_put",
+                                         "_index_put_impl", "index_copy", "put"))
+# These index, gather and concatenation kernels reject any overlap of the written tensor with another
+# operand (at::assert_no_overlap), even a full one: `x.index_fill_(0, x, 1)`, `torch.cat([a, b], out=a)`.
+_REJECTS_ANY_OVERLAP = frozenset(("index_add", "index_copy", "index_fill", "index_reduce", "index_put",
+                                  "_index_put_impl", "put", "scatter", "scatter_add", "scatter_reduce", "gather",
+                                  "index_select", "take", "masked_select", "cat", "stack"))
+# Elementwise kernels (TensorIterator), copy_ and the scans reject only a partial overlap: `x.add_(x)`
+# reads each element before writing it.
+_REJECTS_PARTIAL_OVERLAP = frozenset(("copy", "cumsum", "cumprod", "where"))
+
+
+def _write_checks(op, low: Lowering | None) -> tuple:
+    """(expanded writes allowed, overlap rejected: "any", "partial" or None) for a writing op."""
+    name = op._schema.name.split("::")[1].rstrip("_")
+    if name in _REJECTS_ANY_OVERLAP:
+        overlap = "any"
+    elif name in _REJECTS_PARTIAL_OVERLAP or (low is not None and low.promote is not None):
+        overlap = "partial"
+    else:
+        overlap = None
+    return name in _WRITES_ALLOWED_ON_EXPANDED, overlap
 
 
 def _check_writable(call: _Call):
-    name = call.sig.op._schema.name.split("::")[1].rstrip("_")
-    if name in _WRITES_ALLOWED_ON_EXPANDED:
-        return
-    elementwise = call.sig.lowering.promote is not None or name == "copy"
+    expanded_ok, overlap = call.sig.write_checks
     for i in call.sig.mutated:
         v = call.values[i]
         if not isinstance(v, torch.Tensor):
             continue
-        if any(n > 1 and s == 0 for n, s in zip(v.shape, v.stride())):
+        if not expanded_ok and any(n > 1 and s == 0 for n, s in zip(v.shape, v.stride())):
             raise RuntimeError(
                 "unsupported operation: more than one element of the written-to tensor refers to a "
                 "single memory location. Please clone() the tensor before performing the operation."
             )
-        if elementwise:
-            _check_no_partial_overlap(v, call.operands)
+        if overlap is not None:
+            _check_no_overlap(v, call.operands, full_too=overlap == "any")
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -709,28 +805,38 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
-def _check_no_partial_overlap(written: torch.Tensor, operands):
-    """PyTorch's elementwise kernels (TensorIterator) and `copy_` raise when an input shares some but
-    not all of the written tensor's memory (`x[1:].add_(x[:-1])`): computed functionally here, it
-    would give the answer of a clone, where CPU and CUDA give an error. Its rules: only dense tensors
-    are compared, and equal byte ranges overlap fully (allowed) when the strides are equal too."""
+def _check_no_overlap(written: torch.Tensor, operands, full_too: bool):
+    """Raise PyTorch's error when another operand shares memory with the written tensor (its own
+    operand, the first one that is it, aside): computed functionally here, the op would give the answer
+    of a clone, where CPU and CUDA raise. PyTorch's rules (at::get_overlap_status): only dense tensors
+    are compared, and equal byte ranges overlap fully when the strides are equal too, partially when
+    not; a full overlap is an error only with `full_too`."""
     buf = next((op.buf for op in operands if op.tensor is written), None)
-    if buf is None:
+    if buf is None or not written.numel():
         return
+    own_skipped = False
     for op in operands:
         other = op.tensor
-        if op.buf is not buf or other is written or not other.numel() or not written.numel():
+        if other is written and not own_skipped:
+            own_skipped = True
             continue
-        if not (_dense(written) and _dense(other)):
+        if op.buf is not buf or not other.numel():
             continue
-        begin, other_begin = written.data_ptr(), other.data_ptr()
-        end = begin + written.numel() * written.element_size()
-        other_end = other_begin + other.numel() * other.element_size()
-        if (begin, end) == (other_begin, other_end):
-            partial = written.stride() != other.stride()
+        if other is written:
+            full = True
+        elif not (_dense(written) and _dense(other)):
+            continue
         else:
-            partial = begin < other_end and other_begin < end
-        if partial:
+            begin, other_begin = written.data_ptr(), other.data_ptr()
+            end = begin + written.numel() * written.element_size()
+            other_end = other_begin + other.numel() * other.element_size()
+            if (begin, end) == (other_begin, other_end):
+                full = written.stride() == other.stride()
+            elif begin < other_end and other_begin < end:
+                full = False
+            else:
+                continue
+        if full_too or not full:
             raise RuntimeError(
                 "unsupported operation: some elements of the input tensor and the written-to tensor refer "
                 "to a single memory location. Please clone() the tensor before performing the operation."
@@ -739,6 +845,8 @@ def _check_no_partial_overlap(written: torch.Tensor, operands):
 
 def run_lowered(sig: Signature, values: list):
     """Run an op that has a lowering (directly or through its functional overload)."""
+    if sig.check is not None:
+        sig.check(values)
     if sig.index_check is not None and index_checks.enabled():
         sig.index_check(values)
     call = _Call(sig, values)

@@ -27,6 +27,23 @@ _TORCH_TO_JAX = {
 }
 _JAX_TO_TORCH = {np.dtype(j): t for t, j in _TORCH_TO_JAX.items()}
 
+# PyTorch's names for its dtypes in kernel errors (`"abs_cpu" not implemented for 'Bool'`)
+_SCALAR_TYPE_NAMES = {
+    torch.uint8: "Byte", torch.int8: "Char", torch.int16: "Short", torch.int32: "Int", torch.int64: "Long",
+    torch.uint16: "UInt16", torch.uint32: "UInt32", torch.uint64: "UInt64", torch.bool: "Bool",
+    torch.float16: "Half", torch.bfloat16: "BFloat16", torch.float32: "Float", torch.float64: "Double",
+    torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble",
+    torch.float8_e4m3fn: "Float8_e4m3fn", torch.float8_e5m2: "Float8_e5m2",
+}
+
+
+def scalar_type_name(dtype) -> str:
+    """PyTorch's name for a torch or JAX dtype: Float, Long, Bool, ..."""
+    if not isinstance(dtype, torch.dtype):
+        dtype = to_torch(dtype)
+    return _SCALAR_TYPE_NAMES.get(dtype, str(dtype))
+
+
 # DLPack type codes: kDLInt=0, kDLUInt=1, kDLFloat=2, kDLBfloat=4, kDLComplex=5, kDLBool=6,
 # kDLFloat8_e4m3fn=10, kDLFloat8_e5m2=12
 _DLPACK = {

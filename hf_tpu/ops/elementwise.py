@@ -155,7 +155,9 @@ _register(None, {
 
 @lowering(aten.abs.default, promote=Promote.COMPLEX_TO_FLOAT)
 def absolute(self):
-    return self if _is_bool(self) else jnp.abs(self)
+    if _is_bool(self):
+        raise NotImplementedError("\"abs_tpu\" not implemented for 'Bool'")  # PyTorch's error on CPU and CUDA
+    return jnp.abs(self)
 
 
 @lowering(aten.sign.default, promote=Promote.DEFAULT)
@@ -423,8 +425,15 @@ _SPECIAL_POWERS = {2: lambda x: x * x, 3: lambda x: x * x * x, 0.5: jnp.sqrt, -0
                    -1: jnp.reciprocal, -2: lambda x: jnp.reciprocal(x * x)}
 
 
+def _integer_to_negative_integer_power(values):
+    self, exponent = values[0], values[1]
+    if type(exponent) is int and exponent < 0 and isinstance(self, torch.Tensor) \
+            and not (self.is_floating_point() or self.is_complex()):
+        raise RuntimeError("Integers to negative integer powers are not allowed.")
+
+
 @lowering(aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar, promote=Promote.BOOL_TO_LONG,
-          static_values={"exponent": _SPECIAL_POWERS})
+          static_values={"exponent": _SPECIAL_POWERS}, check=_integer_to_negative_integer_power)
 def power(self, exponent):
     special = _SPECIAL_POWERS.get(exponent) if type(exponent) in (int, float) else None
     if special is not None and _is_float(self):

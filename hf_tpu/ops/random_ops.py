@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
+from .. import dtypes
 from .registry import lowering
 
 aten = torch.ops.aten
@@ -45,15 +46,10 @@ def _require(ok: bool, message: str):
         raise RuntimeError(message)
 
 
-# PyTorch's names for the dtypes its floating-point samplers reject
-_SCALAR_TYPE_NAMES = {jnp.dtype(jnp.uint8): "Byte", jnp.dtype(jnp.int8): "Char", jnp.dtype(jnp.int16): "Short",
-                      jnp.dtype(jnp.int32): "Int", jnp.dtype(jnp.int64): "Long", jnp.dtype(jnp.bool_): "Bool"}
-
-
 def _check_uniform_range(x, from_, to):
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise NotImplementedError(f'"check_uniform_bounds" not implemented for '
-                                  f"'{_SCALAR_TYPE_NAMES.get(x.dtype, x.dtype)}'")
+                                  f"'{dtypes.scalar_type_name(x.dtype)}'")
     name = _C_NAMES.get(x.dtype, str(x.dtype))
     limit = float(jnp.finfo(x.dtype).max)
     _require(-limit <= from_ <= limit, f"from is out of bounds for {name}")

@@ -145,13 +145,23 @@ def min_dim(self, dim, keepdim=False):
     return _extreme("min", jnp.min, self, dim, keepdim), jnp.argmin(self, dim, keepdims=keepdim)
 
 
-@lowering(aten.argmax.default)
+def _arg_extreme_check(name):
+    def check(values):
+        self, dim = values[0], values[1]
+        if self.dtype == torch.bool:
+            raise RuntimeError(f"{name}(): does not support bool input")
+        if dim is None and self.numel() == 0:
+            raise IndexError(f"{name}(): Expected reduction dim to be specified for input.numel() == 0.")
+    return check
+
+
+@lowering(aten.argmax.default, check=_arg_extreme_check("argmax"))
 @scalar_as_vector
 def argmax(self, dim=None, keepdim=False):
     return jnp.argmax(self, dim, keepdims=keepdim)
 
 
-@lowering(aten.argmin.default)
+@lowering(aten.argmin.default, check=_arg_extreme_check("argmin"))
 @scalar_as_vector
 def argmin(self, dim=None, keepdim=False):
     return jnp.argmin(self, dim, keepdims=keepdim)

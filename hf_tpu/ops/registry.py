@@ -48,6 +48,10 @@ class Lowering:
     # hyperparameters that change every step (an optimizer's learning rate under a schedule); an
     # overload where the name is a Tensor (`tensor_lr`) gets it as an array anyway
     traced: frozenset = frozenset()
+    # raises PyTorch's error for argument values its CPU kernel rejects and its meta kernel lets through
+    # (an integer tensor to a negative integer power): called with the call's values, in schema order,
+    # before every call, since a traced Scalar's value is not part of the compiled program
+    check: Callable | None = None
 
 
 LOWERINGS: dict[torch._ops.OpOverload, Lowering] = {}
@@ -60,14 +64,14 @@ def _overloads(op):
 
 
 def lowering(*ops, promote: Promote | None = None, static=(), own_shapes: bool = False, transposed=(),
-             static_values=None, traced=()):
+             static_values=None, traced=(), check=None):
     """Register `fn` as the lowering of each op (an OpOverload, or a packet meaning its functional
     overloads)."""
 
     def register(fn):
         entry = Lowering(fn, promote, frozenset(static), own_shapes,
                          tuple((name, frozenset(values)) for name, values in (static_values or {}).items()),
-                         frozenset(transposed), frozenset(traced))
+                         frozenset(transposed), frozenset(traced), check)
         for op in ops:
             for overload in _overloads(op):
                 if isinstance(op, torch._ops.OpOverloadPacket) and overload._schema.is_mutable:

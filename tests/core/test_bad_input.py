@@ -74,8 +74,27 @@ _PARTIAL_OVERLAPS = [
 ]
 
 
-@pytest.mark.parametrize("name, fn", _PARTIAL_OVERLAPS, ids=[c[0] for c in _PARTIAL_OVERLAPS])
-def test_inputs_partly_overlapping_the_written_tensor_raise_like_cpu(name, fn):
+_INDEX_OP_OVERLAPS = [  # these kernels reject a full overlap too (at::assert_no_overlap)
+    ("index_add_ of its own tail", lambda x: x[:4].index_add_(0, _pair(x), x[2:4])),
+    ("index_copy_ of itself", lambda x: x.index_copy_(0, torch.arange(6, device=x.device), x)),
+    ("index_put_ of its own tail", lambda x: x[:4].index_put_((_pair(x),), x[1:3])),
+    ("setitem from itself", lambda x: x.__setitem__(_pair(x), x[1:3])),
+    ("scatter_add_ of its own tail", lambda x: x[:4].scatter_add_(0, _pair(x), x[2:4])),
+    ("index_fill_ indexed by itself", lambda x: (y := x.long()).index_fill_(0, y[:2], 1)),
+    ("put_ of its own tail", lambda x: x[:4].put_(_pair(x), x[2:4])),
+    ("cat into an input", lambda x: torch.cat([x[:2], x[2:3]], out=x[1:4])),
+    ("index_select into its input", lambda x: torch.index_select(x, 0, _pair(x), out=x[1:3])),
+    ("cumsum out= partly its input", lambda x: torch.cumsum(x[:4], 0, out=x[2:])),
+]
+
+
+def _pair(x):
+    return torch.tensor([0, 1], device=x.device)
+
+
+@pytest.mark.parametrize("name, fn", _PARTIAL_OVERLAPS + _INDEX_OP_OVERLAPS,
+                         ids=[c[0] for c in _PARTIAL_OVERLAPS + _INDEX_OP_OVERLAPS])
+def test_inputs_sharing_memory_with_the_written_tensor_raise_like_cpu(name, fn):
     for device in ("cpu", "tpu"):
         with pytest.raises(RuntimeError, match="some elements of the input tensor and the written-to tensor"):
             fn(torch.arange(6.0, device=device))
@@ -88,6 +107,8 @@ def test_inputs_overlapping_the_written_tensor_whole_or_not_at_all_are_fine():
         x[0].add_(x[1])
         x[:, 0].mul_(x[:, 1])
         x.view(-1)[:3].sub_(x[0])
+        torch.cumsum(x, 1, out=x)  # a scan may overwrite its input whole
+        x[:1].index_add_(0, torch.tensor([0], device=d), x[1:])  # disjoint
         return x
 
     differential(writes)
@@ -112,6 +133,55 @@ def test_random_ops_check_their_arguments_like_cpu(name, fn, message):
     for device in ("cpu", "tpu"):
         with pytest.raises(RuntimeError, match=message):  # NotImplementedError is one
             fn(device)
+
+
+def _ints(d):
+    return torch.tensor([3, 5], device=d)
+
+
+_BAD_DTYPES = [  # PyTorch's meta kernels let these through; its CPU kernels raise
+    ("bitwise_and of floats", lambda d: torch.bitwise_and(_ints(d).float(), 1.0), NotImplementedError),
+    ("shift of floats", lambda d: torch.bitwise_left_shift(_ints(d).float(), 1), NotImplementedError),
+    ("gcd of floats", lambda d: torch.gcd(_ints(d).float(), _ints(d).float()), NotImplementedError),
+    ("abs of bools", lambda d: (_ints(d) > 4).abs(), NotImplementedError),
+    ("argmax of bools", lambda d: (_ints(d) > 4).argmax(), RuntimeError),
+    ("argmin of an empty tensor", lambda d: torch.empty(0, device=d).argmin(), IndexError),
+    ("integers to a negative power", lambda d: _ints(d) ** -2, RuntimeError),
+    ("in-place integer negative power", lambda d: _ints(d).pow_(-3), RuntimeError),
+    ("neg into another dtype", lambda d: torch.neg(_ints(d), out=torch.empty(2, device=d)), RuntimeError),
+    ("clamp into another dtype", lambda d: torch.clamp(_ints(d), 0, 4, out=torch.empty(2, device=d)), RuntimeError),
+    ("mm into another dtype", lambda d: torch.mm(torch.ones(2, 2, device=d), torch.ones(2, 2, device=d),
+                                                 out=torch.empty(2, 2, dtype=torch.float64, device=d)), RuntimeError),
+    ("add into a narrower dtype", lambda d: torch.add(_ints(d).float(), 1, out=torch.empty(2, dtype=torch.int64,
+                                                                                             device=d)), RuntimeError),
+    ("angle into integers", lambda d: torch.angle(_ints(d).float(), out=torch.empty(2, dtype=torch.int64, device=d)),
+     RuntimeError),
+]
+
+
+@pytest.mark.parametrize("name, fn, error", _BAD_DTYPES, ids=[c[0] for c in _BAD_DTYPES])
+def test_dtypes_the_cpu_kernel_rejects_raise_like_cpu(name, fn, error):
+    for device in ("cpu", "tpu"):
+        with pytest.raises(error) as raised:
+            fn(device)
+        assert type(raised.value) is error
+
+
+def test_out_dtypes_the_cpu_kernel_takes_are_taken():
+    def into_other_dtypes(d):
+        ints, floats = _ints(d), _ints(d).float()
+        return [
+            torch.bitwise_and(ints, 1, out=torch.empty(2, device=d)),  # computed in int64, then cast
+            torch.add(ints, ints, out=torch.empty(2, dtype=torch.float64, device=d)),
+            torch.clamp(floats, torch.zeros(2, device=d), out=torch.empty(2, dtype=torch.float64, device=d)),
+            torch.sum(floats, 0, out=torch.empty((), dtype=torch.float64, device=d)),
+            torch.cumsum(floats, 0, out=torch.empty(2, dtype=torch.int64, device=d)),
+            torch.cat([floats, floats], out=torch.empty(4, dtype=torch.float64, device=d)),
+            torch.eq(ints, 3, out=torch.empty(2, device=d)),
+            _ints(d) ** torch.tensor([-1, 2], device=d),  # a tensor exponent: 0 where negative, no error
+        ]
+
+    differential(into_other_dtypes)
 
 
 def test_masks_must_match_the_shape_they_index_like_cpu():
