@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -42,6 +44,23 @@ def scalar_type_name(dtype) -> str:
     if not isinstance(dtype, torch.dtype):
         dtype = to_torch(dtype)
     return _SCALAR_TYPE_NAMES.get(dtype, str(dtype))
+
+
+def check_fits(value, dtype: torch.dtype) -> None:
+    """PyTorch's error for a Python number that a kernel converts to `dtype` and that overflows it
+    (`torch.full((2,), 10**10, dtype=torch.int32)`, `masked_fill(mask, -1e9)` in float16), by c10's
+    `overflows`: infinities and NaN fit a float type, an unsigned type takes negatives down to -max."""
+    if type(value) not in (int, float) or dtype in (torch.float64, torch.bool) or dtype.is_complex:
+        return
+    if dtype.is_floating_point:
+        info = torch.finfo(dtype)
+        fits = math.isinf(value) or math.isnan(value) or info.min <= value <= info.max
+    else:
+        info = torch.iinfo(dtype)
+        low = -info.max if info.min == 0 else info.min
+        fits = low <= value <= info.max  # False for NaN
+    if not fits:
+        raise RuntimeError(f"value cannot be converted to type {dtype} without overflow")
 
 
 # DLPack type codes: kDLInt=0, kDLUInt=1, kDLFloat=2, kDLBfloat=4, kDLComplex=5, kDLBool=6,

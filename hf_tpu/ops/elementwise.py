@@ -15,6 +15,7 @@ import jax.scipy.special as jsp
 import torch
 from jax import lax
 
+from .. import dtypes
 from .registry import Promote, lowering
 
 aten = torch.ops.aten
@@ -425,15 +426,16 @@ _SPECIAL_POWERS = {2: lambda x: x * x, 3: lambda x: x * x * x, 0.5: jnp.sqrt, -0
                    -1: jnp.reciprocal, -2: lambda x: jnp.reciprocal(x * x)}
 
 
-def _integer_to_negative_integer_power(values):
+def _integer_power_check(values):
     self, exponent = values[0], values[1]
-    if type(exponent) is int and exponent < 0 and isinstance(self, torch.Tensor) \
-            and not (self.is_floating_point() or self.is_complex()):
-        raise RuntimeError("Integers to negative integer powers are not allowed.")
+    if type(exponent) is int and isinstance(self, torch.Tensor) and not (self.is_floating_point() or self.is_complex()):
+        if exponent < 0:
+            raise RuntimeError("Integers to negative integer powers are not allowed.")
+        dtypes.check_fits(exponent, torch.int64 if self.dtype == torch.bool else self.dtype)
 
 
 @lowering(aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar, promote=Promote.BOOL_TO_LONG,
-          static_values={"exponent": _SPECIAL_POWERS}, check=_integer_to_negative_integer_power)
+          static_values={"exponent": _SPECIAL_POWERS}, check=_integer_power_check)
 def power(self, exponent):
     special = _SPECIAL_POWERS.get(exponent) if type(exponent) in (int, float) else None
     if special is not None and _is_float(self):
@@ -481,7 +483,14 @@ def bitwise_right_shift(self, other):
     return jnp.right_shift(self, jnp.where((other < 0) | (other > largest), largest, other))
 
 
-@lowering(aten.clamp.default, aten.clamp.Tensor, promote=Promote.DEFAULT)
+def _bounds_fit(values):
+    self = values[0]
+    for bound in values[1:3]:
+        if type(bound) in (int, float):
+            dtypes.check_fits(bound, torch.result_type(self, bound))
+
+
+@lowering(aten.clamp.default, aten.clamp.Tensor, promote=Promote.DEFAULT, check=_bounds_fit)
 def clamp(self, min=None, max=None):
     if min is not None:
         self = jnp.maximum(self, min)
@@ -561,7 +570,14 @@ def logit_backward(grad_output, self, eps=None):
 # --- Filling.
 
 
-@lowering(aten.fill.Scalar, aten.fill.Tensor)
+def value_fits(position: int):
+    """A check that the Python number at `position` fits the dtype of `self`, which takes it."""
+    def check(values):
+        dtypes.check_fits(values[position], values[0].dtype)
+    return check
+
+
+@lowering(aten.fill.Scalar, aten.fill.Tensor, check=value_fits(1))
 def fill(self, value):
     return jnp.broadcast_to(jnp.asarray(value), self.shape)
 

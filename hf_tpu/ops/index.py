@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import torch
 
 from .. import dispatch
+from .elementwise import value_fits
 from .registry import kernel, lowering
 
 aten = torch.ops.aten
@@ -273,7 +274,7 @@ def index_copy(self, dim, index, source):
     return _update(self, _slices_at(dim, index), source, "set")
 
 
-@lowering(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor)
+@lowering(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor, check=value_fits(3))
 @_along_dim
 def index_fill(self, dim, index, value):
     return _update(self, _slices_at(dim, index), jnp.asarray(value), "set")
@@ -288,7 +289,7 @@ def index_reduce(self, dim, index, source, reduce, include_self=True):
 # --- Masks with static output shapes.
 
 
-@lowering(aten.masked_fill.Scalar, aten.masked_fill.Tensor)
+@lowering(aten.masked_fill.Scalar, aten.masked_fill.Tensor, check=value_fits(2))
 def masked_fill(self, mask, value):
     return jnp.where(mask, jnp.asarray(value).astype(self.dtype), self)
 

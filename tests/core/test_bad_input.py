@@ -156,6 +156,12 @@ _BAD_DTYPES = [  # PyTorch's meta kernels let these through; its CPU kernels rai
                                                                                              device=d)), RuntimeError),
     ("angle into integers", lambda d: torch.angle(_ints(d).float(), out=torch.empty(2, dtype=torch.int64, device=d)),
      RuntimeError),
+    ("fill_ beyond int8", lambda d: _ints(d).to(torch.int8).fill_(1000), RuntimeError),
+    ("full beyond int32", lambda d: torch.full((2,), 10**10, dtype=torch.int32, device=d), RuntimeError),
+    ("masked_fill beyond float16", lambda d: _ints(d).half().masked_fill(_ints(d) > 4, -1e9), RuntimeError),
+    ("index_fill NaN into ints", lambda d: _ints(d).index_fill(0, _ints(d) // 5, float("nan")), RuntimeError),
+    ("clamp beyond int8", lambda d: _ints(d).to(torch.int8).clamp(max=300), RuntimeError),
+    ("int8 to a power beyond int8", lambda d: _ints(d).to(torch.int8) ** 1000, RuntimeError),
 ]
 
 
@@ -182,6 +188,20 @@ def test_out_dtypes_the_cpu_kernel_takes_are_taken():
         ]
 
     differential(into_other_dtypes)
+
+
+def test_python_numbers_that_fit_the_dtype_are_taken():
+    def numbers_that_fit(d):  # c10's overflows(): infinities fit a float type, negatives an unsigned one
+        halves, masked = _ints(d).half(), _ints(d) > 4
+        return [
+            halves.masked_fill(masked, float("-inf")),
+            halves.masked_fill(masked, torch.finfo(torch.float16).min),
+            torch.full((2,), -255, dtype=torch.uint8, device=d),
+            _ints(d).to(torch.int8) + 1000,  # a wrapped number: cast, not converted, so it wraps
+            _ints(d).to(torch.int8).clamp(0.5, 300.0),  # float bounds make the result float
+        ]
+
+    differential(numbers_that_fit)
 
 
 def test_masks_must_match_the_shape_they_index_like_cpu():
