@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax.numpy as jnp
@@ -52,15 +53,19 @@ def check_fits(value, dtype: torch.dtype) -> None:
     `overflows`: infinities and NaN fit a float type, an unsigned type takes negatives down to -max."""
     if type(value) not in (int, float) or dtype in (torch.float64, torch.bool) or dtype.is_complex:
         return
+    low, high = _convertible_range(dtype)
+    if low <= value <= high or (dtype.is_floating_point and not math.isfinite(value)):
+        return
+    raise RuntimeError(f"value cannot be converted to type {dtype} without overflow")
+
+
+@functools.cache
+def _convertible_range(dtype: torch.dtype) -> tuple:
     if dtype.is_floating_point:
         info = torch.finfo(dtype)
-        fits = math.isinf(value) or math.isnan(value) or info.min <= value <= info.max
-    else:
-        info = torch.iinfo(dtype)
-        low = -info.max if info.min == 0 else info.min
-        fits = low <= value <= info.max  # False for NaN
-    if not fits:
-        raise RuntimeError(f"value cannot be converted to type {dtype} without overflow")
+        return info.min, info.max
+    info = torch.iinfo(dtype)
+    return -info.max if info.min == 0 else info.min, info.max
 
 
 # DLPack type codes: kDLInt=0, kDLUInt=1, kDLFloat=2, kDLBfloat=4, kDLComplex=5, kDLBool=6,
