@@ -77,7 +77,7 @@ class Signature:
     written: tuple | None  # for a variant writing arguments it does not return: each functional result's argument
     static_args: tuple  # per argument: True where the lowering asked for the Python value
     static_values: tuple  # per argument: the values compiled in when passed (Lowering.static_values), or None
-    write_checks: tuple  # for a writing op: (expanded writes allowed, overlap rejected), see `_write_checks`
+    write_checks: tuple  # for a writing op: what it checks of the tensors it writes, see `_write_checks`
     # the op in a call's key: an int, as an OpOverload hashes in Python (every eager op hashes its key,
     # every deferred flush the keys of all its ops)
     ident: int = dataclasses.field(default_factory=itertools.count().__next__)
@@ -637,7 +637,7 @@ def _build(call: _Call) -> Program:
         except (TypeError, ValueError) as e:
             if isinstance(e, _DATA_DEPENDENT_ERRORS) or not _raised_by_library(e):
                 raise
-            raise _no_kernel_for_dtypes(sig.name, operand_dtypes, e) from e
+            raise _lowering_error(sig.name, operand_dtypes, e) from e
         if written_slots is not None:  # each result (a list's elements one by one) overwrites its argument
             result = [r for x in result for r in (x if isinstance(x, (list, tuple)) else [x])]
             written = {}  # elements may be views of one buffer: their writes compose
@@ -720,12 +720,20 @@ def _raised_by_library(error: Exception) -> bool:
     return not frame.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR)
 
 
-def _no_kernel_for_dtypes(op_name: str, operand_dtypes: list, error: Exception) -> NotImplementedError:
-    """JAX rejecting an operand's dtype (`bitwise_and` of floats, a shift of bools) is the case where
-    PyTorch's CPU kernel has no code for that dtype: its exception type, naming the op and dtypes."""
+_DTYPE_WORDS = ("dtype", "data type", "integer", "inexact", "floating")
+
+
+def _lowering_error(op_name: str, operand_dtypes: list, error: Exception) -> Exception:
+    """PyTorch's exception type for what JAX rejected under a lowering. An operand's dtype (`bitwise_and`
+    of floats, a shift of bools) is the case where PyTorch's CPU kernel has no code for that dtype:
+    NotImplementedError, naming the op and dtypes. Any other argument JAX rejects (a negative
+    dilation) is a kernel's argument check: RuntimeError."""
+    message = str(error)
+    if not any(word in message for word in _DTYPE_WORDS):
+        return RuntimeError(f"{op_name}: {message}")
     names = dict.fromkeys(map(dtypes.scalar_type_name, operand_dtypes))
     return NotImplementedError(
-        f'"{op_name}" not implemented for {", ".join(map(repr, names))} on tpu ({error}). '
+        f'"{op_name}" not implemented for {", ".join(map(repr, names))} on tpu ({message}). '
         "See docs/compatibility.md."
     )
 
@@ -764,12 +772,14 @@ _REJECTS_ANY_OVERLAP = frozenset(("index_add", "index_copy", "index_fill", "inde
                                   "_index_put_impl", "put", "scatter", "scatter_add", "scatter_reduce", "gather",
                                   "index_select", "take", "masked_select", "cat", "stack"))
 # Elementwise kernels (TensorIterator), copy_ and the scans reject only a partial overlap: `x.add_(x)`
-# reads each element before writing it.
+# reads each element before writing it. So does gather for its index (at::assert_no_partial_overlap).
 _REJECTS_PARTIAL_OVERLAP = frozenset(("copy", "cumsum", "cumprod", "where"))
+_MAY_OVERLAP_WHOLLY = {"gather": ("index",)}
 
 
 def _write_checks(op, low: Lowering | None) -> tuple:
-    """(expanded writes allowed, overlap rejected: "any", "partial" or None) for a writing op."""
+    """(expanded writes allowed, overlap rejected: "any", "partial" or None, the positions of arguments
+    an "any" op lets overlap the written tensor wholly) for a writing op."""
     name = op._schema.name.split("::")[1].rstrip("_")
     if name in _REJECTS_ANY_OVERLAP:
         overlap = "any"
@@ -777,11 +787,13 @@ def _write_checks(op, low: Lowering | None) -> tuple:
         overlap = "partial"
     else:
         overlap = None
-    return name in _WRITES_ALLOWED_ON_EXPANDED, overlap
+    names = [a.name for a in op._schema.arguments]
+    wholly = tuple(names.index(n) for n in _MAY_OVERLAP_WHOLLY.get(name, ()))
+    return name in _WRITES_ALLOWED_ON_EXPANDED, overlap, wholly
 
 
 def _check_writable(call: _Call):
-    expanded_ok, overlap = call.sig.write_checks
+    expanded_ok, overlap, wholly = call.sig.write_checks
     for i in call.sig.mutated:
         v = call.values[i]
         if not isinstance(v, torch.Tensor):
@@ -792,7 +804,7 @@ def _check_writable(call: _Call):
                 "single memory location. Please clone() the tensor before performing the operation."
             )
         if overlap is not None:
-            _check_no_overlap(v, call.operands, full_too=overlap == "any")
+            _check_no_overlap(v, call.operands, overlap == "any", [call.values[k] for k in wholly])
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -805,12 +817,12 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
-def _check_no_overlap(written: torch.Tensor, operands, full_too: bool):
+def _check_no_overlap(written: torch.Tensor, operands, full_too: bool, wholly_ok=()):
     """Raise PyTorch's error when another operand shares memory with the written tensor (its own
     operand, the first one that is it, aside): computed functionally here, the op would give the answer
     of a clone, where CPU and CUDA raise. PyTorch's rules (at::get_overlap_status): only dense tensors
     are compared, and equal byte ranges overlap fully when the strides are equal too, partially when
-    not; a full overlap is an error only with `full_too`."""
+    not; a full overlap is an error only with `full_too`, and never for the tensors in `wholly_ok`."""
     buf = next((op.buf for op in operands if op.tensor is written), None)
     if buf is None or not written.numel():
         return
@@ -836,7 +848,7 @@ def _check_no_overlap(written: torch.Tensor, operands, full_too: bool):
                 full = False
             else:
                 continue
-        if full_too or not full:
+        if not full or (full_too and not any(other is t for t in wholly_ok)):
             raise RuntimeError(
                 "unsupported operation: some elements of the input tensor and the written-to tensor refer "
                 "to a single memory location. Please clone() the tensor before performing the operation."
@@ -852,7 +864,8 @@ def run_lowered(sig: Signature, values: list):
     call = _Call(sig, values)
     if sig.mutated:
         _check_writable(call)
-        _resize_outs(call)
+        if _resize_outs(call):  # PyTorch checks the out= tensors it resized (sharing their storage still)
+            _check_writable(call)
     mode = _modes._current[0]
     program = _PROGRAMS.get(call.key)
     new = program is None
@@ -931,14 +944,15 @@ def current_index_for(device: torch.device) -> int:
     return index
 
 
-def _resize_outs(call: _Call):
-    """out= tensors of the wrong shape are resized first, as PyTorch does."""
+def _resize_outs(call: _Call) -> bool:
+    """out= tensors of the wrong shape are resized first, as PyTorch does. Whether any was."""
     sig = call.sig
     if sig.functional is None or sig.op._schema.name.endswith("_"):
-        return
+        return False
     specs = _out_specs(call)
     if specs is None:
-        return
+        return False
+    resized = False
     for j, target in enumerate(sig.returns_mutated):
         if target is None:
             continue
@@ -946,9 +960,11 @@ def _resize_outs(call: _Call):
         shape = specs[j][0]
         if tuple(out.shape) != shape:
             out.resize_(shape)
+            resized = True
     # operands changed: analyse again
     fresh = _Call(sig, call.values)
     call.operands, call.arrays, call.key = fresh.operands, fresh.arrays, fresh.key
+    return resized
 
 
 # --- Ops with no lowering: PyTorch's decompositions, then the CPU fallback.

@@ -294,7 +294,12 @@ def masked_fill(self, mask, value):
     return jnp.where(mask, jnp.asarray(value).astype(self.dtype), self)
 
 
-@lowering(aten.masked_scatter.default)
+def _boolean_mask(values):
+    if values[1].dtype != torch.bool:
+        raise RuntimeError(f"masked_scatter_ only supports boolean masks, but got mask with dtype {values[1].dtype}")
+
+
+@lowering(aten.masked_scatter.default, check=_boolean_mask)
 def masked_scatter(self, mask, source):
     """The i-th true element of `mask` (row-major, broadcast to `self`) takes `source`'s i-th element."""
     shape = jnp.broadcast_shapes(self.shape, mask.shape)
@@ -449,7 +454,12 @@ def searchsorted(sorted_sequence, self, *, out_int32=False, right=False, side=No
     return _searchsorted(sorted_sequence, jnp.asarray(self), right or side == "right", sorter)
 
 
-@lowering(aten.bucketize.Tensor, aten.bucketize.Scalar)
+def _one_dimensional_boundaries(values):
+    if values[1].dim() != 1:
+        raise RuntimeError(f"boundaries tensor must be 1 dimension, but got dim({values[1].dim()})")
+
+
+@lowering(aten.bucketize.Tensor, aten.bucketize.Scalar, check=_one_dimensional_boundaries)
 def bucketize(self, boundaries, *, out_int32=False, right=False):
     return _searchsorted(boundaries, jnp.asarray(self), right)
 

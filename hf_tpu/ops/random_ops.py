@@ -151,7 +151,18 @@ def random_from(self, from_, to, *, generator=None):
     return _integers(generator, self, from_, _default_high(self) if to is None else to)
 
 
-@lowering(aten.multinomial.default)
+def _multinomial_check(values):
+    self, num_samples, replacement = values[0], values[1], values[2]
+    _require(self.is_floating_point(),
+             f"multinomial only supports floating-point dtypes for input, got: {dtypes.scalar_type_name(self.dtype)}")
+    _require(num_samples > 0, "cannot sample n_sample <= 0 samples")
+    if self.dim():
+        _require(replacement or num_samples <= self.shape[-1],
+                 "cannot sample n_sample > prob_dist.size(-1) samples without replacement")
+        _require(self.shape[-1] <= 2**24, "number of categories cannot exceed 2^24")
+
+
+@lowering(aten.multinomial.default, check=_multinomial_check)
 def multinomial(self, num_samples, replacement=False, *, generator=None):
     logits = jnp.log(self.astype(_sample_dtype(self)))
     if replacement:

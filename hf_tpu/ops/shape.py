@@ -16,7 +16,13 @@ from .registry import lowering
 aten = torch.ops.aten
 
 
-@lowering(aten.cat.default)
+def _no_scalars(values):
+    for i, t in enumerate(values[0]):
+        if t.dim() == 0:  # PyTorch's meta kernel fails on them with an IndexError of its own
+            raise RuntimeError(f"zero-dimensional tensor (at position {i}) cannot be concatenated")
+
+
+@lowering(aten.cat.default, check=_no_scalars)
 def cat(tensors, dim=0):
     # PyTorch still skips 1-D empty tensors whatever their rank next to the others (legacy behaviour)
     kept = [t for t in tensors if t.shape != (0,)] or list(tensors[:1])
