@@ -467,6 +467,8 @@ def _out_specs(call: _Call):
         result = _call_with(sig, sig.op, meta_values)
     except NotImplementedError:
         return None  # no meta kernel: the lowering's own shapes are used
+    except AssertionError as e:
+        raise _checked_by_assert(sig, e) from e
     return [None if r is None else (tuple(r.shape), r.dtype) for r in _flatten_returns(result)]
 
 
@@ -483,7 +485,7 @@ _OUT_EXACT_DTYPE = frozenset((
     "slice_scatter", "_softmax", "_log_softmax", "logcumsumexp", "linalg_vector_norm", "linalg_cross",
     "renorm", "searchsorted", "bucketize", "multinomial", "histc", "softplus", "softshrink", "hardshrink",
     "gelu", "avg_pool3d", "_linalg_eigh", "_linalg_solve_ex", "linalg_lu_solve", "linalg_ldl_solve",
-    "linalg_solve_triangular", "ormqr",
+    "linalg_solve_triangular", "ormqr", "complex",
 ))
 
 
@@ -1061,6 +1063,12 @@ def _decompositions() -> dict:
     return {op: fn for op, fn in decomposition_table.items() if fn.__module__.startswith("torch._decomp")}
 
 
+def _checked_by_assert(sig: Signature, error: AssertionError) -> RuntimeError:
+    """Some of PyTorch's Python meta kernels and decompositions check arguments with `assert`
+    (`embedding`'s 2-D weight); the C++ kernels they stand for raise RuntimeError."""
+    return RuntimeError(f"{sig.name}: {error}")
+
+
 def run_unlowered(sig: Signature, values):
     decomp = _decompositions().get(sig.op)
     active = getattr(_decomposing, "ops", None)
@@ -1070,6 +1078,8 @@ def run_unlowered(sig: Signature, values):
         active.add(sig.op)
         try:
             return _call_with(sig, decomp, values)
+        except AssertionError as e:
+            raise _checked_by_assert(sig, e) from e
         finally:
             active.discard(sig.op)
     if _cpu_fallback_enabled():

@@ -538,7 +538,14 @@ def heaviside(self, values):
 # --- Complex numbers.
 
 
-@lowering(aten.complex.default)
+def _parts_of_one_dtype(values):
+    real, imag = values[0], values[1]
+    if real.dtype != imag.dtype:
+        raise RuntimeError(f"Expected object of scalar type {dtypes.scalar_type_name(real.dtype)} but got scalar "
+                           f"type {dtypes.scalar_type_name(imag.dtype)} for second argument")
+
+
+@lowering(aten.complex.default, check=_parts_of_one_dtype)
 def complex_from_parts(real, imag):
     return lax.complex(*jnp.broadcast_arrays(real, imag))
 

@@ -12,12 +12,9 @@ from tests.ops import opdb
 
 # entries whose error inputs still differ, with the reason (strict: the list can only shrink)
 KNOWN = {
-    "complex": "torch._refs.complex asserts (AssertionError) where CPU raises RuntimeError; complex "
-               "inputs to out= are not checked",
     "as_strided_scatter": "an as_strided view beyond its storage is not checked",
     "nn.functional.conv3d": "negative padding is not checked",
     "histogramdd": "a bins list of the wrong length is not checked",
-    "nn.functional.embedding": "PyTorch's decomposition asserts (AssertionError) where CPU raises RuntimeError",
     "narrow_copy": "CPU's kernel reports an out-of-range dim as RuntimeError; the meta kernel, as every "
                    "other op, as IndexError",
 }
