@@ -67,7 +67,18 @@ def _conv(input, weight, stride, padding, dilation, transposed, output_padding, 
     )
 
 
-@lowering(aten.convolution.default)
+def _window_arguments(values):
+    """The checks of PyTorch's convolution kernels on stride, padding and dilation."""
+    stride, padding, dilation = values[3], values[4], values[5]
+    if any(s <= 0 for s in stride):
+        raise RuntimeError("non-positive stride is not supported")
+    if any(p < 0 for p in padding):
+        raise RuntimeError("negative padding is not supported")
+    if any(d <= 0 for d in dilation):
+        raise RuntimeError("dilation should be greater than zero")
+
+
+@lowering(aten.convolution.default, check=_window_arguments)
 def convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
     out = _conv(input, weight, stride, padding, dilation, transposed, output_padding, groups)
     if bias is not None:

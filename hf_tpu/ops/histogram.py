@@ -92,18 +92,24 @@ def histogram_bins_tensor(self, bins, *, weight=None, density=False):
     return _histogramdd(self.reshape(-1, 1), [bins], weight, density), bins
 
 
-@lowering(aten._histogramdd_bin_edges.default)
+def _bins_per_dimension(values):
+    self, bins = values[0], values[1]
+    if len(bins) != (self.shape[-1] if self.dim() else 1):
+        raise RuntimeError("histogramdd: The size of bins must be equal to the innermost dimension of the input.")
+
+
+@lowering(aten._histogramdd_bin_edges.default, check=_bins_per_dimension)
 def histogramdd_bin_edges(self, bins, *, range=None, weight=None, density=False):
     return _equal_width_edges(_points(self), bins, range)
 
 
-@lowering(aten._histogramdd_from_bin_cts.default)
+@lowering(aten._histogramdd_from_bin_cts.default, check=_bins_per_dimension)
 def histogramdd_from_bin_cts(self, bins, *, range=None, weight=None, density=False):
     points = _points(self)
     return _histogramdd(points, _equal_width_edges(points, bins, range), weight, density)
 
 
-@lowering(aten._histogramdd_from_bin_tensors.default)
+@lowering(aten._histogramdd_from_bin_tensors.default, check=_bins_per_dimension)
 def histogramdd_from_bin_tensors(self, bins, *, weight=None, density=False):
     return _histogramdd(_points(self), bins, weight, density)
 

@@ -173,7 +173,20 @@ def slice_scatter(self, src, dim=0, start=None, end=None, step=1):
     return self.at[where].set(src.astype(self.dtype))
 
 
-@lowering(aten.as_strided_scatter.default)
+def _view_within_self(values):
+    self, size, stride, offset = values[0], values[2], values[3], values[4] or 0
+    if any(n == 0 for n in size):
+        return
+    needed = (offset + sum((n - 1) * st for n, st in zip(size, stride)) + 1) * self.element_size()
+    if needed > self.numel() * self.element_size():
+        raise RuntimeError(
+            f"setStorage: sizes {list(size)}, strides {list(stride)}, storage offset {offset}, and itemsize "
+            f"{self.element_size()} requiring a storage size of {needed} are out of bounds for storage of size "
+            f"{self.numel() * self.element_size()}"
+        )
+
+
+@lowering(aten.as_strided_scatter.default, check=_view_within_self)
 def as_strided_scatter(self, src, size, stride, storage_offset=None):
     """`src` written through `as_strided(size, stride, storage_offset)` of a contiguous copy of self."""
     flat_index = jnp.asarray(storage_offset or 0)

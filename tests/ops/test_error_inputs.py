@@ -12,9 +12,6 @@ from tests.ops import opdb
 
 # entries whose error inputs still differ, with the reason (strict: the list can only shrink)
 KNOWN = {
-    "as_strided_scatter": "an as_strided view beyond its storage is not checked",
-    "nn.functional.conv3d": "negative padding is not checked",
-    "histogramdd": "a bins list of the wrong length is not checked",
     "narrow_copy": "CPU's kernel reports an out-of-range dim as RuntimeError; the meta kernel, as every "
                    "other op, as IndexError",
 }
