@@ -416,46 +416,25 @@ class Program:
 
 def _to_meta(values, sig: Signature):
     """The call with every tensor replaced by a meta tensor of the same layout."""
-    return _stand_ins(values, sig, "meta", lambda t: torch.empty_strided(
-        tuple(t.shape), t.stride(), dtype=t.dtype, device="meta"))
 
-
-def _stand_ins(values, sig: Signature, device: str, stand_in):
-    """The call with every tensor replaced by `stand_in(tensor)` on `device`."""
-
-    def replaced(t):
-        return stand_in(t) if isinstance(t, torch.Tensor) else t
+    def meta(t):
+        if t is None or not isinstance(t, torch.Tensor):
+            return t
+        return torch.empty_strided(tuple(t.shape), t.stride(), dtype=t.dtype, device="meta")
 
     out = []
-    for kind, v in zip(sig.kinds, _wrapped_numbers(values, sig, device)):
+    for kind, v in zip(sig.kinds, _wrapped_numbers(values, sig, "meta")):
         if kind in (TENSOR, OPT_TENSOR):
-            out.append(replaced(v))
+            out.append(meta(v))
         elif kind == TENSOR_LIST:
-            out.append([replaced(t) for t in v])
+            out.append([meta(t) for t in v])
         elif kind == GENERATOR:
             out.append(None)
         elif isinstance(v, torch.device):
-            out.append(torch.device(device))
+            out.append(torch.device("meta"))
         else:
             out.append(v)
     return out
-
-
-def _check_cpu_has_a_kernel(call: _Call):
-    """PyTorch's CPU kernels have no code for some integer and bool inputs (`floor` of bools, `gelu`
-    of integers), which its meta kernels do not know and JAX would compute. Such a call runs the CPU
-    kernel once on empty tensors of the same dtypes: a dtype it has no code for raises its own
-    NotImplementedError here. Anything else it raises on empty inputs says nothing of the real call."""
-    if all(op.tensor.is_floating_point() or op.tensor.is_complex() for op in call.operands):
-        return
-    empties = _stand_ins(call.values, call.sig, "cpu", lambda t: torch.empty((0,) * t.dim(), dtype=t.dtype))
-    try:
-        _call_with(call.sig, call.sig.op, empties)
-    except NotImplementedError as e:
-        if "not implemented for '" in str(e):  # not "Could not run ...": an op with no CPU kernel at all
-            raise NotImplementedError(f"{call.sig.name}: {e} on CPU, and so on tpu") from None
-    except Exception:  # noqa: BLE001 - empty stand-ins may break the op's other checks
-        pass
 
 
 def _call_with(sig: Signature, op, values):
@@ -597,7 +576,6 @@ def _build(call: _Call) -> Program:
     sig = call.sig
     low = sig.lowering
     specs = _out_specs(call)
-    _check_cpu_has_a_kernel(call)
     compute_dtype = _promotion(call, low)
     template = _template(call)
     views = [op.view if op.buf is not None else None for op in call.operands]
