@@ -504,8 +504,8 @@ def _check_out_dtypes(call: _Call):
     exact = name in _OUT_EXACT_DTYPE or f"{name}.{overload}" in _OUT_EXACT_DTYPE
     elementwise = sig.lowering.promote is not None
     for result, i in zip(results, sig.returns_mutated):
-        out = call.values[i]
-        if result is None or i is None or not isinstance(out, torch.Tensor) or out.dtype == result.dtype:
+        out = None if i is None else call.values[i]
+        if result is None or not isinstance(out, torch.Tensor) or out.dtype == result.dtype:
             continue
         want, got = dtypes.scalar_type_name(result.dtype), dtypes.scalar_type_name(out.dtype)
         if exact:
