@@ -78,6 +78,7 @@ class Signature:
     static_args: tuple  # per argument: True where the lowering asked for the Python value
     static_values: tuple  # per argument: the values compiled in when passed (Lowering.static_values), or None
     write_checks: tuple  # for a writing op: what it checks of the tensors it writes, see `_write_checks`
+    inputs: frozenset  # the names of the arguments it computes from: all but an out= variant's outs
     # the op in a call's key: an int, as an OpOverload hashes in Python (every eager op hashes its key,
     # every deferred flush the keys of all its ops)
     ident: int = dataclasses.field(default_factory=itertools.count().__next__)
@@ -181,6 +182,7 @@ def signature(op) -> Signature:
         static_args=tuple(low is not None and a.name in low.static for a in args),
         static_values=tuple(dict(low.static_values).get(a.name) if low is not None else None for a in args),
         write_checks=_write_checks(op, low),
+        inputs=frozenset(a.name for a in (functional or op)._schema.arguments),
     )
 
 
@@ -493,10 +495,9 @@ def _check_out_dtypes(call: _Call):
     """Raise PyTorch's error for an out= tensor whose dtype the CPU kernel would not write (PyTorch's
     meta kernels leave most of these checks to the kernels)."""
     sig = call.sig
-    inputs = {a.name for a in sig.functional._schema.arguments}
     meta_values = _to_meta(call.values, sig)
     try:
-        results = _flatten_returns(sig.functional(**{n: v for n, v in zip(sig.names, meta_values) if n in inputs}))
+        results = _flatten_returns(sig.functional(**{n: v for n, v in zip(sig.names, meta_values) if n in sig.inputs}))
     except NotImplementedError:  # no meta kernel
         return
     name = sig.functional._schema.name.split("::")[1]
@@ -519,10 +520,9 @@ def _promotion(call: _Call, low: Lowering):
     if low.promote is None:
         return None
     sig = call.sig
-    inputs = {a.name for a in (sig.functional or sig.op)._schema.arguments}  # not an out= argument
     participants = []
     for name, kind, v in zip(sig.names, sig.kinds, call.values):
-        if name not in inputs:
+        if name not in sig.inputs:  # an out= tensor receives the result, it does not promote
             continue
         if kind in (TENSOR, OPT_TENSOR) and isinstance(v, torch.Tensor):
             participants.append(torch.empty((0,) * v.dim(), dtype=v.dtype, device="meta"))
@@ -604,7 +604,6 @@ def _build(call: _Call) -> Program:
         _check_out_dtypes(call)
     lowered_schema = (sig.functional or sig.op)._schema
     lowered_params = [(a.name, a.kwarg_only) for a in lowered_schema.arguments]
-    lowered_names = {name for name, _ in lowered_params}
     jax_compute = dtypes.to_jax(compute_dtype) if compute_dtype is not None else None
     written_slots = _written_slots(call, first_slot)
     operand_dtypes = [op.tensor.dtype for op in call.operands]  # not the call: a program outlives its tensors
@@ -629,7 +628,7 @@ def _build(call: _Call) -> Program:
             return x
 
         by_name = {name: fill(x) for i, (name, x) in enumerate(zip(names, template))
-                   if not (is_out_variant and i in sig.mutated and name not in lowered_names)}
+                   if name in sig.inputs}
         # the lowering is written against the schema it was registered for: bind by name, since an
         # in-place variant may order its arguments differently (polygamma_(self, n) / polygamma(n, self))
         args = [by_name[name] for name, kw in lowered_params if not kw and name in by_name]
@@ -806,7 +805,7 @@ def _check_writable(call: _Call):
                 "single memory location. Please clone() the tensor before performing the operation."
             )
         if overlap is not None:
-            _check_no_overlap(v, call.operands, overlap == "any", [call.values[k] for k in wholly])
+            _check_no_overlap(v, call.operands, overlap == "any", [call.values[k] for k in wholly] if wholly else ())
 
 
 def _dense(t: torch.Tensor) -> bool:

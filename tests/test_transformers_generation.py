@@ -299,7 +299,7 @@ def _prompt_readers(first_token):
             self.chunks.append(value.tolist())
 
         def end(self):
-            pass
+            self.chunks.append("end")  # generate() closes the stream once, after the last token
 
     a, x = int(PROMPT[0, 0]), first_token
     return {
@@ -324,6 +324,7 @@ def test_what_reads_the_prompt_reads_it_unpadded(models, reader):
     assert torch.equal(actual.cpu(), expected)
     if reader == "streamer":
         assert actual_kwargs["streamer"].chunks == expected_kwargs["streamer"].chunks
+        assert actual_kwargs["streamer"].chunks[-1] == "end"
 
 
 def test_classifier_free_guidance_generates_the_cpu_tokens(models):
