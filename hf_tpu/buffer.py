@@ -14,10 +14,8 @@ a deferred graph just the same. See docs/design/memory-model.md.
 from __future__ import annotations
 
 import collections
-import ctypes
 import functools
 import math
-import struct
 import threading
 import warnings
 import weakref
@@ -33,58 +31,35 @@ from jax._src.interpreters import pxla
 from jax.experimental import multihost_utils
 
 from . import dtypes, platform
+from ._storage import storage_capsule as _storage_capsule
 
-# --- DLPack: the one public door through which Python can create a storage with a deleter.
-#
-# The DLManagedTensor comes from NumPy's own `__dlpack__` of a tiny "owner" array, with its fields
-# rewritten to describe our storage. Its deleter is NumPy's C function, which drops the owner array;
-# a weak reference to the owner then tells us the storage died. Going through C and a weakref (rather
-# than a ctypes callback as deleter) matters: storages often die while an exception propagates, and
-# CPython runs weakref callbacks with the pending exception saved, where a ctypes callback would turn
-# the user's error into a SystemError.
+# --- A new storage: a range of fake addresses, handed to PyTorch as a DLPack capsule made in C
+# (`_storage.c`), whose deleter calls the allocator back with the address when the storage dies.
 
-
-# DLTensor's fields (data, device type and id, ndim, dtype code/bits/lanes, shape pointer, strides
-# pointer, byte offset), written with one memmove: field-by-field ctypes assignment cost more than the
-# whole op's launch. The shape pointer points at an int64 array of the shape, kept with the shape's
-# `_Layout` (PyTorch copies the sizes while it builds the tensor; NumPy frees its own shape copy with
-# the struct, not through the pointer), the strides pointer is NULL (compact row-major) and the offset 0.
-_DL_TENSOR = struct.Struct("<QiiiBBHQQQ")
-# the fields a new tensor's address and chip decide; the rest is its layout's, packed once (`_layout`)
-_DL_HEAD = struct.Struct("<Qii")
-_LAYOUTS: dict = {}  # (shape, dtype) -> _Layout
-_LAYOUTS_CACHED = 4096
-_DL_EXT_DEV = 12  # kDLExtDev: PyTorch maps it to PrivateUse1, i.e. `tpu`
-_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-_capsule_pointer.restype = ctypes.c_void_p
-_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 _from_dlpack = torch._C._from_dlpack
-
 _ALIGN = 256
 
 
 class _Layout(NamedTuple):
-    """What every tensor of one shape and dtype shares: its size, its address span, the owner array's
-    shape, and the DLTensor fields after the address and chip, packed (with the shape array they
-    point at, kept alive here)."""
+    """What every tensor of one shape and dtype shares: its size, its address span and its DLPack
+    dtype code and bits."""
 
     nbytes: int
     span: int
-    owner_shape: tuple
-    tail: bytes
-    sizes: object
+    code: int
+    bits: int
+
+
+_LAYOUTS: dict = {}  # (shape, dtype) -> _Layout
+_LAYOUTS_CACHED = 4096
 
 
 def _layout(shape: tuple, dtype: torch.dtype) -> _Layout:
-    ndim = len(shape)
     nbytes = math.prod(shape) * dtype.itemsize
-    code, bits = dtypes.dlpack_code(dtype)
-    sizes = (ctypes.c_int64 * max(ndim, 1))(*shape)
-    tail = _DL_TENSOR.pack(0, 0, 0, ndim, code, bits, 1, ctypes.addressof(sizes), 0, 0)[_DL_HEAD.size:]
     if len(_LAYOUTS) >= _LAYOUTS_CACHED:
         _LAYOUTS.clear()
     layout = _LAYOUTS[(shape, dtype)] = _Layout(nbytes, (nbytes + 2 * _ALIGN - 1) // _ALIGN * _ALIGN,
-                                                 (1,) * ndim, tail, sizes)
+                                                 *dtypes.dlpack_code(dtype))
     return layout
 
 
@@ -174,7 +149,7 @@ class _Allocator:
         # re-entrant: allocating can run the garbage collector, which releases dead buffers
         self.lock = threading.RLock()
         self.next_address = _FIRST_ADDRESS
-        self.live: dict[int, tuple] = {}  # address -> (Buffer, weakref to the DLPack owner)
+        self.live: dict[int, Buffer] = {}  # address -> the buffer of the storage there
         self.allocated: dict[int, int] = {}
         self.peak: dict[int, int] = {}
         self.num_allocs: dict[int, int] = {}
@@ -189,16 +164,11 @@ class _Allocator:
         if layout is None:
             layout = _layout(shape, dtype)
         nbytes = layout.nbytes
-        owner = np.empty(layout.owner_shape, np.uint8)
-        capsule = owner.__dlpack__()
-        dl = _capsule_pointer(capsule, b"dltensor")
-        release = self._release
         with self.lock:
             address = self.next_address
             self.next_address += layout.span
             buf = Buffer(shape, dtype, device_index, nbytes, address)
-            # a plain weakref with a closure: KeyedRef's Python-level constructor cost a microsecond
-            self.live[address] = (buf, weakref.ref(owner, lambda _, address=address: release(address)))
+            self.live[address] = buf
             self.num_allocs[device_index] = self.num_allocs.get(device_index, 0) + 1
             if array is None or type(array) is Lazy or sharded_arrays_exist:
                 plain = False
@@ -208,20 +178,18 @@ class _Allocator:
                 self._change_holders(array, 1)
                 buf.counted = True
                 self._add(device_index, nbytes)
-        del owner  # the capsule holds it now; it dies with the storage
         if not plain:
             if array is None:
                 self.count(buf)
             else:
                 buf.array = array
-        ctypes.memmove(dl, _DL_HEAD.pack(address, _DL_EXT_DEV, device_index) + layout.tail, _DL_TENSOR.size)
-        return _from_dlpack(capsule), buf  # the layout holds the shape array until PyTorch has read it
+        capsule = _storage_capsule(address, device_index, layout.code, layout.bits, shape, self._release)
+        return _from_dlpack(capsule), buf
 
     def _release(self, address: int):
         with self.lock:
-            entry = self.live.pop(address, None)
-            if entry is not None:
-                buf = entry[0]
+            buf = self.live.pop(address, None)
+            if buf is not None:
                 if buf.counted:
                     self._uncount(buf)
                 array = buf._array
@@ -257,7 +225,7 @@ class _Allocator:
                 self.allocated[index] -= nbytes
 
     def buffer(self, address: int) -> Buffer:
-        return self.live[address][0]
+        return self.live[address]
 
     def hold(self, array):
         with self.lock:
@@ -294,7 +262,7 @@ def new_tensor(shape, dtype: torch.dtype, device_index: int, array=None) -> torc
 
 def live_buffers(device_index: int) -> list:
     """The live buffers on `tpu:device_index`."""
-    return [buf for buf, _ in list(allocator.live.values()) if buf.device_index == device_index]
+    return [buf for buf in list(allocator.live.values()) if buf.device_index == device_index]
 
 
 def device_arrays(device_index: int) -> list:
@@ -307,7 +275,7 @@ def device_arrays(device_index: int) -> list:
 def buffer_of(t: torch.Tensor) -> Buffer:
     """The buffer behind a `tpu` tensor's storage (shared by all of its views)."""
     try:
-        return allocator.live[t.untyped_storage().data_ptr()][0]
+        return allocator.live[t.untyped_storage().data_ptr()]
     except KeyError:
         raise RuntimeError(
             f"tpu tensor of shape {tuple(t.shape)} has no device buffer (its storage was not created "

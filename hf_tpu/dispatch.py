@@ -296,12 +296,10 @@ class _Call:
                 key.append(("cpu", tuple(t.shape), t.dtype))
                 return device_index
             raise _device_mismatch(self.sig, f"tpu:{device_index or 0}", t.device)
-        entry = _LIVE.get(t.untyped_storage().data_ptr())
-        if entry is not None:
-            buf = entry[0]
-        elif t.device.type != "tpu":
-            raise _device_mismatch(self.sig, f"tpu:{device_index or 0}", t.device)
-        else:
+        buf = _LIVE.get(t.untyped_storage().data_ptr())
+        if buf is None:
+            if t.device.type != "tpu":
+                raise _device_mismatch(self.sig, f"tpu:{device_index or 0}", t.device)
             buf = buffer.buffer_of(t)  # raises its error for a storage hf_tpu did not create
         if device_index is not None and buf.device_index != device_index:
             raise _device_mismatch(self.sig, f"tpu:{device_index}", f"tpu:{buf.device_index}")

@@ -139,6 +139,34 @@ def test_memory_counts_live_buffers_and_peak():
     assert torch.tpu.max_memory_allocated() == base
 
 
+def test_storage_freed_while_an_exception_propagates_keeps_the_exception():
+    """The storage's deleter (C, `_storage.c`) calls back into Python while the frame that held the
+    tensor unwinds: the user's exception must arrive as it was, and the memory be released."""
+    import gc
+
+    gc.collect()
+    base = torch.tpu.memory_allocated()
+
+    def fails():
+        x = torch.ones(1024, device="tpu")  # noqa: F841 - dies as the ValueError leaves this frame
+        raise ValueError("the user's error")
+
+    with pytest.raises(ValueError, match="the user's error"):
+        fails()
+    assert torch.tpu.memory_allocated() == base
+
+
+def test_storage_freed_on_another_thread_is_released():
+    import threading
+
+    base = torch.tpu.memory_allocated()
+    held = [torch.ones(2048, device="tpu")]
+    thread = threading.Thread(target=held.clear)
+    thread.start()
+    thread.join()
+    assert not held and torch.tpu.memory_allocated() == base
+
+
 def test_views_do_not_allocate():
     x = torch.zeros(256, device="tpu")
     before = torch.tpu.memory_allocated()
