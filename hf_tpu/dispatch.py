@@ -481,7 +481,7 @@ _OUT_EXACT_DTYPE = frozenset((
     "conj_physical", "clamp.default", "clamp_min.default", "clamp_max.default", "heaviside",
     "mm", "bmm", "addmm", "baddbmm", "mv", "gather", "index_select", "index_add", "index_copy", "take",
     "scatter.src", "scatter.value", "scatter_add", "scatter_reduce.two", "masked_select", "nonzero",
-    "sort", "sort.stable", "topk", "max.dim", "min.dim", "amax", "amin", "all", "any", "isin", "tril", "triu",
+    "sort", "sort.stable", "topk", "max.dim", "min.dim", "amax", "amin", "aminmax", "all", "any", "isin", "tril", "triu",
     "slice_scatter", "_softmax", "_log_softmax", "logcumsumexp", "linalg_vector_norm", "linalg_cross",
     "renorm", "searchsorted", "bucketize", "multinomial", "histc", "softplus", "softshrink", "hardshrink",
     "gelu", "avg_pool3d", "_linalg_eigh", "_linalg_solve_ex", "linalg_lu_solve", "linalg_ldl_solve",

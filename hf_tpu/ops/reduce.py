@@ -50,17 +50,31 @@ def _count(x, axes) -> int:
     return math.prod(x.shape[a] for a in axes)
 
 
-def require_nonempty(name, x, axes):
+def require_nonempty(name, shape, axes):
     """PyTorch's error for a reduction with no identity over an empty dim (these ops' meta kernels
-    do not raise it)."""
-    if axes is None and x.size == 0:
+    do not raise it, or raise another type)."""
+    if axes is None and math.prod(shape) == 0:
         raise RuntimeError(
             f"{name}(): Expected reduction dim to be specified for input.numel() == 0. "
             "Specify the reduction dim with the 'dim' argument."
         )
     for axis in axes or ():
-        if x.shape[axis] == 0:
+        if shape[axis] == 0:
             raise IndexError(f"{name}(): Expected reduction dim {axis} to have non-zero size.")
+
+
+def _nonempty_check(name):
+    """The check of `name(self, dim, ...)`, run before PyTorch's meta kernel, which reports an empty
+    reduced dim as RuntimeError where CPU raises IndexError; a dim out of range is left to the meta
+    kernel's IndexError."""
+
+    def check(values):
+        self, dim = values[0], values[1]
+        ndim = max(self.ndim, 1)
+        if all(-ndim <= d < ndim for d in ([dim] if isinstance(dim, int) else dim or ())):
+            require_nonempty(name, self.shape, _axes(self, dim))
+
+    return check
 
 
 def scalar_as_vector(fn):
@@ -109,16 +123,16 @@ def mean(self, dim=None, keepdim=False, *, dtype=None):
 
 def _extreme(name, reduce, x, dim, keepdim):
     axes = _axes(x, dim)
-    require_nonempty(name, x, axes)
+    require_nonempty(name, x.shape, axes)
     return reduce(x, axes, keepdims=keepdim)
 
 
-@lowering(aten.amax.default)
+@lowering(aten.amax.default, check=_nonempty_check("amax"))
 def amax(self, dim=(), keepdim=False):
     return _extreme("amax", jnp.max, self, dim, keepdim)
 
 
-@lowering(aten.amin.default)
+@lowering(aten.amin.default, check=_nonempty_check("amin"))
 def amin(self, dim=(), keepdim=False):
     return _extreme("amin", jnp.min, self, dim, keepdim)
 
@@ -167,7 +181,7 @@ def argmin(self, dim=None, keepdim=False):
     return jnp.argmin(self, dim, keepdims=keepdim)
 
 
-@lowering(aten.aminmax.default)
+@lowering(aten.aminmax.default, check=_nonempty_check("aminmax"))
 @scalar_as_vector
 def aminmax(self, *, dim=None, keepdim=False):
     return _extreme("aminmax", jnp.min, self, dim, keepdim), _extreme("aminmax", jnp.max, self, dim, keepdim)

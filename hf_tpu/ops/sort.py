@@ -68,7 +68,7 @@ def _median(x, dim, keepdim, ignore_nan):
     """The lower median along `dim` and its index. NaN sorts last: with `ignore_nan` the median is
     taken over the numbers; without, any NaN is the result (the first one, as PyTorch reports)."""
     axis = dim % x.ndim
-    require_nonempty("median", x, (axis,))
+    require_nonempty("median", x.shape, (axis,))
     values, indices = _sort(x, axis)
     n = x.shape[axis]
     numbers = jnp.sum(~jnp.isnan(x), axis, keepdims=True) if jnp.issubdtype(x.dtype, jnp.floating) else n
@@ -114,7 +114,7 @@ def mode(self, dim=-1, keepdim=False):
     occurrence: what PyTorch's CPU kernel returns while its unstable sort keeps equal values in order
     (beyond a few dozen elements its index among ties is arbitrary)."""
     axis = dim % self.ndim
-    require_nonempty("mode", self, (axis,))
+    require_nonempty("mode", self.shape, (axis,))
     values, indices = _sort(self, axis)
     n = self.shape[axis]
     positions = jax.lax.broadcasted_iota(jnp.int64, values.shape, axis)
