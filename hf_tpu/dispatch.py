@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import torch
 from torch._prims_common import elementwise_dtypes
 
-from . import buffer, counters, dtypes, index_checks, platform, random
+from . import _operands, buffer, counters, dtypes, index_checks, platform, random
 from . import modes as _modes
 from .ops.registry import BACKEND_CHOICES, CPU_VIEW_KERNELS, KERNELS, LOWERINGS, Lowering
 
@@ -79,6 +79,7 @@ class Signature:
     static_values: tuple  # per argument: the values compiled in when passed (Lowering.static_values), or None
     write_checks: tuple  # for a writing op: what it checks of the tensors it writes, see `_write_checks`
     inputs: frozenset  # the names of the arguments it computes from: all but an out= variant's outs
+    default_keys: tuple  # per argument: its default's part of a call's key (`_hashable`), or None
     # the op in a call's key: an int, as an OpOverload hashes in Python (every eager op hashes its key,
     # every deferred flush the keys of all its ops)
     ident: int = dataclasses.field(default_factory=itertools.count().__next__)
@@ -183,6 +184,7 @@ def signature(op) -> Signature:
         static_values=tuple(dict(low.static_values).get(a.name) if low is not None else None for a in args),
         write_checks=_write_checks(op, low),
         inputs=frozenset(a.name for a in (functional or op)._schema.arguments),
+        default_keys=tuple(_hashable(a.default_value) if a.has_default_value() else None for a in args),
     )
 
 
@@ -213,6 +215,7 @@ _operand = functools.partial(tuple.__new__, _Operand)
 
 
 _LIVE = buffer.allocator.live
+_analyse_common = _operands.analyse
 _allocate = buffer.allocator.new_tensor
 _matmul_precision = torch._C._get_float32_matmul_precision
 _view_of = buffer.view_of
@@ -233,15 +236,22 @@ class _Call:
     def __init__(self, sig: Signature, values: list):
         self.sig = sig
         self.values = values
+        self.scalars = []
+        self.rng = False
+        # the float32 matmul precision is read while a program is traced, so it decides the program
+        precision = _matmul_precision()
+        # the common case (whole-buffer tensors, default Scalars) in C; the same key as the loop below
+        common = _analyse_common(sig.kinds, sig.defaults, sig.default_keys, values, sig.ident, precision)
+        if common is not None:
+            self.key, self.operands, self.arrays, self.device_index = common
+            return
         # the operands' arrays as they are: concrete, Lazy results of deferred ops, or None for an
         # uninitialised buffer (the program makes its zeros, which XLA drops when they are overwritten)
         self.arrays = []
         operands = []
-        scalars = []
-        # the float32 matmul precision is read while a program is traced, so it decides the program
-        key = [sig.ident, _matmul_precision()]
+        scalars = self.scalars
+        key = [sig.ident, precision]
         device_index = None
-        rng = False
         i = 0
         for kind in sig.kinds:
             v = values[i]
@@ -277,14 +287,12 @@ class _Call:
                     else:
                         device_index = self._operand(t, operands, key, device_index, host_indices)
             else:  # GENERATOR
-                rng = True
+                self.rng = True
                 key.append(GENERATOR)
             i += 1
         self.operands = operands
-        self.scalars = scalars
         self.key = tuple(key)
         self.device_index = device_index
-        self.rng = rng
 
     def _operand(self, t, operands, key, device_index, host_ok=False):
         if t.is_cpu:
@@ -296,7 +304,9 @@ class _Call:
                 key.append(("cpu", tuple(t.shape), t.dtype))
                 return device_index
             raise _device_mismatch(self.sig, f"tpu:{device_index or 0}", t.device)
-        buf = _LIVE.get(t.untyped_storage().data_ptr())
+        # a tensor at its storage's start (every op result) is found by its data pointer, cheaper to
+        # read than its storage's
+        buf = _LIVE.get(t.data_ptr()) or _LIVE.get(t.untyped_storage().data_ptr())
         if buf is None:
             if t.device.type != "tpu":
                 raise _device_mismatch(self.sig, f"tpu:{device_index or 0}", t.device)
@@ -370,6 +380,9 @@ def _hashable(v):
     return v
 
 
+_operands.configure(torch.Tensor, _Operand, _LIVE, _hashable)
+
+
 # --- Programs: what one key compiles to.
 
 
@@ -398,6 +411,9 @@ class Program:
     data_dependent: bool = False
     # per schema return: False where PyTorch returns an undefined tensor (None)
     defined: tuple = ()
+    # (shape, dtype) of the one new tensor that is all the op returns (`a + b`): returned without the
+    # general path's loop over results
+    only_result: tuple | None = None
 
     @functools.cached_property
     def content_hash(self) -> int:
@@ -678,8 +694,9 @@ def _build(call: _Call) -> Program:
             else:  # the written buffer's whole array comes back
                 out_specs.append(("mutated", slot_of_arg[target], *blank[slot_of_arg[target]]))
     program_returns = tuple(spec is not None or returns_mutated[j] is not None for j, spec in enumerate(specs))
+    one_new = sig.num_returns == 1 and not sig.returns_list and len(out_specs) == 1 and out_specs[0][0] != "mutated"
     return Program(fn=fn, name=call.sig.name, out_specs=tuple(out_specs), device_index=call.device_index,
-                   defined=program_returns)
+                   defined=program_returns, only_result=out_specs[0] if one_new else None)
 
 
 def _written_slots(call: _Call, first_slot: dict):
@@ -893,6 +910,9 @@ def run_lowered(sig: Signature, values: list):
         out_specs = program.out_specs
     if new:  # kept once it has run: a lowering that rejects its arguments raises in every mode
         _PROGRAMS[call.key] = program
+    only = program.only_result
+    if only is not None:
+        return _allocate(only[0], only[1], device_index, results[0])[0]
     outputs = []
     for spec, array in zip(out_specs, results):
         if spec[0] == "mutated":

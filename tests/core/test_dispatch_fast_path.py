@@ -1,0 +1,76 @@
+"""The C fast path of a call's analysis (`hf_tpu/_operands.c`) gives what `dispatch._Call`'s general
+loop gives, and takes the calls it is for: a drift between the two would compile a program twice or,
+worse, reuse one for a call it does not fit."""
+
+import pytest
+import torch
+
+from hf_tpu import dispatch
+
+aten = torch.ops.aten
+
+
+def _calls():
+    a = torch.randn(4, 6, device="tpu")
+    b = torch.randn(4, 6, device="tpu")
+    w = torch.randn(6, 3, device="tpu")
+    # (name, op, values in schema order, whether the C path takes it)
+    return [
+        ("add, default alpha", aten.add.Tensor, [a, b, 1], True),
+        ("add, alpha=2", aten.add.Tensor, [a, b, 2], False),
+        ("add, alpha=1.0", aten.add.Tensor, [a, b, 1.0], False),
+        ("mm", aten.mm.default, [a, w], True),
+        ("sum over a dim list", aten.sum.dim_IntList, [a, [1], True, None], True),
+        ("softmax", aten._softmax.default, [a, -1, False], True),
+        ("leaky_relu, default slope", aten.leaky_relu.default, [a, 0.01], True),
+        ("leaky_relu, other slope", aten.leaky_relu.default, [a, 0.2], False),
+        ("a transposed copy, transposed back", aten.add.Tensor, [a.t().contiguous().t(), b, 1], False),
+        ("a copy", aten.add.Tensor, [a.clone(), b, 1], True),
+        ("a transposed view", aten.mm.default, [w.t(), a.t()], False),
+        ("a sliced view", aten.add.Tensor, [a[1:], b[1:], 1], False),
+        ("a Python number", aten.mul.Tensor, [a, 3], False),
+        ("a CPU scalar tensor", aten.mul.Tensor, [a, torch.tensor(3.0)], False),
+        ("an optional tensor left out", aten.addmm.default, [torch.zeros(3, device="tpu"), a, w, 1, 1], True),
+        ("a tensor list", aten.cat.default, [[a, b], 0], False),
+        ("a conjugate view", aten.add.Tensor,
+         [torch.randn(3, dtype=torch.cfloat, device="tpu").conj(), torch.randn(3, dtype=torch.cfloat, device="tpu"), 1],
+         False),
+        ("a generator", aten.bernoulli.default, [torch.rand(3, device="tpu"), None], False),
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(_calls())), ids=[c[0] for c in _calls()])
+def test_c_fast_path_gives_the_general_loops_analysis(index, monkeypatch):
+    _, op, values, taken = _calls()[index]
+    sig = dispatch.signature(op)
+    common = dispatch._analyse_common(sig.kinds, sig.defaults, sig.default_keys, values, sig.ident,
+                                      dispatch._matmul_precision())
+    assert (common is not None) == taken
+    if not taken:
+        return
+    fast = dispatch._Call(sig, values)
+    monkeypatch.setattr(dispatch, "_analyse_common", lambda *args: None)
+    general = dispatch._Call(sig, values)
+    assert fast.key == general.key
+    assert fast.operands == general.operands
+    assert len(fast.arrays) == len(general.arrays) and all(x is y for x, y in zip(fast.arrays, general.arrays))
+    assert (fast.device_index, fast.scalars, fast.rng) == (general.device_index, general.scalars, general.rng)
+
+
+def test_a_negative_zero_is_not_its_defaults_zero():
+    """-0.0 == 0.0 in Python, yet a program with either baked in computes something else."""
+    sig = dispatch.signature(aten.add.Tensor)  # any signature: only the key's head comes from it
+    args = ((dispatch.SCALAR,), (0.0,), (dispatch._hashable(0.0),))
+    assert dispatch._analyse_common(*args, [0.0], sig.ident, "highest") is not None
+    assert dispatch._analyse_common(*args, [-0.0], sig.ident, "highest") is None
+
+
+def test_tensors_on_two_chips_take_the_general_loop_and_its_error():
+    if torch.tpu.device_count() < 2:
+        pytest.skip("needs two tpu chips (CI simulates them)")
+    a, b = torch.ones(3, device="tpu:0"), torch.ones(3, device="tpu:1")
+    sig = dispatch.signature(aten.add.Tensor)
+    assert dispatch._analyse_common(sig.kinds, sig.defaults, sig.default_keys, [a, b, 1], sig.ident,
+                                    "highest") is None
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        a + b
