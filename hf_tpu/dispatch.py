@@ -405,6 +405,7 @@ class Program:
     out_specs: tuple | None  # per return: (shape, torch dtype) or ("mutated", operand, shape, jax dtype)
     device_index: int | None
     jitted: object = None
+    positional: bool = False  # `jitted` takes the arrays as arguments and returns the one result
     jitted_donating: object = None  # the same program taking the overwritten operands' arrays as donations
     # output shapes depend on the data (nonzero, masked_select, unique): run on concrete arrays,
     # a sync point, and take the specs from the results

@@ -40,7 +40,7 @@ class _Eager:
         self.name = mode.value
         self.blocking = blocking
 
-    def _compiled(self, program, donating: bool):
+    def _compiled(self, program, donating: bool, scalars, rng):
         fn, overwritten = program.fn, program.overwritten
 
         def traced(donated, kept, scalars, rng):
@@ -51,7 +51,13 @@ class _Eager:
         if donating:
             program.jitted_donating = jax.jit(traced, donate_argnums=(0,))
             return program.jitted_donating
-        program.jitted = jax.jit(lambda arrays, scalars, rng: traced((), arrays, scalars, rng))
+        if not scalars and rng is None and len(program.out_specs) == 1:
+            # arrays in, one array out, no pytree for jit's dispatch to walk: 1-1.5 us less per op.
+            # (A program's number of scalars and its use of a key are in its key: fixed per program.)
+            program.jitted = jax.jit(lambda *arrays: traced((), list(arrays), (), None)[0])
+            program.positional = True
+        else:
+            program.jitted = jax.jit(lambda arrays, scalars, rng: traced((), arrays, scalars, rng))
         return program.jitted
 
     def execute(self, program, key, arrays, scalars, rng, device_index):
@@ -59,13 +65,19 @@ class _Eager:
         donating = bool(overwritten) and _donatable(overwritten, arrays)
         jitted = program.jitted_donating if donating else program.jitted
         if jitted is None:
-            jitted = self._compiled(program, donating)
+            jitted = self._compiled(program, donating, scalars, rng)
         else:
             _counters["compile_cache_hits"] += 1
             _counters["compile_cache_hits_by_mode"][self.name] += 1
         try:
             if donating:
                 out = jitted(*donation.split(arrays, overwritten), scalars, rng)
+            elif program.positional:
+                if arrays:
+                    out = (jitted(*arrays),)
+                else:
+                    with jax.default_device(platform.jax_device(device_index)):
+                        out = (jitted(),)
             elif arrays:
                 out = jitted(arrays, scalars, rng)
             else:
