@@ -5,7 +5,7 @@ Strict eager pays the analysis of a call on every op; in Python it was about a f
 This function returns the same key, operands and arrays that `_Call`'s general loop builds, or None
 for anything else (views, CPU scalars, Python numbers, tensor lists, generators, device mismatches):
 the general loop then handles the call, errors included. `tests/core/test_dispatch_fast_path.py`
-checks that both give the same key. See docs/design/native-storage.md.
+checks that both give the same key. See docs/design/native-hot-path.md.
 */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -4,7 +4,7 @@ DLPack is the one public door through which Python can give PyTorch a storage wi
 PrivateUse1 device. Building the DLManagedTensor here, rather than rewriting one of NumPy's from
 Python through ctypes, takes one call instead of five; the deleter tells `buffer.py` the storage died
 by calling `on_free(address)`, holding the GIL and keeping any exception that is propagating (storages
-often die while one does) as it was. See docs/design/native-storage.md.
+often die while one does) as it was. See docs/design/native-hot-path.md.
 */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
