@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import torch
 from torch._prims_common import elementwise_dtypes
 
-from . import _operands, buffer, counters, dtypes, index_checks, platform, random
+from . import _dispatch as _native
+from . import buffer, counters, dtypes, index_checks, platform, random
 from . import modes as _modes
 from .ops.registry import BACKEND_CHOICES, CPU_VIEW_KERNELS, KERNELS, LOWERINGS, Lowering
 
@@ -83,6 +84,18 @@ class Signature:
     # the op in a call's key: an int, as an OpOverload hashes in Python (every eager op hashes its key,
     # every deferred flush the keys of all its ops)
     ident: int = dataclasses.field(default_factory=itertools.count().__next__)
+
+    @property
+    def plain(self) -> bool:
+        """A lowered op that writes nothing and checks no argument: strict eager may launch its common
+        calls from C (`_dispatch.c`)."""
+        return (self.kernel is None and self.lowering is not None and self.check is None
+                and self.index_check is None and not self.mutated)
+
+    @functools.cached_property
+    def native(self) -> tuple:
+        """What the C entry reads of the signature on every call, in one tuple."""
+        return self.names, self.defaults, self.kinds, self.default_keys, self.ident, self.plain
 
     @property
     def name(self) -> str:
@@ -215,7 +228,7 @@ _operand = functools.partial(tuple.__new__, _Operand)
 
 
 _LIVE = buffer.allocator.live
-_analyse_common = _operands.analyse
+_analyse_common = _native.analyse
 _allocate = buffer.allocator.new_tensor
 _matmul_precision = torch._C._get_float32_matmul_precision
 _view_of = buffer.view_of
@@ -233,17 +246,19 @@ class _Call:
 
     __slots__ = ("sig", "values", "operands", "arrays", "scalars", "key", "device_index", "rng")
 
-    def __init__(self, sig: Signature, values: list):
+    def __init__(self, sig: Signature, values: list, analysed=None):
         self.sig = sig
         self.values = values
         self.scalars = []
         self.rng = False
         # the float32 matmul precision is read while a program is traced, so it decides the program
         precision = _matmul_precision()
-        # the common case (whole-buffer tensors, default Scalars) in C; the same key as the loop below
-        common = _analyse_common(sig.kinds, sig.defaults, sig.default_keys, values, sig.ident, precision)
-        if common is not None:
-            self.key, self.operands, self.arrays, self.device_index = common
+        # the common case (whole-buffer tensors, default Scalars) in C, unless the C entry analysed the
+        # call already (False: not the common case); the same key as the loop below
+        if analysed is None:
+            analysed = _analyse_common(sig.kinds, sig.defaults, sig.default_keys, values, sig.ident, precision)
+        if analysed:
+            self.key, self.operands, self.arrays, self.device_index = analysed
             return
         # the operands' arrays as they are: concrete, Lazy results of deferred ops, or None for an
         # uninitialised buffer (the program makes its zeros, which XLA drops when they are overwritten)
@@ -380,9 +395,6 @@ def _hashable(v):
     return v
 
 
-_operands.configure(torch.Tensor, _Operand, _LIVE, _hashable)
-
-
 # --- Programs: what one key compiles to.
 
 
@@ -415,6 +427,9 @@ class Program:
     # (shape, dtype) of the one new tensor that is all the op returns (`a + b`): returned without the
     # general path's loop over results
     only_result: tuple | None = None
+    # (jitted, shape, dtype) where strict eager launches the program with its arrays alone and makes
+    # its one new tensor: the C entry's whole work for a common call (`_dispatch.c`)
+    direct: tuple | None = None
 
     @functools.cached_property
     def content_hash(self) -> int:
@@ -872,13 +887,13 @@ def _check_no_overlap(written: torch.Tensor, operands, full_too: bool, wholly_ok
             )
 
 
-def run_lowered(sig: Signature, values: list):
+def run_lowered(sig: Signature, values: list, analysed=None):
     """Run an op that has a lowering (directly or through its functional overload)."""
     if sig.check is not None:
         sig.check(values)
     if sig.index_check is not None and index_checks.enabled():
         sig.index_check(values)
-    call = _Call(sig, values)
+    call = _Call(sig, values, analysed)
     if sig.mutated:
         _check_writable(call)
         if _resize_outs(call):  # PyTorch checks the out= tensors it resized (sharing their storage still)
@@ -1105,14 +1120,19 @@ def run_unlowered(sig: Signature, values):
     raise unsupported(sig, values)
 
 
-def dispatch(sig: Signature, *args, **kwargs):
-    """The tpu kernel of every op, bound to the op's signature (`_kernel`)."""
-    values = _bind(sig, args, kwargs)
+def run_bound(sig: Signature, values: list, analysed=None):
+    """An op with its arguments bound: where the C entry (`_dispatch.c`) hands every call it does not
+    launch itself, with its analysis of the call if it made one (see `_Call`)."""
     if sig.kernel is not None:
         return sig.kernel(sig, values)
     if sig.lowering is not None:
-        return run_lowered(sig, values)
+        return run_lowered(sig, values, analysed)
     return run_unlowered(sig, values)
+
+
+def dispatch(sig: Signature, *args, **kwargs):
+    """An op called with PyTorch's arguments, in Python: the ops that reach the PrivateUse1 fallback."""
+    return run_bound(sig, _bind(sig, args, kwargs))
 
 
 # --- Registration with PyTorch's dispatcher.
@@ -1141,8 +1161,8 @@ def _derived_variants(functional):
 
 
 def _kernel(sig: Signature):
-    # a partial rather than a closure: one Python frame fewer on every op
-    return functools.partial(dispatch, sig)
+    # the C entry, bound to the signature and what it reads of it
+    return functools.partial(_native.entry, sig, sig.native)
 
 
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
@@ -1187,7 +1207,7 @@ def register_kernels() -> None:
     fallback = torch.library.Library("_", "IMPL")
     fallback.fallback(_fallback, "PrivateUse1")
     _libraries.extend([*libraries.values(), fallback])
-    _hide_from_dynamo(dispatch.__code__, _fallback.__code__)  # a view kernel has no Python frame
+    _hide_from_dynamo(run_bound.__code__, dispatch.__code__, _fallback.__code__)  # C kernels have no frame
 
 
 def _hide_from_dynamo(*entry_points) -> None:
@@ -1199,3 +1219,8 @@ def _hide_from_dynamo(*entry_points) -> None:
     skip = eval_frame._FrameExecStrategy(eval_frame._FrameAction.SKIP, eval_frame._FrameAction.SKIP)
     for code in entry_points:
         eval_frame.set_code_exec_strategy(code, skip)
+
+
+_native.configure(torch.Tensor, _Operand, _LIVE, _hashable, _PROGRAMS, _modes._current,
+                  _modes._MODES[_modes.EagerMode.DEFER_NEVER], buffer, _counters, _allocate, run_bound,
+                  _matmul_precision)

@@ -56,6 +56,8 @@ class _Eager:
             # (A program's number of scalars and its use of a key are in its key: fixed per program.)
             program.jitted = jax.jit(lambda *arrays: traced((), list(arrays), (), None)[0])
             program.positional = True
+            if program.only_result is not None and not program.overwritten:
+                program.direct = (program.jitted, *program.only_result)
         else:
             program.jitted = jax.jit(lambda arrays, scalars, rng: traced((), arrays, scalars, rng))
         return program.jitted

@@ -1,6 +1,6 @@
-"""The C fast path of a call's analysis (`hf_tpu/_operands.c`) gives what `dispatch._Call`'s general
-loop gives, and takes the calls it is for: a drift between the two would compile a program twice or,
-worse, reuse one for a call it does not fit."""
+"""The C entry of strict eager (`hf_tpu/_dispatch.c`): its analysis of a call gives what
+`dispatch._Call`'s general loop gives, and it takes the calls it is for. A drift between the two
+would compile a program twice or, worse, reuse one for a call it does not fit."""
 
 import pytest
 import torch
@@ -74,3 +74,31 @@ def test_tensors_on_two_chips_take_the_general_loop_and_its_error():
                                     "highest") is None
     with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
         a + b
+
+
+def _python_functions_called(fn) -> set:
+    import sys
+
+    called = set()
+    sys.setprofile(lambda frame, event, arg: called.add(frame.f_code.co_name) if event == "call" else None)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return called
+
+
+def test_strict_eager_launches_a_common_call_from_c():
+    a, b = torch.randn(4, 6, device="tpu"), torch.randn(4, 6, device="tpu")
+    with torch.tpu.use_eager_mode("DEFER_NEVER"):
+        expected = (a + b).cpu()  # builds and compiles the program
+        before = torch.tpu.memory_allocated()
+        called = _python_functions_called(lambda: a + b)
+        assert "run_bound" not in called and "run_lowered" not in called
+        assert "new_tensor" in called  # the result's storage and buffer are still made by the allocator
+        assert torch.tpu.memory_allocated() == before  # the result died with its storage
+        assert torch.equal((a + b).cpu(), expected)
+        # not the common case: the Python path, with the C entry's analysis
+        assert "run_lowered" in _python_functions_called(lambda: a.add(b, alpha=2))
+    with torch.tpu.use_eager_mode("DEFER_AND_FUSE"):
+        assert "run_lowered" in _python_functions_called(lambda: a + b)
