@@ -326,8 +326,7 @@ static PyObject *entry(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     }
     PyObject *device_index = PyTuple_GET_ITEM(analysed, 3);
     PyObject *by_mode = PyDict_GetItemWithError(counters, s_cache_hits_by_mode); /* borrowed */
-    if (device_index == Py_None || by_mode == NULL || !PyDict_Check(by_mode) ||
-        count(counters, s_ops_dispatched) || count(counters, s_cache_hits) || count(by_mode, s_strict_name)) {
+    if (device_index == Py_None || by_mode == NULL || !PyDict_Check(by_mode)) {
         goto python_or_error;
     }
     /* direct = (jitted, shape, dtype): the program's launch and its one result's layout */
@@ -335,12 +334,16 @@ static PyObject *entry(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     launched = PyObject_Vectorcall(PyTuple_GET_ITEM(direct, 0), PySequence_Fast_ITEMS(arrays),
                                    PyList_GET_SIZE(arrays), NULL);
     if (launched == NULL) {
-        /* an error XLA reports (out of memory): Python's launch says it in PyTorch's terms */
+        /* an error XLA reports (out of memory): Python's launch makes it again and says it in
+           PyTorch's terms */
         if (!PyErr_ExceptionMatches(PyExc_Exception)) {
             goto done;
         }
         PyErr_Clear();
         goto python;
+    }
+    if (count(counters, s_ops_dispatched) || count(counters, s_cache_hits) || count(by_mode, s_strict_name)) {
+        goto done;
     }
     PyObject *allocate_args[4] = {PyTuple_GET_ITEM(direct, 1), PyTuple_GET_ITEM(direct, 2), device_index,
                                   launched};

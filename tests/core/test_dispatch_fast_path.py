@@ -2,9 +2,12 @@
 `dispatch._Call`'s general loop gives, and it takes the calls it is for. A drift between the two
 would compile a program twice or, worse, reuse one for a call it does not fit."""
 
+import functools
+
 import pytest
 import torch
 
+import hf_tpu
 from hf_tpu import dispatch
 
 aten = torch.ops.aten
@@ -97,8 +100,37 @@ def test_strict_eager_launches_a_common_call_from_c():
         assert "run_bound" not in called and "run_lowered" not in called
         assert "new_tensor" in called  # the result's storage and buffer are still made by the allocator
         assert torch.tpu.memory_allocated() == before  # the result died with its storage
+        counted = hf_tpu.metrics()
+        a + b
+        now = hf_tpu.metrics()
+        assert now["ops_dispatched"] == counted["ops_dispatched"] + 1
+        assert now["compile_cache_hits"] == counted["compile_cache_hits"] + 1
+        assert now["compile_cache_hits_by_mode"]["DEFER_NEVER"] == counted["compile_cache_hits_by_mode"]["DEFER_NEVER"] + 1
         assert torch.equal((a + b).cpu(), expected)
         # not the common case: the Python path, with the C entry's analysis
         assert "run_lowered" in _python_functions_called(lambda: a.add(b, alpha=2))
     with torch.tpu.use_eager_mode("DEFER_AND_FUSE"):
         assert "run_lowered" in _python_functions_called(lambda: a + b)
+
+
+def test_a_direct_launch_that_raises_is_made_again_by_pythons_path():
+    """XLA's errors (out of memory) are reported in PyTorch's terms by `modes.raise_out_of_memory` on
+    the Python path, which makes the launch again; a BaseException (Ctrl-C) is not caught."""
+    a, b = torch.randn(3, device="tpu"), torch.randn(3, device="tpu")
+    with torch.tpu.use_eager_mode("DEFER_NEVER"):
+        expected = (a + b).cpu()
+        program = next(p for p in dispatch._PROGRAMS.values()
+                       if p.direct is not None and p.name == "aten::add.Tensor" and p.direct[1] == (3,))
+        direct = program.direct
+
+        def fails(*arrays, error):
+            raise error
+
+        try:
+            program.direct = (functools.partial(fails, error=RuntimeError("XLA failed")), *direct[1:])
+            assert torch.equal((a + b).cpu(), expected)
+            program.direct = (functools.partial(fails, error=KeyboardInterrupt()), *direct[1:])
+            with pytest.raises(KeyboardInterrupt):
+                a + b
+        finally:
+            program.direct = direct
