@@ -267,6 +267,7 @@ class _Call:
         scalars = self.scalars
         key = [sig.ident, precision]
         device_index = None
+        ints = []  # traced Python ints: (index in scalars, index in key, argument name)
         i = 0
         for kind in sig.kinds:
             v = values[i]
@@ -278,6 +279,8 @@ class _Call:
                 elif _is_static_scalar(sig, i, v):
                     key.append(_hashable(v))
                 else:  # a Python number PyTorch wrapped as a tensor: a scalar here
+                    if type(v) is int:
+                        ints.append((len(scalars), len(key), sig.names[i]))
                     scalars.append(v)
                     key.append(type(v))
             elif kind == STATIC:
@@ -287,6 +290,8 @@ class _Call:
                 if (type(v) is type(default) and v == default) or _is_static_scalar(sig, i, v):
                     key.append(_hashable(v))
                 else:
+                    if type(v) is int:
+                        ints.append((len(scalars), len(key), sig.names[i]))
                     scalars.append(v)
                     key.append(type(v))
             elif kind == SCALAR_LIST:
@@ -306,6 +311,8 @@ class _Call:
                 key.append(GENERATOR)
             i += 1
         self.operands = operands
+        if ints and sig.lowering.promote is not None:
+            _convert_ints(sig, values, operands, scalars, key, ints)
         self.key = tuple(key)
         self.device_index = device_index
 
@@ -334,6 +341,40 @@ class _Call:
         self.arrays.append(array)
         key.append((buf.shape, buf.dtype, view, array is None))
         return buf.device_index
+
+
+# Scalar arguments that CPU kernels convert to the op's dtype with c10's overflow check
+_CONVERTED_SCALARS = frozenset(("alpha", "value"))
+
+
+def _convert_ints(sig, values, operands, scalars, key, ints):
+    """The traced Python ints of an elementwise op, as PyTorch's CPU kernels take them: `alpha` and
+    `value` converted into an integer op's dtype with c10's overflow check; any other int beyond int64
+    (which PyTorch wraps as a uint64 tensor) modulo 2**64 in an integer op and as a float in a floating
+    one. JAX would reject every int beyond int64 with its own OverflowError."""
+    for j, k, name in ints:
+        v = scalars[j]
+        fits_int64 = -2**63 <= v < 2**63
+        checked = name in _CONVERTED_SCALARS
+        if (fits_int64 and not checked) or not operands:  # `x + 1`: the common case
+            continue
+        if checked:  # the kernel's dtype: its tensors', which the Scalar does not promote
+            dtype = functools.reduce(torch.promote_types, [op.tensor.dtype for op in operands])
+            if not (dtype.is_floating_point or dtype.is_complex):
+                dtypes.check_fits(v, dtype)  # a bool kernel takes any int, as its truth value
+                if not fits_int64:
+                    scalars[j], key[k] = bool(v), bool
+            elif not fits_int64:
+                scalars[j], key[k] = float(v), float
+            continue
+        if all(op.tensor.dtype == torch.bool for op in operands):  # a uint64 tensor promotes with no bool
+            raise RuntimeError("Promotion for uint16, uint32, uint64 types is not supported, attempted to "
+                               "promote Bool and UInt64")
+        compute = _promotion(sig, values)
+        if compute.is_floating_point or compute.is_complex:
+            scalars[j], key[k] = float(v), float
+        else:
+            scalars[j] = (v + 2**63) % 2**64 - 2**63
 
 
 def _is_number(v) -> bool:
@@ -545,13 +586,13 @@ def _check_out_dtypes(call: _Call):
             raise RuntimeError(f"{sig.name}: result type {want} can't be cast to the desired output type {got}")
 
 
-def _promotion(call: _Call, low: Lowering):
+def _promotion(sig: Signature, values: list):
     """The computation dtype for PyTorch's elementwise type promotion, or None."""
+    low = sig.lowering
     if low.promote is None:
         return None
-    sig = call.sig
     participants = []
-    for name, kind, v in zip(sig.names, sig.kinds, call.values):
+    for name, kind, v in zip(sig.names, sig.kinds, values):
         if name not in sig.inputs:  # an out= tensor receives the result, it does not promote
             continue
         if kind in (TENSOR, OPT_TENSOR) and isinstance(v, torch.Tensor):
@@ -606,7 +647,7 @@ def _build(call: _Call) -> Program:
     sig = call.sig
     low = sig.lowering
     specs = _out_specs(call)
-    compute_dtype = _promotion(call, low)
+    compute_dtype = _promotion(sig, call.values)
     template = _template(call)
     views = [op.view if op.buf is not None else None for op in call.operands]
     blank = [(op.buf.shape, dtypes.to_jax(op.buf.dtype)) if op.buf is not None else None for op in call.operands]

@@ -162,6 +162,10 @@ _BAD_DTYPES = [  # PyTorch's meta kernels let these through; its CPU kernels rai
     ("index_fill NaN into ints", lambda d: _ints(d).index_fill(0, _ints(d) // 5, float("nan")), RuntimeError),
     ("clamp beyond int8", lambda d: _ints(d).to(torch.int8).clamp(max=300), RuntimeError),
     ("int8 to a power beyond int8", lambda d: _ints(d).to(torch.int8) ** 1000, RuntimeError),
+    ("alpha beyond int32", lambda d: _ints(d).int().add(_ints(d).int(), alpha=2**40), RuntimeError),
+    ("alpha beyond int64", lambda d: _ints(d).add(_ints(d), alpha=2**63), RuntimeError),
+    ("addcmul value beyond int8", lambda d: torch.addcmul(*[_ints(d).to(torch.int8)] * 3, value=2**40), RuntimeError),
+    ("bools plus a number beyond int64", lambda d: (_ints(d) > 4) + 2**63, RuntimeError),
 ]
 
 
@@ -199,6 +203,14 @@ def test_python_numbers_that_fit_the_dtype_are_taken():
             torch.full((2,), -255, dtype=torch.uint8, device=d),
             _ints(d).to(torch.int8) + 1000,  # a wrapped number: cast, not converted, so it wraps
             _ints(d).to(torch.int8).clamp(0.5, 300.0),  # float bounds make the result float
+            _ints(d) + 2**63,  # beyond int64, PyTorch wraps the number as uint64: it wraps in an int64 op
+            _ints(d).int() - (2**64 - 5),
+            _ints(d).float() + 2**63,  # and is a float in a float op
+            _ints(d).float().add(_ints(d).float(), alpha=2**63),
+            (_ints(d) > 4).add(_ints(d) > 4, alpha=2**63),  # a bool op takes the truth value
+            _ints(d) / 2**63,  # a float op of integers: a float
+            _ints(d) == 2**63,
+            _ints(d).int() == 2**40,  # not an alpha: no overflow check
         ]
 
     differential(numbers_that_fit)
