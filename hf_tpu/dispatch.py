@@ -647,6 +647,8 @@ def _template(call: _Call):
 def _build(call: _Call) -> Program:
     sig = call.sig
     low = sig.lowering
+    if low.type_check is not None:
+        low.type_check(call.values)
     specs = _out_specs(call)
     compute_dtype = _promotion(sig, call.values)
     template = _template(call)

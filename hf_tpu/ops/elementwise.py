@@ -339,12 +339,24 @@ def add(self, other, alpha=1):
     return self + other * alpha if not (isinstance(alpha, int) and alpha == 1) else self + other
 
 
-@lowering(aten.sub.Tensor, aten.sub.Scalar, promote=Promote.DEFAULT)
+def _no_bool_subtraction(values):
+    """PyTorch's `sub_check`: its CPU kernel rejects a bool operand, which its meta kernel lets through."""
+    self, other = values[0], values[1]
+    bools = [isinstance(v, bool) or (isinstance(v, torch.Tensor) and v.dtype == torch.bool) for v in (self, other)]
+    if all(bools):
+        raise RuntimeError("Subtraction, the `-` operator, with two bool tensors is not supported. "
+                           "Use the `^` or `logical_xor()` operator instead.")
+    if any(bools):
+        raise RuntimeError("Subtraction, the `-` operator, with a bool tensor is not supported. "
+                           "If you are trying to invert a mask, use the `~` or `logical_not()` operator instead.")
+
+
+@lowering(aten.sub.Tensor, aten.sub.Scalar, promote=Promote.DEFAULT, type_check=_no_bool_subtraction)
 def sub(self, other, alpha=1):
     return self - other * alpha if not (isinstance(alpha, int) and alpha == 1) else self - other
 
 
-@lowering(aten.rsub.Tensor, aten.rsub.Scalar, promote=Promote.DEFAULT)
+@lowering(aten.rsub.Tensor, aten.rsub.Scalar, promote=Promote.DEFAULT, type_check=_no_bool_subtraction)
 def rsub(self, other, alpha=1):
     return sub(other, self, alpha)
 

@@ -52,6 +52,10 @@ class Lowering:
     # (an integer tensor to a negative integer power): called with the call's values, in schema order,
     # before every call, since a traced Scalar's value is not part of the compiled program
     check: Callable | None = None
+    # raises PyTorch's error for argument dtypes or Python number types its CPU kernel rejects (a bool
+    # tensor subtracted): called with the call's values when its program is built, since these types
+    # are part of the call's key; an op with only this check keeps the C entry's fast path
+    type_check: Callable | None = None
 
 
 LOWERINGS: dict[torch._ops.OpOverload, Lowering] = {}
@@ -64,14 +68,14 @@ def _overloads(op):
 
 
 def lowering(*ops, promote: Promote | None = None, static=(), own_shapes: bool = False, transposed=(),
-             static_values=None, traced=(), check=None):
+             static_values=None, traced=(), check=None, type_check=None):
     """Register `fn` as the lowering of each op (an OpOverload, or a packet meaning its functional
     overloads)."""
 
     def register(fn):
         entry = Lowering(fn, promote, frozenset(static), own_shapes,
                          tuple((name, frozenset(values)) for name, values in (static_values or {}).items()),
-                         frozenset(transposed), frozenset(traced), check)
+                         frozenset(transposed), frozenset(traced), check, type_check)
         for op in ops:
             for overload in _overloads(op):
                 if isinstance(op, torch._ops.OpOverloadPacket) and overload._schema.is_mutable:

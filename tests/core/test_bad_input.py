@@ -166,6 +166,9 @@ _BAD_DTYPES = [  # PyTorch's meta kernels let these through; its CPU kernels rai
     ("alpha beyond int64", lambda d: _ints(d).add(_ints(d), alpha=2**63), RuntimeError),
     ("addcmul value beyond int8", lambda d: torch.addcmul(*[_ints(d).to(torch.int8)] * 3, value=2**40), RuntimeError),
     ("bools plus a number beyond int64", lambda d: (_ints(d) > 4) + 2**63, RuntimeError),
+    ("a bool tensor subtracted", lambda d: (_ints(d) > 4) - 1, RuntimeError),
+    ("subtracting from a bool tensor", lambda d: 1 - (_ints(d) > 4), RuntimeError),
+    ("subtracting True", lambda d: _ints(d) - True, RuntimeError),
 ]
 
 

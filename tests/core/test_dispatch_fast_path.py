@@ -60,6 +60,12 @@ def test_c_fast_path_gives_the_general_loops_analysis(index, monkeypatch):
     assert (fast.device_index, fast.scalars, fast.rng) == (general.device_index, general.scalars, general.rng)
 
 
+def test_a_check_of_argument_types_keeps_the_fast_path():
+    """`Lowering.type_check` (bool subtraction) runs when a program is built: `sub` stays plain."""
+    assert dispatch.signature(aten.sub.Tensor).plain and dispatch.signature(aten.sub.Tensor).lowering.type_check
+    assert not dispatch.signature(aten.amax.default).plain  # a per-call check
+
+
 def test_a_negative_zero_is_not_its_defaults_zero():
     """-0.0 == 0.0 in Python, yet a program with either baked in computes something else."""
     sig = dispatch.signature(aten.add.Tensor)  # any signature: only the key's head comes from it
