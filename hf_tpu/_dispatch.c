@@ -231,7 +231,7 @@ static PyObject *analyse(PyObject *module, PyObject *const *args, Py_ssize_t nar
 }
 
 /* The schema's values: the positional arguments, then each omitted one from the keywords or its
-   default (`dispatch._bind`). */
+   default: the one binding of a call, for every kernel and the fallback. */
 static PyObject *bind(PyObject *names, PyObject *defaults, PyObject *const *args, Py_ssize_t npositional,
                       PyObject *kwnames) {
     Py_ssize_t n = PyTuple_GET_SIZE(names), total = npositional > n ? npositional : n;

@@ -1,9 +1,10 @@
 """The one entry point from PyTorch's dispatcher into the lowerings.
 
-Every `tpu` kernel is `dispatch(signature, *args, **kwargs)`. It reads the call against the op's
-schema, builds a key from what decides the compiled code (op, static arguments, shapes, dtypes and
-view layouts of the tensors, Python types of the scalars), and runs the cached program for that key
-through the current execution mode. On a miss it asks PyTorch's meta kernel for the output shapes and
+Every `tpu` kernel, and the PrivateUse1 fallback, is the C entry `_dispatch.entry(signature, ...)`:
+it binds the call to the op's schema and launches strict eager's common calls itself; every other
+call continues here, in `run_bound`, which builds a key from what decides the compiled code (op,
+static arguments, shapes, dtypes and view layouts of the tensors, Python types of the scalars), and
+runs the cached program for that key through the current execution mode. On a miss it asks PyTorch's meta kernel for the output shapes and
 dtypes (which also raises PyTorch's own errors for bad input), and builds the program: read operands
 through their views, promote, lower, cast to PyTorch's result dtypes, write mutated operands back.
 
@@ -199,17 +200,6 @@ def signature(op) -> Signature:
         inputs=frozenset(a.name for a in (functional or op)._schema.arguments),
         default_keys=tuple(_hashable(a.default_value) if a.has_default_value() else None for a in args),
     )
-
-
-def _bind(sig: Signature, args, kwargs) -> list:
-    values = list(args)
-    n = len(values)
-    if n < len(sig.names):
-        omitted = sig.defaults[n:]  # the schema's defaults, overlaid by any keyword arguments
-        if kwargs:
-            omitted = [kwargs.get(name, default) for name, default in zip(sig.names[n:], omitted)]
-        values.extend(omitted)
-    return values
 
 
 # --- Analysing one call.
@@ -1174,11 +1164,6 @@ def run_bound(sig: Signature, values: list, analysed=None):
     return run_unlowered(sig, values)
 
 
-def dispatch(sig: Signature, *args, **kwargs):
-    """An op called with PyTorch's arguments, in Python: the ops that reach the PrivateUse1 fallback."""
-    return run_bound(sig, _bind(sig, args, kwargs))
-
-
 # --- Registration with PyTorch's dispatcher.
 
 _libraries: list = []
@@ -1218,7 +1203,8 @@ def _cpu_view_kernel(op):
 
 
 def _fallback(op, *args, **kwargs):
-    return dispatch(signature(op), *args, **kwargs)
+    sig = signature(op)
+    return _native.entry(sig, sig.native, *args, **kwargs)
 
 
 def register_kernels() -> None:
@@ -1251,7 +1237,7 @@ def register_kernels() -> None:
     fallback = torch.library.Library("_", "IMPL")
     fallback.fallback(_fallback, "PrivateUse1")
     _libraries.extend([*libraries.values(), fallback])
-    _hide_from_dynamo(run_bound.__code__, dispatch.__code__, _fallback.__code__)  # C kernels have no frame
+    _hide_from_dynamo(run_bound.__code__, _fallback.__code__)  # the C entry has no frame
 
 
 def _hide_from_dynamo(*entry_points) -> None:
