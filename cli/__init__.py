@@ -163,8 +163,8 @@ def compat(args) -> int:
     return 0
 
 
-def sweep(args) -> int:
-    from hf_tpu.integrations import sweep as sweeping
+def sweep_command(args) -> int:
+    from . import sweep as sweeping
 
     only = args.only.split(",") if args.only else None
     jobs = sweeping.architectures(only=only, limit=args.limit)
@@ -213,7 +213,7 @@ def main(argv=None) -> int:
     if args.command == "compat":
         return compat(args)
     if args.command == "sweep":
-        return sweep(args)
+        return sweep_command(args)
     return demo(args)
 
 
