@@ -33,8 +33,8 @@ import warnings
 
 import torch
 
-from .. import model_patches
-from . import attention
+from hf_tpu import model_patches
+from .. import attention
 
 DEFAULT_PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
@@ -253,7 +253,7 @@ def _tensor_parallel_request(kwargs) -> tuple:
     """(plan, size) from `tp_plan=`/`tp_size=` or a `DistributedConfig`, removed from `kwargs`: on tpu
     they shard over the chips of the run (this process's, or every process's after
     `hf_tpu.distributed.initialize`) instead of starting `torch.distributed`."""
-    from .. import distributed
+    from hf_tpu import distributed
 
     config = kwargs.pop("distributed_config", None)
     plan = kwargs.pop("tp_plan", None) or getattr(config, "tp_plan", None) or "auto"
@@ -265,7 +265,7 @@ def _check_tensor_parallel(pretrained_model_name_or_path, kwargs, size: int) -> 
     """The errors a sharded load raises before any weight is read."""
     from transformers import AutoConfig
 
-    from .. import distributed
+    from hf_tpu import distributed
 
     chips = distributed.device_count()
     if size > chips:
@@ -286,7 +286,7 @@ def _load_sharded(original, cls, pretrained_model_name_or_path, args, kwargs):
     """`from_pretrained(..., device_map="tpu", tp_plan="auto")`: the checkpoint is read on the host and
     each weight goes to the chips as its shards (`hf_tpu.distributed.shard_model`), so no chip ever
     holds a whole weight that the plan splits."""
-    from .. import distributed
+    from hf_tpu import distributed
 
     plan, size = _tensor_parallel_request(kwargs)
     _check_tensor_parallel(pretrained_model_name_or_path, kwargs, size)
@@ -422,7 +422,7 @@ def _tensor_parallel_mesh(model):
     """(mesh, tp axis) of a model sharded over several chips (every parameter of a sharded model sits on
     the mesh, split or replicated), or None. The tp axis is found as `shard_model` finds it: the mesh's
     only axis, else the one named "tp" (None when there is neither)."""
-    from .. import distributed
+    from hf_tpu import distributed
 
     layout = distributed.sharding(next(model.parameters()))
     if layout is None:
@@ -463,7 +463,7 @@ def _shard_by_heads(layer, mesh, tp_axis) -> None:
     """Keys and values of shape (batch, heads, cache length, head dim), split by heads over `tp_axis` as the
     attention projections are, so each chip holds 1/N of the cache. The tensors keep their identity (the
     compiled decoding step holds them as static addresses); their storage becomes sharded."""
-    from .. import distributed
+    from hf_tpu import distributed
 
     heads = layer.keys.shape[1]
     degree = mesh.shape.get(tp_axis)
