@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-from .transformers import install_output_capturing_hooks
+from .output_capturing import install_output_capturing_hooks
 
 _ORIGINAL = "_hf_tpu_original"
 _TIMESTEP_HOOK = "_hf_tpu_timestep_hook"
