@@ -93,7 +93,7 @@ def test_unpadded_prompts_patch_turns_prompt_bucketing_off_for_its_model():
 
     model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, vocab_size=32))
-    assert getattr(model, "_hf_tpu_pad_prompts", True)
+    assert getattr(model, "_hf_tpu_pad_prompts", True) and model_patches.pads_prompts(model)
     model_patches.PATCHES["unpadded_prompts"](model)
-    assert model._hf_tpu_pad_prompts is False
+    assert model._hf_tpu_pad_prompts is False and not model_patches.pads_prompts(model)
     assert model_patches.patches_for("rwkv") == ["unpadded_prompts"]

@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from hf_tpu import model_patches
+
 from .loading import _on_tpu, prepare_model
 from .settings import settings
 
@@ -141,7 +143,7 @@ def _wrap_generate(original):
         host_ids = input_ids.cpu()
         host_mask = mask.cpu() if mask is not None else None
         padding = 0
-        if settings.prompt_buckets and getattr(self, "_hf_tpu_pad_prompts", True) and _padding_keeps_the_result(
+        if settings.prompt_buckets and model_patches.pads_prompts(self) and _padding_keeps_the_result(
                 resolved, kwargs, model_kwargs):
             padding = bucketed_length(host_ids.shape[1]) - host_ids.shape[1]
             longest = _longest_sequence(self.config.get_text_config(decoder=True))
