@@ -1,4 +1,4 @@
-"""Transformers' own model tests on `cpu` and on `tpu`: `benchmarks/test_suite.py` for `--library transformers`.
+"""Transformers' own model tests on `cpu` and on `tpu`: `benchmarks/library_tests_on_tpu.py` for `--library transformers`.
 
 Run: python -m benchmarks.transformers_suite --tests /tmp/tf_tests/tests/models/llama [more paths]
          [--jobs N] [-k EXPR] [--keep DIR] [--failures N]
@@ -6,12 +6,12 @@ Run: python -m benchmarks.transformers_suite --tests /tmp/tf_tests/tests/models/
 
 import functools
 
-from . import test_suite
-from .test_suite import compare, report  # noqa: F401  (this module's public API, as before the split)
+from . import library_tests_on_tpu
+from .library_tests_on_tpu import compare, report  # noqa: F401  (this module's public API, as before the split)
 
-LIBRARY = test_suite.LIBRARIES["transformers"]
+LIBRARY = library_tests_on_tpu.LIBRARIES["transformers"]
 DEVICE_ENVIRONMENTS = LIBRARY.device_environments
-run_pytest = functools.partial(test_suite.run_pytest, library=LIBRARY)
+run_pytest = functools.partial(library_tests_on_tpu.run_pytest, library=LIBRARY)
 
 if __name__ == "__main__":
-    test_suite.main(library=LIBRARY)
+    library_tests_on_tpu.main(library=LIBRARY)

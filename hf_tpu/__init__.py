@@ -88,6 +88,19 @@ def platform_name() -> str:
     return platform.name()
 
 
-from .integrations import activate as _activate_integrations  # noqa: E402
+def _load_adapters() -> None:
+    """Adapters to other libraries (the Hugging Face ones among them) declare an entry point in the group
+    `hf_tpu.adapters`; each is loaded and called once the device is ready. The core names none of them, and
+    one that fails is logged as a warning: it never breaks `import hf_tpu`."""
+    import importlib.metadata
+    import logging
 
-_activate_integrations()  # the Hugging Face adapters install when their library is imported
+    for entry_point in importlib.metadata.entry_points(group="hf_tpu.adapters"):
+        try:
+            entry_point.load()()
+        except Exception:  # noqa: BLE001 - whatever an adapter raises
+            logging.getLogger(__name__).warning("hf_tpu: the adapter %r (%s) could not be loaded", entry_point.name,
+                                                entry_point.value, exc_info=True)
+
+
+_load_adapters()

@@ -1,9 +1,16 @@
 """Hugging Face adapters (shipped as `hf_tpu.integrations`): they use the `tpu` device only through
 its public contract (`torch.accelerator`, `torch.tpu`, `hf_tpu`'s public functions).
 
-`import hf_tpu` calls `activate()`, which installs each adapter as soon as the library it adapts is
-imported: at once if it already is, otherwise from a post-import hook, so that importing hf_tpu never
-imports (or slows down) a Hugging Face library the user does not use.
+`import hf_tpu` calls `activate()` through the entry point this package declares in the group
+`hf_tpu.adapters` (the core names no adapter). It installs each adapter as soon as the library it adapts
+is imported: at once if it already is, otherwise from a post-import hook, so that importing hf_tpu never
+imports (or slows down) a Hugging Face library the user does not use. This post-import hook is the one
+hook that lives with the adapters.
+
+One module a library (`transformers/`, a package split by job; `diffusers.py`; `accelerate.py`), with
+`attention.py` (`attn_implementation="tpu"`) and `output_capturing.py` (a helper both the Transformers
+and the Diffusers adapters use). Per-architecture patches are in `hf_tpu.model_patches`; the command line
+(`hf-tpu`, the sweep among it) is in `hf_tpu.cli`.
 """
 
 from __future__ import annotations

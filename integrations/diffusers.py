@@ -4,15 +4,12 @@ round-trip per step, and `compile_pipeline(pipe)` for the heavy models.
 Installed by `hf_tpu.integrations.activate()` when a Diffusers module below is first imported. What it
 changes, only where `tpu` is involved:
 
-- Schedulers keep their schedule on the host. A scheduler asked for `set_timesteps(..., device=tpu)`
-  builds its timesteps and sigmas on the CPU instead. Its per-step bookkeeping (indexing the schedule
-  with the current timestep, `prev_timestep >= 0`, finding the step index) then reads host memory:
-  on `tpu` each of those was a device-to-host read, several per step (DDIM) or one per call (Euler,
-  DPM-Solver). The values are the ones the CPU computes, so results do not change; the scalars join
-  the `tpu` latents as CPU scalar tensors, which are traced arguments, never compiled in.
-- The denoisers of a pipeline that runs on `tpu` take the `timestep` argument the loop hands them (now
-  a host tensor) onto the device before their forward: an upload per step, not a sync, and a compiled
-  forward always sees a `tpu` tensor, never a Python number it would specialise on.
+- The host syncs of the denoising loop are removed by patches in `hf_tpu.model_patches`: every scheduler
+  class keeps its schedule on the host (`model_patches.patch_scheduler_class`, see
+  `model_patches/diffusers_schedulers.py`), and the denoisers of a pipeline that runs on `tpu` upload the
+  host-side timestep the loop hands them (`model_patches.patch_pipeline`, see
+  `model_patches/diffusers_denoisers.py`). This adapter decides when: for every scheduler class, and
+  for a pipeline when it asks where it runs.
 - `diffusers.utils.testing_utils`' `BACKEND_*` tables get `tpu` entries backed by `torch.tpu`, so test
   code run with `DIFFUSERS_TEST_DEVICE=tpu DIFFUSERS_TEST_BACKEND=hf_tpu` seeds, synchronises and
   counts devices on `tpu` (Diffusers' "default" entries would seed the CPU and report 0 devices).
@@ -21,18 +18,17 @@ changes, only where `tpu` is involved:
 from __future__ import annotations
 
 import functools
-import inspect
 import sys
 
 import torch
 
-from .transformers import install_output_capturing_hooks
+from hf_tpu import model_patches
+from hf_tpu.model_patches import DENOISERS
+
+from .output_capturing import install_output_capturing_hooks
 
 _ORIGINAL = "_hf_tpu_original"
-_TIMESTEP_HOOK = "_hf_tpu_timestep_hook"
 
-# the pipeline components that take a `timestep` at every denoising step
-DENOISERS = ("unet", "transformer", "prior", "controlnet")
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
@@ -44,30 +40,6 @@ def _is_tpu(device) -> bool:
 
 
 # --- Schedulers
-
-
-def _wrap_set_timesteps(original):
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def set_timesteps(self, *args, **kwargs):
-        """On `tpu`, the schedule is built on the host: the loop's bookkeeping reads it every step."""
-        bound = signature.bind(self, *args, **kwargs)
-        if _is_tpu(bound.arguments.get("device")):
-            bound.arguments["device"] = "cpu"
-        return original(*bound.args, **bound.kwargs)
-
-    setattr(set_timesteps, _ORIGINAL, original)
-    return set_timesteps
-
-
-def _patch_scheduler_class(cls) -> None:
-    current = cls.__dict__.get("set_timesteps")
-    if current is None or getattr(current, _ORIGINAL, None) is not None:
-        return
-    if "device" not in inspect.signature(current).parameters:
-        return  # a scheduler whose schedule never goes to a device
-    cls.set_timesteps = _wrap_set_timesteps(current)
 
 
 def _all_subclasses(cls):
@@ -86,33 +58,14 @@ def _install_schedulers(scheduling_utils) -> None:
     @classmethod
     def __init_subclass__(cls, **kwargs):
         super(mixin, cls).__init_subclass__(**kwargs)
-        _patch_scheduler_class(cls)
+        model_patches.patch_scheduler_class(cls)
 
     mixin.__init_subclass__ = __init_subclass__
     for cls in _all_subclasses(mixin):
-        _patch_scheduler_class(cls)
+        model_patches.patch_scheduler_class(cls)
 
 
 # --- Pipelines
-
-
-def _timestep_to_device(module, args, kwargs):
-    """The scheduler's host-side timestep goes where the model runs (an upload, not a sync): the chip
-    its weights are on now, since a pipeline may have moved (`pipe.to("cpu")`, `pipe.to("tpu:1")`)."""
-    position = module._hf_tpu_timestep_position
-    weight = next(module.parameters(), None)
-    if weight is None or weight.device.type != "tpu":
-        return args, kwargs
-    device = weight.device
-    if "timestep" in kwargs:
-        timestep = kwargs["timestep"]
-        if isinstance(timestep, torch.Tensor) and timestep.device.type == "cpu":
-            kwargs["timestep"] = timestep.to(device)
-    elif len(args) > position:
-        timestep = args[position]
-        if isinstance(timestep, torch.Tensor) and timestep.device.type == "cpu":
-            args = args[:position] + (timestep.to(device),) + args[position + 1:]
-    return args, kwargs
 
 
 def _modules(pipe, names):
@@ -124,15 +77,8 @@ def _modules(pipe, names):
 
 def prepare_pipeline(pipe) -> None:
     """Each denoiser of a pipeline that runs on `tpu` takes the scheduler's host-side timestep onto its
-    chip; once per model."""
-    for _, module in _modules(pipe, DENOISERS):
-        if getattr(module, _TIMESTEP_HOOK, None) is not None:
-            continue
-        parameters = list(inspect.signature(module.forward).parameters)
-        if "timestep" not in parameters:
-            continue
-        module._hf_tpu_timestep_position = parameters.index("timestep")
-        setattr(module, _TIMESTEP_HOOK, module.register_forward_pre_hook(_timestep_to_device, with_kwargs=True))
+    chip (`model_patches.patch_pipeline`); once per model."""
+    model_patches.patch_pipeline(pipe)
 
 
 def _wrap_execution_device(original):
@@ -225,7 +171,7 @@ def _plan_styles(plan: dict) -> dict:
 
 
 def _check_tensor_parallel(cls, pretrained_model_name_or_path, kwargs, degree: int) -> None:
-    from .. import distributed
+    from hf_tpu import distributed
 
     chips = distributed.device_count()  # every process's chips after hf_tpu.distributed.initialize
     if degree > chips:
@@ -248,7 +194,7 @@ def _wrap_model_from_pretrained(original):
         `torch.distributed`: the checkpoint is read on the host and each chip receives its shards."""
         if not _shards_on_tpu(kwargs):
             return original.__func__(cls, pretrained_model_name_or_path, *args, **kwargs)
-        from .. import distributed
+        from hf_tpu import distributed
 
         degree = _tensor_parallel_config(kwargs.pop("parallel_config")).tp_degree
         _check_tensor_parallel(cls, pretrained_model_name_or_path, kwargs, degree)

@@ -1,13 +1,21 @@
-"""Per-architecture patches (shipped as `hf_tpu.model_patches`), chosen by a compatibility table.
+"""Per-architecture patches (shipped as `hf_tpu.model_patches`), one module an architecture family, chosen
+by a compatibility table.
 
 The table (`table.json`, written by `hf-tpu sweep --write`) says, per `config.model_type`, whether the
-architecture runs on `tpu` as it is, runs once small patches are applied, or fails, and why. The
-Transformers adapter calls `apply(model)` and `warn_if_failing(model_type)` when it loads a model for
-`tpu`: both read the table once and are cheap afterwards.
-
-A patch is a small function `patch(model) -> None` registered in `PATCHES` under the name the table uses.
-Patches change how a model's Python code reaches the device (a host sync, a data-dependent shape), never
+architecture runs on `tpu` as it is, runs once small patches are applied, or fails, and why. Patches change
+how a model's Python code reaches the device (a host sync, a data-dependent shape, a padded prompt), never
 its results.
+
+The adapters call this package only through the interface below, never its modules' insides:
+
+- Transformers models, by the table: `apply(model)` applies the patches `model.config.model_type` needs
+  (each one `patch(model) -> None`, registered in `PATCHES` under the name the table uses), and
+  `warn_if_failing(model_type)` warns at load time; both read the table once and are cheap afterwards.
+  `pads_prompts(model)` says whether `generate()` may left-pad the model's prompts
+  (`unpadded_prompts.py`: the models whose output depends on padding).
+- Diffusers pipelines, every one of them: `patch_scheduler_class(cls)` keeps a scheduler's schedule on the
+  host (`diffusers_schedulers.py`), and `patch_pipeline(pipe)` has the `DENOISERS` upload the host-side
+  timestep (`diffusers_denoisers.py`): together they remove the denoising loop's host syncs.
 """
 
 from __future__ import annotations
@@ -18,23 +26,22 @@ import warnings
 from pathlib import Path
 from typing import Callable
 
+from . import unpadded_prompts
+from .diffusers_denoisers import DENOISERS, patch_pipeline
+from .diffusers_schedulers import patch_scheduler_class
+from .unpadded_prompts import pads_prompts
+
+__all__ = ["DENOISERS", "PATCHES", "apply", "load_table", "lookup", "pads_prompts", "patch_pipeline",
+           "patch_scheduler_class", "patches_for", "render_markdown", "warn_if_failing"]
+
 TABLE_PATH = Path(__file__).with_name("table.json")
 DOCS_POINTER = "docs/compatibility.md in the hf-tpu repository"
 STATUSES = ("works", "works with patches", "fails")
 REQUIRED_FIELDS = ("status", "tested_class", "patches", "limits", "checked", "versions")
 VERSION_FIELDS = ("torch", "jax", "transformers", "hf_tpu")
 
-
-
-def _unpadded_prompts(model) -> None:
-    """The model's output changes with left padding (a recurrent state, or attention that ignores the
-    mask): `generate()` on tpu must not pad its prompts to a bucket length (the Transformers adapter
-    reads this flag)."""
-    model._hf_tpu_pad_prompts = False
-
-
 # name -> patch(model), as the table's "patches" lists name them
-PATCHES: dict[str, Callable] = {"unpadded_prompts": _unpadded_prompts}
+PATCHES: dict[str, Callable] = {unpadded_prompts.NAME: unpadded_prompts.patch}
 
 _APPLIED_ATTRIBUTE = "_hf_tpu_patches_applied"
 

@@ -6,6 +6,7 @@ import warnings
 import pytest
 
 from hf_tpu import cli, model_patches
+from hf_tpu.cli import compat
 
 
 def test_every_entry_has_the_required_fields_and_a_valid_status():
@@ -72,15 +73,15 @@ def test_hf_tpu_compat_prints_the_table(capsys):
 
 
 def test_docs_are_in_sync_with_the_table():
-    text = cli._docs_path().read_text(encoding="utf-8")
-    assert cli.docs_with_table(text, model_patches.render_markdown()) == text, \
+    text = compat._docs_path().read_text(encoding="utf-8")
+    assert compat.docs_with_table(text, model_patches.render_markdown()) == text, \
         "docs/compatibility.md is stale: run `hf-tpu compat --write-docs`"
     assert "## Operators" in text  # the op coverage that error messages point to stays on this page
 
 
 def test_write_docs_replaces_only_the_generated_section(tmp_path):
     page = tmp_path / "compatibility.md"
-    page.write_text(f"before\n{cli.GENERATED_BEGIN}\nold table\n{cli.GENERATED_END}\nafter\n")
+    page.write_text(f"before\n{compat.GENERATED_BEGIN}\nold table\n{compat.GENERATED_END}\nafter\n")
     assert cli.main(["compat", "--write-docs", "--docs", str(page)]) == 0
     text = page.read_text()
     assert text.startswith("before\n") and text.endswith("after\n") and "old table" not in text
@@ -92,7 +93,7 @@ def test_unpadded_prompts_patch_turns_prompt_bucketing_off_for_its_model():
 
     model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, vocab_size=32))
-    assert getattr(model, "_hf_tpu_pad_prompts", True)
+    assert getattr(model, "_hf_tpu_pad_prompts", True) and model_patches.pads_prompts(model)
     model_patches.PATCHES["unpadded_prompts"](model)
-    assert model._hf_tpu_pad_prompts is False
+    assert model._hf_tpu_pad_prompts is False and not model_patches.pads_prompts(model)
     assert model_patches.patches_for("rwkv") == ["unpadded_prompts"]

@@ -3,7 +3,7 @@
 import torch
 
 from hf_tpu import cli
-from hf_tpu.integrations import sweep
+from hf_tpu.cli import sweep
 
 
 def test_tiny_config_shrinks_sizes_and_keeps_special_tokens_in_the_vocabulary():

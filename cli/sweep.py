@@ -627,3 +627,27 @@ def format_result(result: Result) -> str:
     fallbacks = f"  cpu fallbacks: {', '.join(result.cpu_fallbacks)}" if result.cpu_fallbacks else ""
     return (f"{result.model_type:<28} {result.outcome:<18} {result.seconds:6.1f}s  {result.class_name}"
             f"{'  ' + result.detail if result.detail else ''}{fallbacks}")
+
+
+# ---------------------------------------------------------------------------------------------- the command
+
+
+def run(args) -> int:
+    """The `hf-tpu sweep` command."""
+    only = args.only.split(",") if args.only else None
+    jobs = architectures(only=only, limit=args.limit)
+    print(f"checking {len(jobs)} architectures on cpu and tpu ({args.jobs} worker(s), {args.timeout:.0f} s each)")
+
+    def record(result):
+        print(format_result(result), flush=True)
+        if args.write:
+            write_table([result])
+
+    results = run_sweep(jobs, jobs=args.jobs, timeout=args.timeout, on_result=record)
+    print(summary(results))
+    if args.write:
+        print("updated model_patches/table.json; run `hf-tpu compat --write-docs` to regenerate the docs")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump([dataclasses.asdict(r) for r in results], f, indent=1)
+    return 0 if all(r.outcome in ("passes", "skipped-cpu-fails") for r in results) else 1

@@ -12,7 +12,7 @@ Neither library ships its tests in its wheel: docs/conformance.md ("Transformers
 own tests") says how to lay them out under /tmp/tf_tests and /tmp/diff_tests. Their extra dependency
 (`parameterized`) goes on PYTHONPATH.
 
-Run: python -m benchmarks.test_suite --library {transformers,diffusers} --tests PATH [PATH ...]
+Run: python -m benchmarks.library_tests_on_tpu --library {transformers,diffusers} --tests PATH [PATH ...]
          [--jobs N] [-k EXPR] [--keep DIR] [--failures N]
 """
 

@@ -1,0 +1,34 @@
+"""`hf-tpu`: the command line, one module a command. `hf-tpu env` describes the device; `hf-tpu demo` shows
+it working; `hf-tpu compat` prints the per-architecture compatibility table; `hf-tpu sweep` checks
+architectures.
+
+It sits on top of the core and the Hugging Face adapters (shipped as `hf_tpu.cli` from the repository's
+`cli/` folder); the core imports none of it."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="hf-tpu", description="A native tpu device for PyTorch, backed by JAX/XLA")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("env", help="print the platform, devices, versions and execution mode")
+    demo_parser = sub.add_parser("demo", help="run the demo: tensors, a module and a causal LM on tpu against cpu")
+    demo_parser.add_argument("--model", help="a local Transformers causal-LM checkpoint to use instead of a tiny Llama")
+    compat_parser = sub.add_parser("compat", help="print the per-architecture compatibility table")
+    compat_parser.add_argument("--markdown", action="store_true", help="print the table as the docs' markdown")
+    compat_parser.add_argument("--write-docs", action="store_true",
+                               help="regenerate the table section of docs/compatibility.md from the table")
+    compat_parser.add_argument("--docs", help="the page to write instead of the repository's docs/compatibility.md")
+    sweep_parser = sub.add_parser("sweep", help="run tiny models of every Transformers architecture on cpu and tpu")
+    sweep_parser.add_argument("--only", help="comma-separated model types, e.g. llama,mistral")
+    sweep_parser.add_argument("--limit", type=int, help="check only the first N architectures")
+    sweep_parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
+    sweep_parser.add_argument("--timeout", type=float, default=120.0, help="seconds per architecture (default 120)")
+    sweep_parser.add_argument("--write", action="store_true", help="record the results in model_patches/table.json")
+    sweep_parser.add_argument("--json", help="also write every result to this JSON file")
+    args = parser.parse_args(argv)
+    command = importlib.import_module(f".{args.command}", __name__)  # only the command's own imports
+    return command.run(args)

@@ -1,0 +1,37 @@
+"""`hf-tpu env`: the platform, devices, versions and execution mode."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+
+def _version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def env_report() -> str:
+    import jax
+    import torch
+
+    import hf_tpu
+
+    lines = [
+        f"hf-tpu        {hf_tpu.__version__}",
+        f"platform      {hf_tpu.platform_name()} (JAX default backend: {jax.default_backend()})",
+        f"devices       {torch.tpu.device_count()}: "
+        + ", ".join(f"tpu:{i} = {torch.tpu.get_device_properties(i).jax_device}" for i in range(torch.tpu.device_count())),
+        f"device name   {torch.tpu.get_device_name()}",
+        f"eager mode    {torch.tpu.eager_mode.name}" if hasattr(torch.tpu, "eager_mode") else "",
+        f"accelerator   {torch.accelerator.current_accelerator()}",
+    ]
+    for pkg in ("torch", "jax", "jaxlib", "transformers", "diffusers", "accelerate", "safetensors"):
+        lines.append(f"{pkg:<13} {_version(pkg)}")
+    return "\n".join(line for line in lines if line)
+
+
+def run(args) -> int:
+    print(env_report())
+    return 0

@@ -1,0 +1,72 @@
+"""The Transformers adapter: loading onto `tpu` and generation with a static KV cache and compiled decoding,
+one module a job: `loading`, `tensor_parallel`, `cache` (the static cache), `generation` (prompt buckets
+and the on-device decode loop), `trainer`, and `settings` (`configure`).
+
+Installed by `hf_tpu.integrations.activate()` when `transformers.modeling_utils` or
+`transformers.generation.utils` is first imported. What it changes, only for models on `tpu`:
+
+- `from_pretrained`: `device_map="auto"` means the current `tpu` (Accelerate cannot size a `tpu` yet and
+  would place everything on the CPU); a missing local checkpoint, an unreadable safetensors file or a
+  dtype `tpu` cannot hold is reported before any weight is read; the loaded model gets its
+  per-architecture patches (`hf_tpu.model_patches`).
+- `generate`: a static KV cache unless the caller chose a cache (or the model has sliding-window layers,
+  whose static layers recompile every token), so that Transformers decodes through
+  `torch.compile(backend="tpu")` (its `_default_compile_config` for `tpu`) with shapes that never change;
+  the cache length rounded up to a multiple of `cache_length_multiple` and the prompt left-padded (with
+  its attention mask) to the next of `prompt_buckets`, so that a new prompt length or `max_new_tokens`
+  rarely compiles anew. The padding is removed from the returned sequences.
+- greedy search and sampling with a static cache: after Transformers' own prefill and first token, the
+  other tokens are decoded in one `hf_tpu.while_loop` on the device (forward, logits warpers, token
+  choice, end-of-sequence test), with no host round-trip per token.
+
+`configure(...)` or the environment variables `HF_TPU_PROMPT_BUCKETS` ("32,64,128"; "" turns bucketing
+off), `HF_TPU_CACHE_LENGTH_MULTIPLE`, `HF_TPU_STATIC_CACHE` ("0" keeps Transformers' dynamic cache) and
+`HF_TPU_DEVICE_LOOP` ("0" decodes token by token from Python) change these defaults.
+"""
+
+from __future__ import annotations
+
+from .. import attention
+from ..output_capturing import install_output_capturing_hooks
+from . import cache, generation, loading, trainer
+from .generation import bucketed_length
+from .loading import check_before_loading, prepare_model
+from .settings import DEFAULT_PROMPT_BUCKETS, Settings, configure, settings
+
+__all__ = ["DEFAULT_PROMPT_BUCKETS", "Settings", "bucketed_length", "check_before_loading", "configure",
+           "install", "install_output_capturing_hooks", "prepare_model", "settings"]
+
+
+def _patch(owner, name: str, wrap) -> None:
+    """Wrap `owner.name` once (installing twice, e.g. after a reload, keeps one wrapper)."""
+    current = owner.__dict__[name]
+    if getattr(current, "_hf_tpu_original", None) is not None:
+        return
+    wrapped = wrap(current)
+    wrapped._hf_tpu_original = current
+    setattr(owner, name, wrapped)
+
+
+def install(module) -> None:
+    """Patch the Transformers module that was just imported (`hf_tpu.integrations.ADAPTERS`)."""
+    if module.__name__ == "transformers.training_args":
+        _patch(module.TrainingArguments, "__post_init__", trainer._wrap_training_args_post_init)
+        return
+    if module.__name__ == "transformers.trainer":
+        _patch(module.Trainer, "_save_rng_state", trainer._wrap_save_rng_state)
+        _patch(module.Trainer, "_load_rng_state", trainer._wrap_load_rng_state)
+        return
+    if module.__name__ == "transformers.modeling_utils":
+        _patch(module.PreTrainedModel, "from_pretrained", loading._wrap_from_pretrained)
+        attention.register()
+    elif module.__name__ == "transformers.models.auto.auto_factory":
+        _patch(module._BaseAutoModelClass, "from_pretrained", loading._wrap_from_pretrained)
+    elif module.__name__ == "transformers.generation.utils":
+        mixin = module.GenerationMixin
+        _patch(mixin, "generate", generation._wrap_generate)
+        _patch(mixin, "_sample", generation._wrap_sample)
+        _patch(mixin, "_prepare_generation_config", cache._wrap_prepare_generation_config)
+        _patch(mixin, "_prepare_cache_for_generation", cache._wrap_prepare_cache_for_generation)
+        from transformers.cache_utils import StaticLayer  # imported by generation.utils already
+
+        _patch(StaticLayer, "lazy_initialization", cache._wrap_static_layer_allocation)

@@ -1,0 +1,342 @@
+"""`generate()` on `tpu`: the prompt left-padded to a bucket length, the token bookkeeping on the host,
+and greedy search or sampling with a static cache decoding every token after the first in one
+`hf_tpu.while_loop` on the device."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+
+import torch
+
+from hf_tpu import model_patches
+
+from .loading import _on_tpu, prepare_model
+from .settings import settings
+
+
+def bucketed_length(length: int) -> int:
+    """The prompt length `generate()` pads a prompt of `length` tokens to."""
+    buckets = settings.prompt_buckets
+    if not buckets:
+        return length
+    for bucket in buckets:
+        if length <= bucket:
+            return bucket
+    return -(-length // buckets[-1]) * buckets[-1]
+
+
+def _is_plain_prompt(model, input_ids, model_kwargs) -> bool:
+    """A decoder-only prompt of token ids that `generate()` itself extends: its bookkeeping can run
+    on the host, and it can be left-padded."""
+    return (
+        not model.config.is_encoder_decoder
+        and input_ids.dim() == 2
+        and not input_ids.is_floating_point()
+        and all(model_kwargs.get(name) is None for name in ("inputs_embeds", "cache", "past_key_values", "position_ids"))
+        and (model_kwargs.get("attention_mask") is None or model_kwargs["attention_mask"].dim() == 2)
+    )
+
+
+def _loop_runs_on_the_host(generation_config, kwargs) -> bool:
+    """Greedy search, sampling and beam search move each step's inputs to the model and its logits back;
+    assisted generation (an assistant model or prompt lookup) mixes the ids with the model's tensors,
+    classifier-free guidance (`guidance_scale`) runs the model on the ids from a logits processor, and
+    a user's own processors and stopping criteria may hold tensors on the model's device, where
+    Transformers gives them the scores and ids."""
+    from transformers.generation import GenerationMode
+
+    mode = generation_config.get_generation_mode(kwargs.get("assistant_model"))
+    return (mode in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH,
+                     GenerationMode.BEAM_SAMPLE)
+            and generation_config.guidance_scale in (None, 1)
+            and not kwargs.get("logits_processor") and not kwargs.get("stopping_criteria"))
+
+
+# generate() arguments that see the prompt's tokens or length: a streamer is sent the prompt, and a
+# processor, stopping criterion or `prefix_allowed_tokens_fn` may read any of it
+_SEE_THE_PROMPT = ("streamer", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn",
+                   "negative_prompt_ids", "negative_prompt_attention_mask")
+
+
+def _padding_keeps_the_result(generation_config, kwargs, model_kwargs) -> bool:
+    """Left padding leaves the result unchanged when nothing reads the prompt's length (lengths are
+    given as new tokens), its n-grams or token sequences, when the model takes no other input per
+    prompt token or position (`token_type_ids`, the image tokens of `pixel_values`), and when only
+    the sequences come back: the attentions, hidden states and cache of a `return_dict_in_generate`
+    output would hold the padded prompt."""
+    return (
+        generation_config.max_new_tokens is not None
+        and not generation_config.min_length
+        and generation_config.forced_bos_token_id is None  # forced where the ids are one token long
+        and not generation_config.no_repeat_ngram_size
+        and not generation_config.bad_words_ids
+        and not generation_config.sequence_bias
+        and not generation_config.stop_strings
+        and generation_config.watermarking_config is None
+        and generation_config.guidance_scale in (None, 1)
+        and generation_config.prefill_chunk_size is None
+        and not generation_config.return_dict_in_generate
+        and not any(kwargs.get(name) for name in _SEE_THE_PROMPT)
+        and not any(isinstance(value, torch.Tensor) for name, value in model_kwargs.items()
+                    if name not in ("input_ids", "attention_mask"))
+    )
+
+
+def _prompt_mask(input_ids, generation_config):
+    """The attention mask Transformers infers for a prompt given without one: pad tokens are masked
+    when the pad token is set and is not an end-of-sequence token."""
+    pad, eos = generation_config.pad_token_id, generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, (list, tuple)) else [eos])
+    if pad is not None and pad not in eos:
+        return (input_ids != pad).long()
+    return torch.ones_like(input_ids)
+
+
+def _left_pad(input_ids, attention_mask, padding: int):
+    """Pad with each row's first token (so penalties that look at the prompt's tokens see no new
+    token) and zeros in the mask."""
+    first = input_ids[:, :1].expand(-1, padding)
+    zeros = attention_mask.new_zeros((attention_mask.shape[0], padding))
+    return torch.cat([first, input_ids], dim=1), torch.cat([zeros, attention_mask], dim=1)
+
+
+def _to_device(output, device):
+    """generate()'s result (a tensor, or a ModelOutput of tensors and tuples of them) on `device`."""
+    if isinstance(output, torch.Tensor):
+        return output.to(device)
+    if isinstance(output, tuple):
+        return tuple(_to_device(item, device) for item in output)
+    if hasattr(output, "keys"):
+        for key in output.keys():
+            if isinstance(output[key], (torch.Tensor, tuple)):
+                output[key] = _to_device(output[key], device)
+    return output
+
+
+def _strip_padding(output, padding: int):
+    if isinstance(output, torch.Tensor):
+        return output[:, padding:]
+    output.sequences = output.sequences[:, padding:]
+    return output
+
+
+def _wrap_generate(original):
+    @functools.wraps(original)
+    def generate(self, inputs=None, generation_config=None, *args, **kwargs):
+        """On tpu, the token bookkeeping of the loop (the growing ids, logits processors, stopping
+        criteria, sampling) runs on the host, as Transformers allows for an accelerator (its
+        `prepare_inputs_for_generation` moves each step's inputs to the model): a step then costs one
+        compiled forward, not dozens of small device ops whose shapes grow with every token."""
+        if not _on_tpu(self):
+            return original(self, inputs, generation_config, *args, **kwargs)
+        prepare_model(self)
+        input_ids = inputs if inputs is not None else kwargs.get("input_ids")
+        if args or not isinstance(input_ids, torch.Tensor) or input_ids.device.type != "tpu":
+            return original(self, inputs, generation_config, *args, **kwargs)
+        resolved, model_kwargs = self._prepare_generation_config(generation_config, **kwargs)
+        if not _is_plain_prompt(self, input_ids, model_kwargs) or not _loop_runs_on_the_host(resolved, kwargs):
+            return original(self, inputs, generation_config, *args, **kwargs)
+        kwargs.pop("input_ids", None)
+        mask = kwargs.pop("attention_mask", None)
+        host_ids = input_ids.cpu()
+        host_mask = mask.cpu() if mask is not None else None
+        padding = 0
+        if settings.prompt_buckets and model_patches.pads_prompts(self) and _padding_keeps_the_result(
+                resolved, kwargs, model_kwargs):
+            padding = bucketed_length(host_ids.shape[1]) - host_ids.shape[1]
+            longest = _longest_sequence(self.config.get_text_config(decoder=True))
+            if longest is not None and host_ids.shape[1] + padding + resolved.max_new_tokens > longest:
+                padding = 0
+        if padding:
+            if host_mask is None:
+                host_mask = _prompt_mask(host_ids, resolved)
+            host_ids, host_mask = _left_pad(host_ids, host_mask, padding)
+        with _step_inputs_on_the_model(self):
+            output = original(self, host_ids, generation_config, attention_mask=host_mask, **kwargs)
+        return _to_device(_strip_padding(output, padding), input_ids.device)
+
+    return generate
+
+
+# what configs call the longest sequence their position tables (GPT-Neo's causal mask, MPT's ALiBi
+# biases) cover
+_LONGEST_SEQUENCE_NAMES = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length")
+
+
+def _longest_sequence(config) -> int | None:
+    return next((getattr(config, name) for name in _LONGEST_SEQUENCE_NAMES
+                 if isinstance(getattr(config, name, None), int)), None)
+
+
+@contextlib.contextmanager
+def _step_inputs_on_the_model(model):
+    """Transformers' own `prepare_inputs_for_generation` moves each step's inputs to the model; some
+    models' overrides build them on the ids' device and do not (XLM, Flaubert), which with the ids on
+    the host gave a tpu model CPU inputs. For the call, the model's own preparation is followed by
+    that move (a no-op where it already happened)."""
+    from transformers.pytorch_utils import move_to_device
+
+    prepare = model.prepare_inputs_for_generation
+
+    @functools.wraps(prepare)  # Transformers reads its signature to validate generate()'s arguments
+    def prepare_inputs_for_generation(*args, **kwargs):
+        return move_to_device(prepare(*args, **kwargs), model.device)
+
+    model.prepare_inputs_for_generation = prepare_inputs_for_generation
+    try:
+        yield
+    finally:
+        del model.prepare_inputs_for_generation
+
+
+# --- Decoding on the device: every token after the first in one hf_tpu.while_loop
+
+# warpers that read only the scores, not the ids generated so far (which the loop does not carry)
+_SCORE_ONLY_PROCESSORS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper")
+
+
+def _length_gate(processor) -> tuple | None:
+    """For a processor whose only input besides the scores is the ids' length: ("hide_eos", n) when it
+    hides the end-of-sequence tokens while the ids are shorter than n (`min_length`, `min_new_tokens`),
+    ("force_eos", n) when it leaves only them once the ids are n long (`forced_eos_token_id`). Transformers'
+    processors read that length from the ids' shape, which the loop does not grow; the loop applies them
+    from its step count instead."""
+    name = type(processor).__name__
+    if name == "MinLengthLogitsProcessor":
+        return "hide_eos", processor.min_length
+    if name == "MinNewTokensLengthLogitsProcessor":
+        return "hide_eos", processor.prompt_length_to_skip + processor.min_new_tokens
+    if name == "ForcedEOSTokenLogitsProcessor":
+        return "force_eos", processor.max_length - 1
+    return None
+
+
+# what `_sample` may receive besides the ids for the loop to rebuild each step's inputs exactly
+_LOOP_MODEL_KWARGS = {"attention_mask", "position_ids", "cache", "use_cache", "logits_to_keep"}
+
+
+def _decodes_on_device(model, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
+                       model_kwargs) -> bool:
+    """Greedy search or sampling of a decoder-only model with Transformers' own input preparation, a static
+    cache that Transformers would decode with a compiled forward, and nothing that needs the host per token
+    (a streamer, returned scores, a processor or stopping criterion that reads the growing ids)."""
+    from transformers.cache_utils import StaticLayer
+    from transformers.generation import GenerationMixin
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+    cache = model_kwargs.get("cache")
+    return (
+        settings.device_loop
+        and _on_tpu(model)
+        and not model.config.is_encoder_decoder
+        and type(model).prepare_inputs_for_generation is GenerationMixin.prepare_inputs_for_generation
+        and type(model)._update_model_kwargs_for_generation is GenerationMixin._update_model_kwargs_for_generation
+        and not (synced_gpus or streamer is not None or generation_config.return_dict_in_generate
+                 or generation_config.is_assistant)
+        and set(model_kwargs) <= _LOOP_MODEL_KWARGS
+        and model_kwargs.get("use_cache", True)
+        and cache is not None and all(type(layer) is StaticLayer for layer in getattr(cache, "layers", [None]))
+        and model._valid_auto_compile_criteria(model_kwargs, generation_config)
+        and all(type(p).__name__ in _SCORE_ONLY_PROCESSORS or _length_gate(p) is not None for p in logits_processor)
+        and all(type(c) in (MaxLengthCriteria, EosTokenCriteria) for c in stopping_criteria)
+        and sum(type(c) is MaxLengthCriteria for c in stopping_criteria) == 1
+    )
+
+
+def _wrap_sample(original):
+    @functools.wraps(original)
+    def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                streamer=None, **model_kwargs):
+        """Transformers' own loop makes the prefill and the first token; the rest is one device loop."""
+        if not _decodes_on_device(self, logits_processor, stopping_criteria, generation_config, synced_gpus,
+                                  streamer, model_kwargs):
+            return original(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
+                            streamer, **model_kwargs)
+        from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
+
+        max_length = next(c.max_length for c in stopping_criteria if type(c) is MaxLengthCriteria)
+        eos = next((c.eos_token_id for c in stopping_criteria if type(c) is not MaxLengthCriteria), None)
+        first_token_only = StoppingCriteriaList(
+            [MaxLengthCriteria(input_ids.shape[1] + 1) if type(c) is MaxLengthCriteria else c for c in stopping_criteria])
+        input_ids = original(self, input_ids, logits_processor, first_token_only, generation_config, synced_gpus,
+                             streamer, **model_kwargs)
+        finished = torch.isin(input_ids[:, -1], eos.to(input_ids.device)) if eos is not None else None
+        if input_ids.shape[1] >= max_length or (finished is not None and bool(finished.all())):
+            return input_ids
+        new_tokens = _decode_loop(self, input_ids, finished, max_length - input_ids.shape[1], eos,
+                                  logits_processor, generation_config, model_kwargs)
+        return torch.cat([input_ids, new_tokens.to(input_ids.device)], dim=-1)
+
+    return _sample
+
+
+def _decode_loop(model, input_ids, finished, steps: int, eos, logits_processor, generation_config, model_kwargs):
+    """Up to `steps` more tokens, as Transformers' `_sample` would make them after its first: each step
+    feeds the last token at the next position. The 2D attention mask is as long as the static cache and
+    zero past the token fed, which is what Transformers' growing mask is once padded to the cache."""
+    device = model.device
+    cache = model_kwargs["cache"]
+    batch, length = input_ids.shape
+    mask = torch.zeros((batch, cache.layers[0].max_cache_len), dtype=torch.long)
+    mask[:, :length] = 1
+    if model_kwargs.get("attention_mask") is not None:
+        prompt_mask = model_kwargs["attention_mask"]
+        mask[:, :prompt_mask.shape[1]] = prompt_mask
+    do_sample = generation_config.do_sample
+    first_position, limit = torch.tensor([length - 1], device=device), torch.tensor([steps], device=device)
+    if eos is not None:
+        eos = eos.to(device)
+        pad = generation_config._pad_token_tensor.to(device)
+    kwargs = {k: v for k, v in model_kwargs.items() if k not in ("attention_mask", "position_ids")}
+    # per processor: None, or (its kind of gate, its end-of-sequence ids, the loop step where the ids reach
+    # its length); the step is a tensor, so that another prompt length or bound does not recompile the step
+    gates = []
+    for processor in logits_processor:
+        gate = _length_gate(processor)
+        gates.append(None if gate is None else
+                     (gate[0], processor.eos_token_id.to(device), torch.tensor([gate[1] - length], device=device)))
+    has_positions = model_kwargs.get("position_ids") is not None  # models like Bloom take none
+
+    def body(tokens, position_ids, mask, unfinished, generated, index):
+        mask = mask.index_fill(1, first_position + index, 1)
+        inputs = model.prepare_inputs_for_generation(tokens[:, None], next_sequence_length=1, attention_mask=mask,
+                                                     position_ids=position_ids if has_positions else None, **kwargs)
+        logits = model(**inputs, return_dict=True).logits[:, -1].to(torch.float32)
+        scores = logits
+        for processor, gate in zip(logits_processor, gates):
+            if gate is None:
+                scores = processor(tokens[:, None], scores)
+                continue
+            kind, eos_ids, step = gate  # the ids are `length + index` long at this step
+            is_eos = torch.isin(torch.arange(scores.shape[-1], device=scores.device), eos_ids)
+            if kind == "hide_eos":
+                scores = scores.masked_fill(is_eos & (index < step), -math.inf)
+            else:
+                scores = scores.masked_fill(~is_eos & (index == step), -math.inf).masked_fill(
+                    is_eos & (index == step), 0.0)
+        if do_sample:
+            tokens = torch.multinomial(torch.nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        else:
+            tokens = torch.argmax(scores, dim=-1)
+        if eos is not None:
+            tokens = tokens * unfinished + pad * (1 - unfinished)
+            unfinished = unfinished & ~torch.isin(tokens, eos)
+        generated = generated.index_copy(1, index, tokens[:, None])
+        return tokens, position_ids + 1, mask, unfinished, generated, index + 1
+
+    def cond(tokens, position_ids, mask, unfinished, generated, index):
+        go_on = index < limit
+        return go_on & (unfinished.max() > 0) if eos is not None else go_on
+
+    unfinished = torch.ones(batch, dtype=torch.long) if finished is None else (~finished).long()
+    # the first new token follows the prompt (carried unused by a model that takes no positions)
+    position_ids = (model_kwargs["position_ids"][:, -1:] + 1 if has_positions
+                    else torch.zeros(batch, 1, dtype=torch.long))
+    generated = torch.zeros_like(mask)  # as long as the cache, so that any number of new tokens fits one program
+    carried = (input_ids[:, -1], position_ids, mask, unfinished, generated, torch.zeros(1, dtype=torch.long))
+    from hf_tpu import while_loop
+
+    *_, generated, index = while_loop(cond, body, tuple(t.to(device) for t in carried))
+    return generated[:, :int(index)]

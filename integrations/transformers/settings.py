@@ -1,0 +1,64 @@
+"""How `generate()` runs on `tpu`: `configure(...)` and the settings it changes, with defaults from the
+environment (`HF_TPU_PROMPT_BUCKETS`, `HF_TPU_CACHE_LENGTH_MULTIPLE`, `HF_TPU_STATIC_CACHE`,
+`HF_TPU_DEVICE_LOOP`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+
+DEFAULT_PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def _buckets_from_env() -> tuple[int, ...]:
+    text = os.environ.get("HF_TPU_PROMPT_BUCKETS")
+    if text is None:
+        return DEFAULT_PROMPT_BUCKETS
+    try:
+        return _valid_buckets(int(part) for part in text.replace(" ", "").split(",") if part)
+    except ValueError as e:
+        raise ValueError(f"HF_TPU_PROMPT_BUCKETS={text!r}: {e}") from None
+
+
+def _valid_buckets(buckets) -> tuple[int, ...]:
+    buckets = tuple(sorted(set(int(b) for b in buckets)))
+    if any(b <= 0 for b in buckets):
+        raise ValueError(f"prompt buckets must be positive lengths, got {buckets}")
+    return buckets
+
+
+@dataclasses.dataclass
+class Settings:
+    prompt_buckets: tuple[int, ...] = dataclasses.field(default_factory=_buckets_from_env)
+    cache_length_multiple: int = dataclasses.field(
+        default_factory=lambda: int(os.environ.get("HF_TPU_CACHE_LENGTH_MULTIPLE", "128"))
+    )
+    static_cache: bool = dataclasses.field(default_factory=lambda: os.environ.get("HF_TPU_STATIC_CACHE", "1") != "0")
+    device_loop: bool = dataclasses.field(default_factory=lambda: os.environ.get("HF_TPU_DEVICE_LOOP", "1") != "0")
+
+
+settings = Settings()
+
+
+def configure(*, prompt_buckets=None, cache_length_multiple: int | None = None, static_cache: bool | None = None,
+              device_loop: bool | None = None):
+    """Change how `generate()` runs on `tpu`.
+
+    prompt_buckets: prompt lengths to left-pad to (a longer prompt goes to a multiple of the largest);
+        `()` turns bucketing off.
+    cache_length_multiple: the static cache length is rounded up to a multiple of this (1: exact).
+    static_cache: False keeps Transformers' default dynamic cache (eager decoding, no compilation).
+    device_loop: False decodes a static cache token by token from Python, one compiled forward per token,
+        instead of all tokens after the first in one device loop.
+    """
+    if prompt_buckets is not None:
+        settings.prompt_buckets = _valid_buckets(prompt_buckets)
+    if cache_length_multiple is not None:
+        if cache_length_multiple < 1:
+            raise ValueError(f"cache_length_multiple must be at least 1, got {cache_length_multiple}")
+        settings.cache_length_multiple = int(cache_length_multiple)
+    if static_cache is not None:
+        settings.static_cache = bool(static_cache)
+    if device_loop is not None:
+        settings.device_loop = bool(device_loop)
