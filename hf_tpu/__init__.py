@@ -18,13 +18,14 @@ SUPPORTED_TORCH = ((2, 13),)
 
 
 def _check_torch_version() -> None:
-    import os
     import re
 
     match = re.match(r"(\d+)\.(\d+)", torch.__version__)
     if match and (int(match[1]), int(match[2])) in SUPPORTED_TORCH:
         return
-    if os.environ.get("HF_TPU_ALLOW_UNSUPPORTED_TORCH", "").strip().lower() in ("1", "true", "yes", "on"):
+    from hf_tpu import settings
+
+    if settings.get("HF_TPU_ALLOW_UNSUPPORTED_TORCH"):
         return
     supported = ", ".join(f"{major}.{minor}.x" for major, minor in SUPPORTED_TORCH)
     raise ImportError(

@@ -7,7 +7,6 @@ type and message PyTorch's CPU kernel raises for the same call.
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -15,9 +14,9 @@ aten = torch.ops.aten
 
 
 def enabled() -> bool:
-    from . import modes
+    from hf_tpu import modes, settings
 
-    if os.environ.get("HF_TPU_CHECK_INDICES") == "1":
+    if settings.get("HF_TPU_CHECK_INDICES"):
         return True
     return modes.current().name == "DEFER_NEVER_AND_LAUNCH_BLOCKING"
 
