@@ -1,8 +1,8 @@
 """Which JAX devices back `tpu`, chosen once per process.
 
 JAX picks the hardware: a TPU through libtpu, else a GPU, else the host CPU (a "virtual TPU").
-`HF_TPU_PLATFORM=cpu|gpu|tpu` overrides the choice and `HF_TPU_NUM_DEVICES=N` simulates N chips on
-the CPU. Both must be read before JAX creates its backends, so this module is imported first; so
+`HF_TPU_PLATFORM=cpu|gpu|tpu` overrides the choice (cpu keeps JAX off any accelerator) and
+`HF_TPU_NUM_DEVICES=N` simulates N chips on the CPU. Both must be read before JAX creates its backends, so this module is imported first; so
 must `HF_TPU_COORDINATOR_ADDRESS`, `HF_TPU_NUM_PROCESSES` and `HF_TPU_PROCESS_ID`, which make this
 process one of a multi-process run (docs/design/multi-host.md).
 """
@@ -34,6 +34,11 @@ from jax._src import xla_bridge  # noqa: E402
 # PyTorch's default integer type is int64 and float64 is a real dtype there; without x64 JAX would
 # silently compute them in 32 bits.
 jax.config.update("jax_enable_x64", True)
+
+if _settings.get("HF_TPU_PLATFORM") == "cpu" and not xla_bridge.backends_are_initialized():
+    # JAX would still initialise every backend it finds, and libtpu takes the chip's lock (failing when
+    # another process holds it): asking for cpu keeps JAX off the accelerators altogether
+    jax.config.update("jax_platforms", "cpu")
 
 
 def cache_dir() -> str:

@@ -45,7 +45,8 @@ def _cache_default() -> str:
 _EAGER_MODES = ("DEFER_NEVER", "DEFER_AND_FUSE", "DEFER_NEVER_AND_LAUNCH_BLOCKING")
 
 SETTINGS = {s.name: s for s in (
-    Setting("HF_TPU_PLATFORM", "choice", "", "the JAX platform behind `tpu`", choices=("cpu", "gpu", "cuda", "rocm", "tpu")),
+    Setting("HF_TPU_PLATFORM", "choice", "", "the JAX platform behind `tpu`; cpu also keeps JAX off any accelerator "
+            "(JAX_PLATFORMS=cpu)", choices=("cpu", "gpu", "cuda", "rocm", "tpu")),
     Setting("HF_TPU_NUM_DEVICES", "count", None, "simulate this many chips on the CPU"),
     Setting("HF_TPU_CPU_FALLBACK", "bool", True, "run an op with no tpu lowering on the CPU (off: raise)"),
     Setting("HF_TPU_EAGER_MODE", "choice", "DEFER_NEVER", "the execution mode at start", choices=_EAGER_MODES),

@@ -110,3 +110,15 @@ def test_describe_lists_every_variable_the_package_reads(monkeypatch):
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
     assert [name for name in rows if f"| `{name}`" not in readme] == []
+
+
+# --- 3. HF_TPU_PLATFORM=cpu keeps JAX off the accelerator (libtpu's lock when another process has the chip)
+
+
+def test_platform_cpu_keeps_jax_off_accelerators():
+    code = "import hf_tpu, jax; print(jax.config.jax_platforms); print(jax.devices()[0].platform)"
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                            env={**env, "HF_TPU_PLATFORM": "cpu", "HF_TPU_CACHE_DIR": ""})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["cpu", "cpu"]
