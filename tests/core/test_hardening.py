@@ -122,3 +122,66 @@ def test_platform_cpu_keeps_jax_off_accelerators():
                             env={**env, "HF_TPU_PLATFORM": "cpu", "HF_TPU_CACHE_DIR": ""})
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["cpu", "cpu"]
+
+
+# --- 4. matrix products of mismatched dtypes raise CPU's error
+
+
+def _error(fn, device):
+    try:
+        fn(device)
+    except Exception as e:  # noqa: BLE001
+        return type(e), str(e)
+    return None
+
+
+_F, _B, _H, _L, _D = torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.float64
+
+
+def _t(*shape, dtype=_F):
+    return lambda d: torch.ones(*shape, dtype=dtype, device=d)
+
+
+_MISMATCHED = {
+    "matmul f32 @ int64": lambda d: _t(2, 2)(d) @ _t(2, 2, dtype=_L)(d),
+    "matmul bf16 @ f32": lambda d: _t(2, 2, dtype=_B)(d) @ _t(2, 2)(d),
+    "matmul 1d @ 1d": lambda d: _t(2)(d) @ _t(2, dtype=_B)(d),
+    "matmul 2d @ 1d": lambda d: _t(2, 2)(d) @ _t(2, dtype=_B)(d),
+    "matmul 3d @ 2d": lambda d: _t(2, 2, 2, dtype=_B)(d) @ _t(2, 2)(d),
+    "matmul 2d @ 3d": lambda d: _t(2, 2, dtype=_B)(d) @ _t(2, 2, 2)(d),
+    "mm": lambda d: torch.mm(_t(2, 2, dtype=_L)(d), _t(2, 2)(d)),
+    "mm half": lambda d: torch.mm(_t(2, 2)(d), _t(2, 2, dtype=_H)(d)),
+    "bmm": lambda d: torch.bmm(_t(1, 2, 2)(d), _t(1, 2, 2, dtype=_B)(d)),
+    "addmm mat1": lambda d: torch.addmm(_t(2, 2)(d), _t(2, 2, dtype=_B)(d), _t(2, 2)(d)),
+    "addmm mat2": lambda d: torch.addmm(_t(2, 2)(d), _t(2, 2)(d), _t(2, 2, dtype=_B)(d)),
+    "addmm self": lambda d: torch.addmm(_t(2, 2, dtype=_D)(d), _t(2, 2, dtype=_B)(d), _t(2, 2)(d)),
+    "linear": lambda d: torch.nn.functional.linear(_t(2, 2, dtype=_H)(d), _t(2, 2)(d)),
+    "linear bias": lambda d: torch.nn.functional.linear(_t(2, 2)(d), _t(2, 2)(d), _t(2, dtype=_H)(d)),
+    "nn.Linear half input": lambda d: torch.nn.Linear(2, 2).to(d)(_t(3, 2, dtype=_H)(d)),
+    "nn.Linear 3d input": lambda d: torch.nn.Linear(2, 2).to(d)(_t(2, 3, 2, dtype=_B)(d)),
+    "baddbmm batch2": lambda d: torch.baddbmm(_t(1, 2, 2)(d), _t(1, 2, 2)(d), _t(1, 2, 2, dtype=_B)(d)),
+    "baddbmm self": lambda d: torch.baddbmm(_t(1, 2, 2, dtype=_B)(d), _t(1, 2, 2)(d), _t(1, 2, 2)(d)),
+    "addbmm": lambda d: torch.addbmm(_t(2, 2)(d), _t(1, 2, 2, dtype=_B)(d), _t(1, 2, 2)(d)),
+    "addmv": lambda d: torch.addmv(_t(2)(d), _t(2, 2)(d), _t(2, dtype=_B)(d)),
+    "addmv self": lambda d: torch.addmv(_t(2, dtype=_B)(d), _t(2, 2)(d), _t(2)(d)),
+    "mv": lambda d: torch.mv(_t(2, 2)(d), _t(2, dtype=_L)(d)),
+    "mv mat": lambda d: torch.mv(_t(2, 2, dtype=_B)(d), _t(2)(d)),
+    "dot": lambda d: torch.dot(_t(2)(d), _t(2, dtype=_B)(d)),
+    "vdot": lambda d: torch.vdot(_t(2, dtype=_L)(d), _t(2)(d)),
+}
+
+
+@pytest.mark.parametrize("name", list(_MISMATCHED))
+def test_matrix_products_of_mismatched_dtypes_raise_cpus_error(name):
+    fn = _MISMATCHED[name]
+    expected = _error(fn, "cpu")
+    assert expected is not None
+    actual = _error(lambda d: fn(d).cpu(), "tpu")
+    assert actual == expected
+
+
+def test_matrix_products_of_one_dtype_still_compute():
+    x = torch.arange(6.0).reshape(2, 3)
+    assert torch.equal((x.to("tpu") @ x.t().to("tpu")).cpu(), x @ x.t())
+    b = torch.ones(2, 2, 2, dtype=torch.bfloat16)
+    assert torch.equal(torch.baddbmm(b.to("tpu"), b.to("tpu"), b.to("tpu")).cpu(), torch.baddbmm(b, b, b))
