@@ -185,3 +185,25 @@ def test_matrix_products_of_one_dtype_still_compute():
     assert torch.equal((x.to("tpu") @ x.t().to("tpu")).cpu(), x @ x.t())
     b = torch.ones(2, 2, 2, dtype=torch.bfloat16)
     assert torch.equal(torch.baddbmm(b.to("tpu"), b.to("tpu"), b.to("tpu")).cpu(), torch.baddbmm(b, b, b))
+
+
+# --- 5. seeds out of PyTorch's range raise as on CPU
+
+
+@pytest.mark.parametrize("seed", [2**70, 2**64, -(2**63) - 1])
+def test_seed_out_of_range_raises_like_cpu(seed):
+    with pytest.raises(ValueError, match="^Overflow when unpacking long long$"):
+        torch.Generator().manual_seed(seed)
+    before = torch.tpu.initial_seed()
+    for fn in (torch.tpu.manual_seed, torch.tpu.manual_seed_all, torch.manual_seed):
+        with pytest.raises(ValueError, match="^Overflow when unpacking long long$"):
+            fn(seed)
+    assert torch.tpu.initial_seed() == before
+
+
+@pytest.mark.parametrize("seed", [-1, -(2**63), 2**64 - 1, 2**63, 7])
+def test_seed_in_range_is_taken_as_on_cpu(seed):
+    torch.tpu.manual_seed(seed)
+    assert torch.tpu.initial_seed() == torch.Generator().manual_seed(seed).initial_seed()
+    torch.manual_seed(seed)
+    assert torch.tpu.initial_seed() == torch.initial_seed()
