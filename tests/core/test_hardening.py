@@ -207,3 +207,53 @@ def test_seed_in_range_is_taken_as_on_cpu(seed):
     assert torch.tpu.initial_seed() == torch.Generator().manual_seed(seed).initial_seed()
     torch.manual_seed(seed)
     assert torch.tpu.initial_seed() == torch.initial_seed()
+
+
+# --- 7. class labels and bincount's values are checked like indices
+
+
+def _checked_error(fn, monkeypatch, how):
+    if how == "env":
+        monkeypatch.setenv("HF_TPU_CHECK_INDICES", "1")
+        return _error(lambda d: fn(d).cpu(), "tpu")
+    with torch.tpu.use_eager_mode("DEFER_NEVER_AND_LAUNCH_BLOCKING"):
+        return _error(lambda d: fn(d).cpu(), "tpu")
+
+
+_x = torch.randn(3, 5)
+_LABELS = {
+    "cross_entropy": lambda d: torch.nn.functional.cross_entropy(_x.to(d), torch.tensor([1, 9, 2], device=d)),
+    "cross_entropy negative": lambda d: torch.nn.functional.cross_entropy(_x.to(d), torch.tensor([1, -3, 7], device=d)),
+    "cross_entropy smoothing": lambda d: torch.nn.functional.cross_entropy(
+        _x.to(d), torch.tensor([1, 9, 2], device=d), label_smoothing=0.1),
+    "nll_loss sum": lambda d: torch.nn.functional.nll_loss(_x.to(d), torch.tensor([1, 7, 9], device=d), reduction="sum"),
+    "nll_loss 1d": lambda d: torch.nn.functional.nll_loss(_x[0].to(d), torch.tensor(9, device=d)),
+    "nll_loss2d": lambda d: torch.nn.functional.nll_loss(torch.ones(2, 5, 3, 3, device=d),
+                                                         torch.full((2, 3, 3), 7, device=d)),
+    "nll_loss 3d": lambda d: torch.nn.functional.nll_loss(torch.ones(2, 5, 3, device=d), torch.full((2, 3), 5, device=d)),
+    "bincount negative": lambda d: torch.bincount(torch.tensor([1, -2, 3], device=d)),
+}
+
+
+@pytest.mark.parametrize("how", ["env", "launch_blocking"])
+@pytest.mark.parametrize("name", list(_LABELS))
+def test_out_of_range_labels_raise_cpus_error_when_checked(name, how, monkeypatch):
+    expected = _error(_LABELS[name], "cpu")
+    assert expected is not None
+    assert _checked_error(_LABELS[name], monkeypatch, how) == expected
+
+
+@pytest.mark.parametrize("how", ["env", "launch_blocking"])
+def test_ignored_and_in_range_labels_still_compute_when_checked(how, monkeypatch):
+    fns = [lambda d: torch.nn.functional.nll_loss(_x.to(d), torch.tensor([1, 9, 0], device=d), ignore_index=9),
+           lambda d: torch.nn.functional.cross_entropy(_x.to(d), torch.tensor([1, 4, -100], device=d)),
+           lambda d: torch.bincount(torch.tensor([1, 0, 3], device=d))]
+    for fn in fns:
+        expected = fn("cpu")
+        if how == "env":
+            monkeypatch.setenv("HF_TPU_CHECK_INDICES", "1")
+            actual = fn("tpu").cpu()
+        else:
+            with torch.tpu.use_eager_mode("DEFER_NEVER_AND_LAUNCH_BLOCKING"):
+                actual = fn("tpu").cpu()
+        torch.testing.assert_close(actual, expected)
