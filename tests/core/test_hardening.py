@@ -269,3 +269,21 @@ def test_pin_memory_alternatives_in_readme_work():
     with open(os.path.join(ROOT, "README.md")) as f:
         assert "`torch.empty(n, pin_memory=True)`" in f.read()
 
+
+# --- 8. safetensors refuses the string "tpu" in its Rust core: the device index works (README)
+
+
+def test_safetensors_load_to_tpu_by_device_index(tmp_path):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from safetensors import safe_open
+
+    path = str(tmp_path / "w.safetensors")
+    safetensors_torch.save_file({"a": torch.arange(6.0).reshape(2, 3)}, path)
+    for index in (0, 1):
+        loaded = safetensors_torch.load_file(path, device=index)["a"]
+        assert loaded.device == torch.device("tpu", index)
+        assert torch.equal(loaded.cpu(), torch.arange(6.0).reshape(2, 3))
+        with safe_open(path, framework="pt", device=index) as f:
+            assert f.get_tensor("a").device == torch.device("tpu", index)
+    moved = {k: v.to("tpu") for k, v in safetensors_torch.load_file(path).items()}
+    assert moved["a"].device.type == "tpu"
