@@ -37,6 +37,9 @@ def _check_torch_version() -> None:
 
 
 _check_torch_version()
+from . import settings  # noqa: E402
+
+settings.validate()
 
 
 def _check_privateuse1_is_free() -> None:

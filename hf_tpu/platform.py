@@ -2,9 +2,10 @@
 
 JAX picks the hardware: a TPU through libtpu, else a GPU, else the host CPU (a "virtual TPU").
 `HF_TPU_PLATFORM=cpu|gpu|tpu` overrides the choice (cpu keeps JAX off any accelerator) and
-`HF_TPU_NUM_DEVICES=N` simulates N chips on the CPU. Both must be read before JAX creates its backends, so this module is imported first; so
-must `HF_TPU_COORDINATOR_ADDRESS`, `HF_TPU_NUM_PROCESSES` and `HF_TPU_PROCESS_ID`, which make this
-process one of a multi-process run (docs/design/multi-host.md).
+`HF_TPU_NUM_DEVICES=N` simulates N chips on the CPU. Both must be read before JAX creates its
+backends, so this module is imported first; so must `HF_TPU_COORDINATOR_ADDRESS`,
+`HF_TPU_NUM_PROCESSES` and `HF_TPU_PROCESS_ID`, which make this process one of a multi-process run
+(docs/design/multi-host.md).
 """
 
 from __future__ import annotations

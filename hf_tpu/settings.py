@@ -110,6 +110,12 @@ def get(name: str):
     raise ValueError(f"{name}={raw!r}: expected {setting.accepted()}")
 
 
+def validate() -> None:
+    """Raise the ValueError of the first malformed variable (at `import hf_tpu`, rather than at first use)."""
+    for name in SETTINGS:
+        get(name)
+
+
 def describe() -> list:
     """Every setting: {'name', 'value', 'source' ('env' or 'default'), 'accepted', 'help'}; a malformed
     variable's value is the error message."""

@@ -96,7 +96,8 @@ def _cpp_type(t):
 def _same_dtype_mm(values):
     self, mat2 = values[0], values[1]
     if self.dtype != mat2.dtype:
-        raise RuntimeError(f"expected m1 and m2 to have the same dtype, but got: {_cpp_type(self)} != {_cpp_type(mat2)}")
+        raise RuntimeError(
+            f"expected m1 and m2 to have the same dtype, but got: {_cpp_type(self)} != {_cpp_type(mat2)}")
 
 
 def _same_dtype_bmm(values):
@@ -108,9 +109,11 @@ def _same_dtype_bmm(values):
 def _same_dtype_addmm(values):  # addmm, addbmm: self against mat2 first, then mat1 against mat2
     self, mat1, mat2 = values[0], values[1], values[2]
     if self.dtype != mat2.dtype:
-        raise RuntimeError(f"self and mat2 must have the same dtype, but got {_scalar_type(self)} and {_scalar_type(mat2)}")
+        raise RuntimeError(
+            f"self and mat2 must have the same dtype, but got {_scalar_type(self)} and {_scalar_type(mat2)}")
     if mat1.dtype != mat2.dtype:
-        raise RuntimeError(f"mat1 and mat2 must have the same dtype, but got {_scalar_type(mat1)} and {_scalar_type(mat2)}")
+        raise RuntimeError(
+            f"mat1 and mat2 must have the same dtype, but got {_scalar_type(mat1)} and {_scalar_type(mat2)}")
 
 
 def _same_dtype_baddbmm(values):

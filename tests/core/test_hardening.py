@@ -287,3 +287,9 @@ def test_safetensors_load_to_tpu_by_device_index(tmp_path):
             assert f.get_tensor("a").device == torch.device("tpu", index)
     moved = {k: v.to("tpu") for k, v in safetensors_torch.load_file(path).items()}
     assert moved["a"].device.type == "tpu"
+
+
+def test_malformed_variable_fails_at_import_not_at_first_use():
+    result = run_python("import hf_tpu", HF_TPU_LOG_COMPILES="2")
+    assert result.returncode != 0
+    assert "ValueError: HF_TPU_LOG_COMPILES='2': expected a boolean" in result.stderr
