@@ -12,6 +12,35 @@ import torch  # noqa: E402
 
 __version__ = "0.1.0"
 
+# the torch releases this package is tested with (pyproject.toml's range); hf_tpu registers kernels for
+# ATen's operators by name, and another release renames or drops some of them
+SUPPORTED_TORCH = ((2, 13),)
+
+
+def _check_torch_version() -> None:
+    import re
+
+    match = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    if match and (int(match[1]), int(match[2])) in SUPPORTED_TORCH:
+        return
+    from hf_tpu import settings
+
+    if settings.get("HF_TPU_ALLOW_UNSUPPORTED_TORCH"):
+        return
+    supported = ", ".join(f"{major}.{minor}.x" for major, minor in SUPPORTED_TORCH)
+    raise ImportError(
+        f"hf_tpu {__version__} supports torch {supported}, and torch {torch.__version__} is installed. Install "
+        f"a supported release (pip install torch=={SUPPORTED_TORCH[-1][0]}.{SUPPORTED_TORCH[-1][1]}.0 "
+        "--index-url https://download.pytorch.org/whl/cpu), or set HF_TPU_ALLOW_UNSUPPORTED_TORCH=1 to "
+        "try anyway (untested: the import may fail later)."
+    )
+
+
+_check_torch_version()
+from . import settings  # noqa: E402
+
+settings.validate()
+
 
 def _check_privateuse1_is_free() -> None:
     name = torch._C._get_privateuse1_backend_name()

@@ -12,7 +12,6 @@ cannot be traced (an op without a lowering, a host read) runs in the eager mode 
 from __future__ import annotations
 
 import logging
-import os
 
 import jax
 import jax.numpy as jnp
@@ -313,7 +312,9 @@ def _views_as_reshapes(gm: torch.fx.GraphModule) -> None:
 
 
 def _compile_graph(gm: torch.fx.GraphModule, example_inputs, overwritten: tuple = (), loopable: bool = False):
-    if os.environ.get("HF_TPU_LOG_COMPILES") == "1":
+    from hf_tpu import settings
+
+    if settings.get("HF_TPU_LOG_COMPILES"):
         log.warning("hf_tpu: compiling a torch.compile graph of %d nodes", len(gm.graph.nodes))
     _views_as_reshapes(gm)
     return _CompiledGraph(gm, overwritten, loopable)

@@ -1040,7 +1040,9 @@ def _resize_outs(call: _Call) -> bool:
 
 
 def _cpu_fallback_enabled() -> bool:
-    return os.environ.get("HF_TPU_CPU_FALLBACK", "1") != "0"
+    from hf_tpu import settings
+
+    return settings.get("HF_TPU_CPU_FALLBACK")
 
 
 def describe_call(sig: Signature, values) -> str:

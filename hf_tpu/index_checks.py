@@ -1,4 +1,5 @@
-"""Out-of-range indices: XLA clamps gathers and drops scatters silently; PyTorch on CPU raises.
+"""Out-of-range indices: XLA clamps gathers (index_select fills) and drops scatters silently; PyTorch on CPU
+raises. Class labels of nll_loss (cross_entropy) and bincount's values are indices too.
 
 Checking needs the indices on the host (a sync per indexing op), so it is off by default and on under
 `DEFER_NEVER_AND_LAUNCH_BLOCKING` or with `HF_TPU_CHECK_INDICES=1`. Each check raises the exception
@@ -7,7 +8,6 @@ type and message PyTorch's CPU kernel raises for the same call.
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -15,9 +15,9 @@ aten = torch.ops.aten
 
 
 def enabled() -> bool:
-    from . import modes
+    from hf_tpu import modes, settings
 
-    if os.environ.get("HF_TPU_CHECK_INDICES") == "1":
+    if settings.get("HF_TPU_CHECK_INDICES"):
         return True
     return modes.current().name == "DEFER_NEVER_AND_LAUNCH_BLOCKING"
 
@@ -72,6 +72,23 @@ def _take(values):
             raise IndexError(f"out of range: tried to access index {value} on a tensor of {self.numel()} elements.")
 
 
+def _nll_loss(values):  # nll_loss_forward, nll_loss2d_forward: the first target out of range, not ignored
+    self, target, ignore_index = values[0], values[1], values[4]
+    if target.numel() == 0:
+        return
+    classes = self.shape[-1] if self.dim() <= 2 else self.shape[1]
+    target = target.cpu().reshape(-1)
+    bad = target[(target != ignore_index) & ((target < 0) | (target >= classes))]
+    if bad.numel():
+        raise IndexError(f"Target {bad[0].item()} is out of bounds.")
+
+
+def _bincount(values):
+    self = values[0]
+    if self.dim() != 1 or (self.numel() and self.min().item() < 0):
+        raise RuntimeError("bincount only supports 1-d non-negative integral inputs.")
+
+
 CHECKS = {
     "index_select": _index_select,
     "embedding": _embedding,
@@ -87,6 +104,9 @@ CHECKS = {
     "index_put": _advanced,
     "_index_put_impl": _advanced,
     "take": _take,
+    "nll_loss_forward": _nll_loss,
+    "nll_loss2d_forward": _nll_loss,
+    "bincount": _bincount,
 }
 
 

@@ -1,10 +1,11 @@
 """Which JAX devices back `tpu`, chosen once per process.
 
 JAX picks the hardware: a TPU through libtpu, else a GPU, else the host CPU (a "virtual TPU").
-`HF_TPU_PLATFORM=cpu|gpu|tpu` overrides the choice and `HF_TPU_NUM_DEVICES=N` simulates N chips on
-the CPU. Both must be read before JAX creates its backends, so this module is imported first; so
-must `HF_TPU_COORDINATOR_ADDRESS`, `HF_TPU_NUM_PROCESSES` and `HF_TPU_PROCESS_ID`, which make this
-process one of a multi-process run (docs/design/multi-host.md).
+`HF_TPU_PLATFORM=cpu|gpu|tpu` overrides the choice (cpu keeps JAX off any accelerator) and
+`HF_TPU_NUM_DEVICES=N` simulates N chips on the CPU. Both must be read before JAX creates its
+backends, so this module is imported first; so must `HF_TPU_COORDINATOR_ADDRESS`,
+`HF_TPU_NUM_PROCESSES` and `HF_TPU_PROCESS_ID`, which make this process one of a multi-process run
+(docs/design/multi-host.md).
 """
 
 from __future__ import annotations
@@ -12,13 +13,15 @@ from __future__ import annotations
 import functools
 import os
 
+from hf_tpu import settings as _settings
+
 _PLATFORM_ALIASES = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
 
 
 def _configure_jax_before_backends() -> None:
-    num = os.environ.get("HF_TPU_NUM_DEVICES")
+    num = _settings.get("HF_TPU_NUM_DEVICES")
     if num:
-        flag = f"--xla_force_host_platform_device_count={int(num)}"
+        flag = f"--xla_force_host_platform_device_count={num}"
         flags = os.environ.get("XLA_FLAGS", "")
         if "xla_force_host_platform_device_count" not in flags:
             os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
@@ -33,10 +36,15 @@ from jax._src import xla_bridge  # noqa: E402
 # silently compute them in 32 bits.
 jax.config.update("jax_enable_x64", True)
 
+if _settings.get("HF_TPU_PLATFORM") == "cpu" and not xla_bridge.backends_are_initialized():
+    # JAX would still initialise every backend it finds, and libtpu takes the chip's lock (failing when
+    # another process holds it): asking for cpu keeps JAX off the accelerators altogether
+    jax.config.update("jax_platforms", "cpu")
+
 
 def cache_dir() -> str:
     """Where compiled programs persist between processes (`HF_TPU_CACHE_DIR`, empty to disable)."""
-    return os.environ.get("HF_TPU_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "hf_tpu"))
+    return _settings.get("HF_TPU_CACHE_DIR")
 
 
 if cache_dir():
@@ -45,9 +53,9 @@ if cache_dir():
     jax.config.update("jax_compilation_cache_dir", os.path.join(cache_dir(), "xla"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-if os.environ.get("HF_TPU_NUM_DEVICES"):
+if _settings.get("HF_TPU_NUM_DEVICES"):
     try:
-        jax.config.update("jax_num_cpu_devices", int(os.environ["HF_TPU_NUM_DEVICES"]))
+        jax.config.update("jax_num_cpu_devices", _settings.get("HF_TPU_NUM_DEVICES"))
     except Exception:  # backends already initialised by the user: the XLA flag above applies
         pass
 
@@ -68,7 +76,7 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     HF_TPU_PROCESS_ID). JAX allows this only before it creates its backends (the first `tpu` tensor
     does): call it right after `import hf_tpu`, or set the three variables and `import hf_tpu` joins."""
     given = dict(coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id)
-    settings = {arg: os.environ.get(variable) if given[arg] is None else given[arg]
+    settings = {arg: _settings.get(variable) if given[arg] is None else given[arg]
                 for arg, variable in _DISTRIBUTED_VARIABLES.items()}
     missing = [f"{arg} ({_DISTRIBUTED_VARIABLES[arg]})" for arg, value in settings.items() if value in (None, "")]
     if missing:
@@ -101,17 +109,15 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     jax.distributed.initialize(settings["coordinator_address"], settings["num_processes"], settings["process_id"])
 
 
-if any(os.environ.get(variable) for variable in _DISTRIBUTED_VARIABLES.values()):
+if any(_settings.get(variable) is not None for variable in _DISTRIBUTED_VARIABLES.values()):
     initialize_distributed()
 
 
 @functools.cache
 def name() -> str:
     """The JAX platform behind `tpu`: 'tpu', 'gpu' or 'cpu'."""
-    wanted = os.environ.get("HF_TPU_PLATFORM", "").strip().lower()
+    wanted = _settings.get("HF_TPU_PLATFORM")
     if wanted:
-        if wanted not in _PLATFORM_ALIASES:
-            raise ValueError(f"HF_TPU_PLATFORM={wanted!r}: expected one of cpu, gpu, tpu")
         wanted = _PLATFORM_ALIASES[wanted]
         try:
             jax.devices(wanted)

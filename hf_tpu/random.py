@@ -33,7 +33,12 @@ def _device_state(index: int) -> list:
 
 
 def manual_seed(seed: int, index: int) -> None:
-    _state[index] = [int(seed) & ((1 << 64) - 1), 0]
+    """PyTorch's seeding: any int from -2**63 to 2**64 - 1, a negative one taken modulo 2**64; beyond,
+    CPU's `torch.manual_seed` raises (instead of wrapping 2**70 to 0)."""
+    seed = int(seed)
+    if not -(1 << 63) <= seed < (1 << 64):
+        raise ValueError("Overflow when unpacking long long")
+    _state[index] = [seed & ((1 << 64) - 1), 0]
 
 
 def manual_seed_all(seed: int) -> None:

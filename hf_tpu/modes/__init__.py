@@ -13,7 +13,6 @@ import collections
 import contextlib
 import enum
 import logging
-import os
 import traceback
 
 import jax
@@ -128,7 +127,9 @@ def raise_out_of_memory(error, device_index: int, what: str) -> None:
 
 def log_sync(reason: str) -> None:
     """With HF_TPU_LOG_COMPILES=1, say where the user's code forced a sync and why."""
-    if os.environ.get("HF_TPU_LOG_COMPILES") != "1":
+    from hf_tpu import settings
+
+    if not settings.get("HF_TPU_LOG_COMPILES"):
         return
     for frame in reversed(traceback.extract_stack()[:-2]):
         if not any(part in frame.filename for part in ("/torch/", "/hf_tpu/", "/jax/")):
@@ -145,15 +146,9 @@ _MODES = {
 
 
 def _initial() -> EagerMode:
-    name = os.environ.get("HF_TPU_EAGER_MODE", "").strip().upper()
-    if not name:
-        return EagerMode.DEFER_NEVER
-    try:
-        return EagerMode[name]
-    except KeyError:
-        raise ValueError(
-            f"HF_TPU_EAGER_MODE={name!r}: expected one of {', '.join(m.name for m in EagerMode)}"
-        ) from None
+    from hf_tpu import settings
+
+    return EagerMode[settings.get("HF_TPU_EAGER_MODE")]
 
 
 _current = [_MODES[_initial()]]

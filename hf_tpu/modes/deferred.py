@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +29,10 @@ from .. import buffer, counters, donation, dtypes, platform
 _counters = counters.counters
 log = logging.getLogger("hf_tpu.compile")
 
-MAX_GRAPH_OPS = int(os.environ.get("HF_TPU_MAX_GRAPH_OPS", "4096"))
-EARLY_FLUSH = os.environ.get("HF_TPU_EARLY_FLUSH", "1") != "0"
+from hf_tpu import settings as _settings  # noqa: E402
+
+MAX_GRAPH_OPS = _settings.get("HF_TPU_MAX_GRAPH_OPS")
+EARLY_FLUSH = _settings.get("HF_TPU_EARLY_FLUSH")
 _WINDOW = 4  # ops whose content decides a cut
 _CUT_BITS = 4  # one window in 16 is a cut: a tiny Llama's decoder layer (47 ops) is cut once
 _MIN_CUT_OPS = 8  # no piece shorter: a launch of its own costs more than a few ops' fusion saves
@@ -153,7 +154,7 @@ class Deferred:
         fused = self.cache.get(key)
         if fused is None:
             fused = self.cache[key] = _Fused(graph.nodes, outputs, donated)
-            if os.environ.get("HF_TPU_LOG_COMPILES") == "1":
+            if _settings.get("HF_TPU_LOG_COMPILES"):
                 why = "new input shapes" if structure in self.seen_structures else "new graph"
                 log.warning("hf_tpu: compiling a fused graph of %d ops (%s), flushed because %s",
                             len(graph.nodes), why, reason)

@@ -73,9 +73,81 @@ def _scaled_sum(self, product, beta, alpha):
     return jnp.where(beta == 0, jnp.zeros_like(self), beta * self) + alpha * product
 
 
-@lowering(aten.mm.default, aten.bmm.default, aten._int_mm.default, transposed=("self", "mat2"))
+# PyTorch's CPU kernels reject operands of different dtypes (which its meta kernels let through), each
+# op with its own message; these raise the same, when a call's program is built (`Lowering.type_check`)
+_SCALAR_TYPE = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
+                torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char",
+                torch.uint8: "Byte", torch.bool: "Bool", torch.complex64: "ComplexFloat",
+                torch.complex128: "ComplexDouble"}
+_CPP_TYPE = {torch.float32: "float", torch.float64: "double", torch.float16: "c10::Half",
+             torch.bfloat16: "c10::BFloat16", torch.int64: "long int", torch.int32: "int", torch.int16: "short int",
+             torch.int8: "signed char", torch.uint8: "unsigned char", torch.bool: "bool",
+             torch.complex64: "c10::complex<float>", torch.complex128: "c10::complex<double>"}
+
+
+def _scalar_type(t):
+    return _SCALAR_TYPE.get(t.dtype, str(t.dtype).replace("torch.", ""))
+
+
+def _cpp_type(t):
+    return _CPP_TYPE.get(t.dtype, str(t.dtype).replace("torch.", ""))
+
+
+def _same_dtype_mm(values):
+    self, mat2 = values[0], values[1]
+    if self.dtype != mat2.dtype:
+        raise RuntimeError(
+            f"expected m1 and m2 to have the same dtype, but got: {_cpp_type(self)} != {_cpp_type(mat2)}")
+
+
+def _same_dtype_bmm(values):
+    self, mat2 = values[0], values[1]
+    if self.dtype != mat2.dtype:
+        raise RuntimeError(f"expected scalar type {_scalar_type(self)} but found {_scalar_type(mat2)}")
+
+
+def _same_dtype_addmm(values):  # addmm, addbmm: self against mat2 first, then mat1 against mat2
+    self, mat1, mat2 = values[0], values[1], values[2]
+    if self.dtype != mat2.dtype:
+        raise RuntimeError(
+            f"self and mat2 must have the same dtype, but got {_scalar_type(self)} and {_scalar_type(mat2)}")
+    if mat1.dtype != mat2.dtype:
+        raise RuntimeError(
+            f"mat1 and mat2 must have the same dtype, but got {_scalar_type(mat1)} and {_scalar_type(mat2)}")
+
+
+def _same_dtype_baddbmm(values):
+    self, batch1, batch2 = values[0], values[1], values[2]
+    if self.dtype != batch1.dtype:
+        raise RuntimeError(f"Input dtypes must be the same, got: input {_cpp_type(self)}, batch1: {_cpp_type(batch1)}, "
+                           f"batch2: {_cpp_type(batch2)}")
+    _same_dtype_bmm(values[1:])
+
+
+def _same_dtype_addmv(values):
+    self, mat, vec = values[0], values[1], values[2]
+    if not self.dtype == mat.dtype == vec.dtype:
+        raise RuntimeError(f"addmv input tensors must have the same dtype, but got {_scalar_type(self)}, "
+                           f"{_scalar_type(mat)}, and {_scalar_type(vec)}")
+
+
+def _same_dtype_mv(values):  # PyTorch's mv is addmv into a result of the vector's dtype
+    _same_dtype_addmv([values[1], values[0], values[1]])
+
+
+def _same_dtype_dot(values):  # dot and vdot
+    self, other = values[0], values[1]
+    if self.dtype != other.dtype:
+        raise RuntimeError(f"dot : expected both vectors to have same dtype, but found {_scalar_type(self)} and "
+                           f"{_scalar_type(other)}")
+
+
+@lowering(aten.mm.default, aten._int_mm.default, transposed=("self", "mat2"), type_check=_same_dtype_mm)
 def mm(self, mat2):
     return _matmul(self, mat2)
+
+
+lowering(aten.bmm.default, transposed=("self", "mat2"), type_check=_same_dtype_bmm)(mm)
 
 
 @lowering(aten.mm.dtype, aten.bmm.dtype, transposed=("self", "mat2"))
@@ -83,9 +155,12 @@ def mm_out_dtype(self, mat2, out_dtype):
     return _matmul(self, mat2)
 
 
-@lowering(aten.addmm.default, aten.baddbmm.default, transposed=("mat1", "mat2", "batch1", "batch2"))
+@lowering(aten.addmm.default, transposed=("mat1", "mat2"), type_check=_same_dtype_addmm)
 def addmm(self, mat1, mat2, beta=1, alpha=1):
     return _scaled_sum(self, _matmul(mat1, mat2), beta, alpha)
+
+
+lowering(aten.baddbmm.default, transposed=("batch1", "batch2"), type_check=_same_dtype_baddbmm)(addmm)
 
 
 @lowering(aten.addmm.dtype, aten.baddbmm.dtype, transposed=("mat1", "mat2", "batch1", "batch2"))
@@ -93,12 +168,12 @@ def addmm_out_dtype(self, mat1, mat2, out_dtype, beta=1, alpha=1):
     return _scaled_sum(self, _matmul(mat1, mat2), beta, alpha)
 
 
-@lowering(aten.addbmm.default)
+@lowering(aten.addbmm.default, type_check=_same_dtype_addmm)
 def addbmm(self, batch1, batch2, beta=1, alpha=1):
     return _scaled_sum(self, dot(batch1, batch2, (((0, 2), (0, 1)), ((), ()))), beta, alpha)
 
 
-@lowering(aten.addmv.default)
+@lowering(aten.addmv.default, type_check=_same_dtype_addmv)
 def addmv(self, mat, vec, beta=1, alpha=1):
     return _scaled_sum(self, mv(mat, vec), beta, alpha)
 
@@ -114,17 +189,17 @@ def addr(self, vec1, vec2, beta=1, alpha=1):
     return jnp.where(beta == 0, scaled, beta * self + scaled)
 
 
-@lowering(aten.mv.default)
+@lowering(aten.mv.default, type_check=_same_dtype_mv)
 def mv(self, vec):
     return dot(self, vec, (((1,), (0,)), ((), ())))
 
 
-@lowering(aten.dot.default)
+@lowering(aten.dot.default, type_check=_same_dtype_dot)
 def dot_product(self, other):
     return dot(self, other, (((0,), (0,)), ((), ())))
 
 
-@lowering(aten.vdot.default)
+@lowering(aten.vdot.default, type_check=_same_dtype_dot)
 def vdot(self, other):
     return dot(jnp.conj(self), other, (((0,), (0,)), ((), ())))
 
