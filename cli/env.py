@@ -1,4 +1,4 @@
-"""`hf-tpu env`: the platform, devices, versions and execution mode."""
+"""`hf-tpu env`: the platform, devices, versions, and every `HF_TPU_*` setting in force."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ def env_report() -> str:
     import torch
 
     import hf_tpu
+    from hf_tpu import settings
+    from hf_tpu.integrations.transformers import settings as _generation_settings  # noqa: F401  (its variables)
 
     lines = [
         f"hf-tpu        {hf_tpu.__version__}",
@@ -29,6 +31,10 @@ def env_report() -> str:
     ]
     for pkg in ("torch", "jax", "jaxlib", "transformers", "diffusers", "accelerate", "safetensors"):
         lines.append(f"{pkg:<13} {_version(pkg)}")
+    lines.append("\nsettings (environment variables; `default` where unset):")
+    for row in settings.describe():
+        value = "-" if row["value"] in ("", None) else row["value"]
+        lines.append(f"  {row['name']:<32} {value!s:<24} {row['source']}")
     return "\n".join(line for line in lines if line)
 
 

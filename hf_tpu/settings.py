@@ -5,7 +5,8 @@ that is none of these raises a ValueError naming the variable and what it accept
 taken silently for something else. An unset or empty variable means its default (except
 HF_TPU_CACHE_DIR, where empty turns the disk cache off). Values are read when they are used, so a
 change to `os.environ` applies from the next use on. `describe()` lists each setting with the value
-in force and where it comes from, for `hf-tpu env`.
+in force and where it comes from, for `hf-tpu env`. Layers above the core declare their own
+variables with `register`.
 """
 
 from __future__ import annotations
@@ -61,13 +62,17 @@ SETTINGS = {s.name: s for s in (
     Setting("HF_TPU_NUM_PROCESSES", "count", None, "multi-process run: the number of processes"),
     Setting("HF_TPU_PROCESS_ID", "index", None, "multi-process run: this process's index"),
     Setting("HF_TPU_ALLOW_UNSUPPORTED_TORCH", "bool", False, "import on an untested torch release"),
-    # read by the Transformers adapter (integrations/transformers.py)
-    Setting("HF_TPU_PROMPT_BUCKETS", "text", None, "Transformers generate: prompt lengths to pad to "
-            "(\"32,64,128\"; empty: no bucketing)", empty_is_value=True),
-    Setting("HF_TPU_CACHE_LENGTH_MULTIPLE", "count", 128, "Transformers generate: static cache length rounding"),
-    Setting("HF_TPU_STATIC_CACHE", "bool", True, "Transformers generate: use a static KV cache"),
-    Setting("HF_TPU_DEVICE_LOOP", "bool", True, "Transformers generate: decode in one compiled loop"),
 )}
+
+
+def register(*settings: Setting) -> None:
+    """Declare the variables a layer above the core reads (an adapter's own settings), so that they are
+    parsed, validated and listed like the core's. Registering the same setting again is a no-op."""
+    for setting in settings:
+        known = SETTINGS.get(setting.name)
+        if known is not None and known != setting:
+            raise ValueError(f"{setting.name} is already registered with another meaning: {known}")
+        SETTINGS[setting.name] = setting
 
 
 def _raw(name: str):

@@ -20,8 +20,9 @@ Installed by `hf_tpu.integrations.activate()` when `transformers.modeling_utils`
   choice, end-of-sequence test), with no host round-trip per token.
 
 `configure(...)` or the environment variables `HF_TPU_PROMPT_BUCKETS` ("32,64,128"; "" turns bucketing
-off), `HF_TPU_CACHE_LENGTH_MULTIPLE`, `HF_TPU_STATIC_CACHE` ("0" keeps Transformers' dynamic cache) and
-`HF_TPU_DEVICE_LOOP` ("0" decodes token by token from Python) change these defaults.
+off), `HF_TPU_CACHE_LENGTH_MULTIPLE`, `HF_TPU_STATIC_CACHE` (off keeps Transformers' dynamic cache) and
+`HF_TPU_DEVICE_LOOP` (off decodes token by token from Python) change these defaults; they are parsed by
+`hf_tpu.settings` like every other variable.
 """
 
 from __future__ import annotations

@@ -5,14 +5,25 @@ environment (`HF_TPU_PROMPT_BUCKETS`, `HF_TPU_CACHE_LENGTH_MULTIPLE`, `HF_TPU_ST
 from __future__ import annotations
 
 import dataclasses
-import os
+
+from hf_tpu import settings as _environment
 
 
 DEFAULT_PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
+_environment.register(
+    _environment.Setting("HF_TPU_PROMPT_BUCKETS", "text", None, "Transformers generate: prompt lengths to pad to "
+                         "(\"32,64,128\"; empty: no bucketing)", empty_is_value=True),
+    _environment.Setting("HF_TPU_CACHE_LENGTH_MULTIPLE", "count", 128,
+                         "Transformers generate: static cache length rounding"),
+    _environment.Setting("HF_TPU_STATIC_CACHE", "bool", True, "Transformers generate: use a static KV cache"),
+    _environment.Setting("HF_TPU_DEVICE_LOOP", "bool", True, "Transformers generate: decode in one compiled loop"),
+)
+
+
 def _buckets_from_env() -> tuple[int, ...]:
-    text = os.environ.get("HF_TPU_PROMPT_BUCKETS")
+    text = _environment.get("HF_TPU_PROMPT_BUCKETS")
     if text is None:
         return DEFAULT_PROMPT_BUCKETS
     try:
@@ -32,10 +43,9 @@ def _valid_buckets(buckets) -> tuple[int, ...]:
 class Settings:
     prompt_buckets: tuple[int, ...] = dataclasses.field(default_factory=_buckets_from_env)
     cache_length_multiple: int = dataclasses.field(
-        default_factory=lambda: int(os.environ.get("HF_TPU_CACHE_LENGTH_MULTIPLE", "128"))
-    )
-    static_cache: bool = dataclasses.field(default_factory=lambda: os.environ.get("HF_TPU_STATIC_CACHE", "1") != "0")
-    device_loop: bool = dataclasses.field(default_factory=lambda: os.environ.get("HF_TPU_DEVICE_LOOP", "1") != "0")
+        default_factory=lambda: _environment.get("HF_TPU_CACHE_LENGTH_MULTIPLE"))
+    static_cache: bool = dataclasses.field(default_factory=lambda: _environment.get("HF_TPU_STATIC_CACHE"))
+    device_loop: bool = dataclasses.field(default_factory=lambda: _environment.get("HF_TPU_DEVICE_LOOP"))
 
 
 settings = Settings()

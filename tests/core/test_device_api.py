@@ -250,11 +250,17 @@ def test_another_owner_of_privateuse1_is_reported():
     assert "already taken as 'jax'" in r.stderr and "torchax" in r.stderr
 
 
-def test_hf_tpu_env_reports_platform_devices_versions_and_mode(capsys):
-    from hf_tpu import cli
+def test_hf_tpu_env_reports_platform_devices_versions_mode_and_settings(capsys, monkeypatch):
+    from hf_tpu import cli, settings
 
+    monkeypatch.setenv("HF_TPU_LOG_COMPILES", "on")
     assert cli.main(["env"]) == 0
     out = capsys.readouterr().out
     for needle in (f"platform      {PLATFORM}", f"devices       {CHIPS}", "torch ", "jax ", "transformers ", "diffusers ",
                    "accelerate ", "eager mode"):
         assert needle in out, needle
+    for name in settings.SETTINGS:  # the core's variables and the Transformers adapter's
+        assert f"  {name} " in out, name
+    assert "HF_TPU_DEVICE_LOOP" in out
+    assert [line.split() for line in out.splitlines() if "HF_TPU_LOG_COMPILES" in line] == [
+        ["HF_TPU_LOG_COMPILES", "True", "env"]]
