@@ -33,7 +33,9 @@ def _check_privateuse1_is_free() -> None:
 _check_privateuse1_is_free()
 
 from . import device as _device_module  # noqa: E402
-from . import accelerator, autocast, dispatch, modules, ops, random, storage  # noqa: E402,F401
+from . import dispatch, ops  # noqa: E402,F401
+from .device import accelerator, autocast, module_to, rng  # noqa: E402,F401
+from .memory import storage_apis  # noqa: E402,F401
 from .counters import metrics, reset_metrics  # noqa: E402,F401
 from .loops import while_loop  # noqa: E402,F401
 from .modes import EagerMode  # noqa: E402,F401
@@ -65,10 +67,10 @@ def _register_backend() -> None:
     )
     dispatch.register_kernels()
     accelerator.install()
-    storage.install()
+    storage_apis.install()
     autocast.install()
-    random.install()
-    modules.install()
+    rng.install()
+    module_to.install()
 
 
 _register_backend()

@@ -19,7 +19,9 @@ import traceback
 import jax
 import torch
 
-from .. import buffer, counters, donation, platform, random
+from .. import counters, platform
+from ..device import rng
+from ..memory import buffer, donation
 from .deferred import Deferred
 
 _counters = counters.counters
@@ -199,7 +201,7 @@ def random_key(device_index: int, generator=None):
     mode = _current[0]
     if mode.name == "TRACE":
         return mode.random_key(generator)
-    return random.next_key(device_index, generator)
+    return rng.next_key(device_index, generator)
 
 
 # Checks on device values (`torch.linalg`'s LAPACK `info`, `torch._assert_async`): (value, raise_if_bad).

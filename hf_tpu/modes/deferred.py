@@ -25,7 +25,8 @@ import os
 import jax
 import jax.numpy as jnp
 
-from .. import buffer, counters, donation, dtypes, platform
+from .. import counters, dtypes, platform
+from ..memory import buffer, donation
 
 _counters = counters.counters
 log = logging.getLogger("hf_tpu.compile")

@@ -14,10 +14,10 @@ from . import (  # noqa: F401
     linalg,
     nn,
     optim,
-    random_ops,
+    random,
     reduce,
     shape,
     sort,
     special,
-    storage,
+    memory,
 )

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from .. import buffer, dispatch, dtypes, modes
+from .. import dispatch, dtypes, modes
+from ..memory import buffer
 from .registry import Promote, kernel, lowering
 
 aten = torch.ops.aten

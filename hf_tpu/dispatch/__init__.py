@@ -1,6 +1,6 @@
 """The one entry point from PyTorch's dispatcher into the lowerings.
 
-Every `tpu` kernel, and the PrivateUse1 fallback, is the C entry `_dispatch.entry(signature, ...)`:
+Every `tpu` kernel, and the PrivateUse1 fallback, is the C entry `_entry.entry(signature, ...)`:
 it binds the call to the op's schema and launches strict eager's common calls itself; every other
 call continues here, in `run_bound`, which builds a key from what decides the compiled code (op,
 static arguments, shapes, dtypes and view layouts of the tensors, Python types of the scalars), and
@@ -28,10 +28,13 @@ import jax.numpy as jnp
 import torch
 from torch._prims_common import elementwise_dtypes
 
-from . import _dispatch as _native
-from . import buffer, counters, dtypes, index_checks, platform, random
-from . import modes as _modes
-from .ops.registry import BACKEND_CHOICES, CPU_VIEW_KERNELS, KERNELS, LOWERINGS, Lowering
+from .. import counters, dtypes, platform
+from .. import modes as _modes
+from ..device import rng
+from ..memory import buffer
+from ..ops.registry import BACKEND_CHOICES, CPU_VIEW_KERNELS, KERNELS, LOWERINGS, Lowering
+from . import _entry as _native
+from . import index_checks
 
 aten = torch.ops.aten
 _counters = counters.counters
@@ -89,7 +92,7 @@ class Signature:
     @property
     def plain(self) -> bool:
         """A lowered op that writes nothing and checks no argument: strict eager may launch its common
-        calls from C (`_dispatch.c`)."""
+        calls from C (`_entry.c`)."""
         return (self.kernel is None and self.lowering is not None and self.check is None
                 and self.index_check is None and not self.mutated)
 
@@ -459,7 +462,7 @@ class Program:
     # general path's loop over results
     only_result: tuple | None = None
     # (jitted, shape, dtype) where strict eager launches the program with its arrays alone and makes
-    # its one new tensor: the C entry's whole work for a common call (`_dispatch.c`)
+    # its one new tensor: the C entry's whole work for a common call (`_entry.c`)
     direct: tuple | None = None
 
     @functools.cached_property
@@ -673,7 +676,7 @@ def _build(call: _Call) -> Program:
     operand_dtypes = [op.tensor.dtype for op in call.operands]  # not the call: a program outlives its tensors
 
     def fn(arrays, scalars, rng_data):
-        rng_key = random.key_from_data(rng_data) if rng_data is not None else None
+        rng_key = rng.key_from_data(rng_data) if rng_data is not None else None
         arrays = [jnp.zeros(*blank[i]) if a is None else a for i, a in enumerate(arrays)]
         vals = [buffer.read(a, v) if whole is None else buffer.Transposed(a.reshape(whole))
                 for a, v, whole in zip(arrays, views, transposed)]
@@ -775,7 +778,7 @@ _DATA_DEPENDENT_ERRORS = (
 )
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _raised_by_library(error: Exception) -> bool:
@@ -817,7 +820,7 @@ def _eval_specs(fn, call):
     ]
     arrays = [op.view if op.buf is None else a for op, a in zip(call.operands, arrays)]
     scalars = call.scalars
-    key = random.example_key() if call.rng else None
+    key = rng.example_key() if call.rng else None
     shapes = jax.eval_shape(fn, arrays, scalars, key)
     return [(tuple(s.shape), dtypes.to_torch(s.dtype)) for s in shapes]
 
@@ -1155,7 +1158,7 @@ def run_unlowered(sig: Signature, values):
 
 
 def run_bound(sig: Signature, values: list, analysed=None):
-    """An op with its arguments bound: where the C entry (`_dispatch.c`) hands every call it does not
+    """An op with its arguments bound: where the C entry (`_entry.c`) hands every call it does not
     launch itself, with its analysis of the call if it made one (see `_Call`)."""
     if sig.kernel is not None:
         return sig.kernel(sig, values)

@@ -378,9 +378,9 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_dispatch", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_entry", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__dispatch(void) {
+PyMODINIT_FUNC PyInit__entry(void) {
     PyObject **names[] = {&s_data_ptr, &s_dtype, &s_is_neg, &s_is_conj, &s_is_contiguous, &s_shape,
                           &s_device_index, &s_array, &s_direct, &s_sharded, &s_ops_dispatched,
                           &s_cache_hits, &s_cache_hits_by_mode, &s_strict_name};

@@ -17,7 +17,9 @@ import time
 import jax
 import torch
 
-from . import buffer, dispatch, platform, random
+from .. import dispatch, platform
+from ..memory import buffer
+from . import rng
 
 
 def _index(device=None) -> int:
@@ -137,7 +139,7 @@ def is_bf16_supported(including_emulation: bool = True) -> bool:
 
 def synchronize(device=None) -> None:
     """Wait until every computation on the device has finished (and flush deferred work)."""
-    from . import modes
+    from .. import modes
 
     modes.current().sync("torch.tpu.synchronize()")
     index = _index(device)
@@ -149,40 +151,40 @@ def synchronize(device=None) -> None:
 
 
 def manual_seed(seed: int) -> None:
-    random.manual_seed(int(seed), current_device())
+    rng.manual_seed(int(seed), current_device())
 
 
 def manual_seed_all(seed: int) -> None:
-    random.manual_seed_all(int(seed))
+    rng.manual_seed_all(int(seed))
 
 
 def seed() -> None:
-    random.manual_seed(random.random_seed(), current_device())
+    rng.manual_seed(rng.random_seed(), current_device())
 
 
 def seed_all() -> None:
-    random.manual_seed_all(random.random_seed())
+    rng.manual_seed_all(rng.random_seed())
 
 
 def initial_seed() -> int:
-    return random.initial_seed(current_device())
+    return rng.initial_seed(current_device())
 
 
 def get_rng_state(device="tpu") -> torch.Tensor:
-    return random.get_state(_index(device))
+    return rng.get_state(_index(device))
 
 
 def set_rng_state(new_state: torch.Tensor, device="tpu") -> None:
-    random.set_state(new_state, _index(device))
+    rng.set_state(new_state, _index(device))
 
 
 def get_rng_state_all() -> list:
-    return [random.get_state(i) for i in range(device_count())]
+    return [rng.get_state(i) for i in range(device_count())]
 
 
 def set_rng_state_all(new_states) -> None:
     for i, state in enumerate(new_states):
-        random.set_state(state, i)
+        rng.set_state(state, i)
 
 
 # --- Memory
@@ -357,14 +359,14 @@ def stream(stream: Stream | None):
 # --- Execution modes: `torch.tpu.EagerMode`, `set_eager_mode`, the `eager_mode` property and a
 # context manager. See docs/design/execution-modes.md.
 
-from .modes import EagerMode, set_eager_mode  # noqa: E402,F401
-from .modes import eager_mode as use_eager_mode  # noqa: E402,F401
+from ..modes import EagerMode, set_eager_mode  # noqa: E402,F401
+from ..modes import eager_mode as use_eager_mode  # noqa: E402,F401
 
 
 class _TpuModule(sys.modules[__name__].__class__):
     @property
     def eager_mode(self) -> EagerMode:
-        from . import modes
+        from .. import modes
 
         return modes.get_eager_mode()
 

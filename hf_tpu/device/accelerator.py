@@ -10,8 +10,8 @@ import functools
 
 import torch
 
-from . import device as tpu
-from . import dispatch
+from .. import device as tpu
+from .. import dispatch
 
 
 def _device_arg(device):

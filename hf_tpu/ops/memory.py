@@ -12,7 +12,8 @@ import math
 import jax
 import torch
 
-from .. import buffer, dispatch, modes, platform
+from .. import dispatch, modes, platform
+from ..memory import buffer
 from .registry import kernel, lowering, reuse_cpu_kernel
 
 aten = torch.ops.aten

@@ -15,7 +15,7 @@ aten = torch.ops.aten
 
 
 def enabled() -> bool:
-    from . import modes
+    from .. import modes
 
     if os.environ.get("HF_TPU_CHECK_INDICES") == "1":
         return True

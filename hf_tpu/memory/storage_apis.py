@@ -13,7 +13,8 @@ import re
 
 import torch
 
-from . import buffer, dispatch
+from .. import dispatch
+from . import buffer
 
 _LOCATION = re.compile(r"^tpu(:(\d+))?$")
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from . import platform
+from .. import platform
 
 DEFAULT_SEED = 67280421310721  # PyTorch's default seed on every device
 _MASK32 = (1 << 32) - 1
@@ -157,7 +157,7 @@ class Generator(torch._C.Generator, metaclass=_AnyGenerator):
     def __new__(cls, device="cpu"):
         device = torch.device(device)
         if device.type == "tpu":
-            from .dispatch import current_index_for  # dispatch imports this module
+            from ..dispatch import current_index_for  # dispatch imports this module
 
             return TpuGenerator(torch.device("tpu", current_index_for(device)))
         if cls is Generator:
