@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from . import counters, dispatch, loops, modes, platform
-from .device import rng
+from . import counters, loops, modes, platform
+from .device import current, rng
 from .memory import buffer, donation
 
 log = logging.getLogger("hf_tpu.compile")
@@ -29,7 +29,7 @@ _counters = counters.counters
 class _Tracing:
     """The execution mode inside a trace: programs run on tracers, randomness comes from an input."""
 
-    name = "TRACE"
+    kind = modes.ModeKind.TRACE
 
     def __init__(self, rng_base):
         self.mode = None
@@ -101,14 +101,13 @@ class _CompiledGraph:
                 inputs.append(value)
             else:
                 inputs.append(buffer.new_tensor(array.shape, spec[0], spec[1], array))
-        saved = modes._current[0]
         tracer = _Tracing(rng_base)
-        modes._current[0] = tracer
+        saved = modes.replace_current(tracer)
         try:
             with torch.no_grad():
                 outputs = self.gm(*inputs)
         finally:
-            modes._current[0] = saved
+            modes.replace_current(saved)
         if not isinstance(outputs, (list, tuple)):
             outputs = (outputs,)
         # A CPU tensor made inside the graph depends on no input (every input is on tpu here): a
@@ -174,7 +173,7 @@ class _CompiledGraph:
                 arrays.append(None)
                 values.append(a)
         if device_index is None:
-            device_index = dispatch.current_device_index()
+            device_index = current.current_device_index()
         for i in host:
             in_specs[i] = (args[i].dtype, device_index)
             arrays[i] = buffer.from_host(args[i], device_index)
@@ -421,14 +420,14 @@ def _rng_state_ops_on_tpu() -> None:
 def _device_index_of(args, kwargs) -> int:
     device = kwargs.get("device")
     if device is not None:
-        return dispatch.current_index_for(torch.device(device))
+        return current.current_index_for(torch.device(device))
     return next(a.device.index for a in torch.utils._pytree.tree_leaves(args) if isinstance(a, torch.Tensor))
 
 
 def _run_and_save_rng_state(op, *args, **kwargs):
     index = _device_index_of(args, kwargs)
-    mode = modes._current[0]
-    if mode.name == "TRACE":
+    mode = modes.current()
+    if mode.kind is modes.ModeKind.TRACE:
         state = mode.next_key()
     else:  # a graph run eagerly (`_CompiledGraph.eager`): the device's next offset
         state = jax.device_put(rng.current_key(index), platform.jax_device(index))
@@ -436,8 +435,8 @@ def _run_and_save_rng_state(op, *args, **kwargs):
 
 
 def _run_with_rng_state(rng_state, op, *args, **kwargs):
-    mode = modes._current[0]
-    if mode.name == "TRACE":
+    mode = modes.current()
+    if mode.kind is modes.ModeKind.TRACE:
         saved, mode.replayed = mode.replayed, (buffer.array_of(rng_state).astype(jnp.uint32), 0)
         try:
             return op(*args, **kwargs)

@@ -11,27 +11,26 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
-import os
 import time
 
 import jax
 import torch
 
-from .. import dispatch, platform
+from . import current, rng  # first: the layers below import them
+from .. import modes, platform
 from ..memory import buffer
-from . import rng
 
 
 def _index(device=None) -> int:
     if device is None:
-        return dispatch.current_device_index()
+        return current.current_device_index()
     if isinstance(device, int):
         platform.jax_device(device)
         return device
     device = torch.device(device)
     if device.type != "tpu":
         raise ValueError(f"Expected a tpu device, got {device}")
-    return dispatch.current_index_for(device)
+    return current.current_index_for(device)
 
 
 # --- Availability and devices
@@ -68,11 +67,11 @@ def device_count() -> int:
 
 
 def current_device() -> int:
-    return dispatch.current_device_index()
+    return current.current_device_index()
 
 
 def set_device(device) -> None:
-    dispatch._current_device[0] = _index(device)
+    current.set_current_device_index(_index(device))
 
 
 class device:
@@ -139,8 +138,6 @@ def is_bf16_supported(including_emulation: bool = True) -> bool:
 
 def synchronize(device=None) -> None:
     """Wait until every computation on the device has finished (and flush deferred work)."""
-    from .. import modes
-
     modes.current().sync("torch.tpu.synchronize()")
     index = _index(device)
     jax.block_until_ready(buffer.device_arrays(index))
@@ -253,19 +250,7 @@ def empty_cache() -> None:
 
 def mem_get_info(device=None) -> tuple[int, int]:
     """(free, total) bytes of the device; on the CPU platform, of the host."""
-    dev = platform.jax_device(_index(device))
-    stats = None
-    try:
-        stats = dev.memory_stats()
-    except Exception:
-        stats = None
-    if stats and "bytes_limit" in stats:
-        total = int(stats["bytes_limit"])
-        return total - int(stats.get("bytes_in_use", 0)), total
-    page = os.sysconf("SC_PAGE_SIZE")
-    total = os.sysconf("SC_PHYS_PAGES") * page
-    free = os.sysconf("SC_AVPHYS_PAGES") * page
-    return free, total
+    return platform.memory_info(_index(device))
 
 
 # --- Streams and events: JAX orders work per device itself, so there is one stream per device.
@@ -366,8 +351,6 @@ from ..modes import eager_mode as use_eager_mode  # noqa: E402,F401
 class _TpuModule(sys.modules[__name__].__class__):
     @property
     def eager_mode(self) -> EagerMode:
-        from .. import modes
-
         return modes.get_eager_mode()
 
     @eager_mode.setter

@@ -11,15 +11,15 @@ import os
 
 import torch
 
+from .. import modes
+
 aten = torch.ops.aten
 
 
 def enabled() -> bool:
-    from .. import modes
-
     if os.environ.get("HF_TPU_CHECK_INDICES") == "1":
         return True
-    return modes.current().name == "DEFER_NEVER_AND_LAUNCH_BLOCKING"
+    return modes.current().kind is modes.ModeKind.DEFER_NEVER_AND_LAUNCH_BLOCKING
 
 
 def _bounds(index: torch.Tensor):
