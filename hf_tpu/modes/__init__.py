@@ -4,7 +4,8 @@ Every op reaches its mode as a `Program` (a pure function of its operands' array
 themselves; the mode decides when and how that function runs. Strict eager runs it at once through
 `jax.jit`; launch-blocking also waits for the result so an error surfaces at the user's line;
 defer-and-fuse records it and runs the pending ops as one program at the next sync point
-(`modes/deferred.py`).
+(`modes/deferred.py`). Each mode object says what it is by `mode.kind`, a `ModeKind` member
+(`modes/kinds.py`); a `torch.compile` trace is one more kind (`hf_tpu.compile`).
 """
 
 from __future__ import annotations
