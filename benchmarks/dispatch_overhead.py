@@ -21,7 +21,10 @@ import torch
 
 import hf_tpu
 from benchmarks.common import table
-from hf_tpu import buffer, dispatch
+from hf_tpu import dispatch
+from hf_tpu.dispatch import call as calls
+from hf_tpu.dispatch.program import PROGRAMS
+from hf_tpu.memory import buffer
 
 N = 200
 
@@ -93,7 +96,7 @@ def _launch_inside_op_us(a, b, calls: int = 2000, rounds: int = 9) -> float:
     entry for a common call) takes inside a loop of `a + b`: what deferring an op saves. On a busy
     cache it costs more than in its own hot loop."""
     a + b  # the add's program exists
-    programs = [p for p in dispatch._PROGRAMS.values() if p.direct is not None]
+    programs = [p for p in PROGRAMS.values() if p.direct_launch is not None]
     spent = [0]
 
     def timed(launch):
@@ -105,10 +108,10 @@ def _launch_inside_op_us(a, b, calls: int = 2000, rounds: int = 9) -> float:
                 spent[0] += time.perf_counter_ns() - start
         return launch_timed
 
-    originals = [p.direct for p in programs]
+    originals = [p.direct_launch for p in programs]
     best = float("inf")
     for p in programs:
-        p.direct = (timed(p.direct[0]), *p.direct[1:])
+        p.direct_launch = (timed(p.direct_launch[0]), *p.direct_launch[1:])
     try:
         for _ in range(rounds):
             spent[0] = 0
@@ -117,7 +120,7 @@ def _launch_inside_op_us(a, b, calls: int = 2000, rounds: int = 9) -> float:
             best = min(best, spent[0] / calls / 1e3)
     finally:
         for p, direct in zip(programs, originals):
-            p.direct = direct
+            p.direct_launch = direct
     return best
 
 
@@ -143,8 +146,8 @@ def budget():
     parts = [
         ("PyTorch on CPU, the whole a + b", lambda: a + b, 1),
         ("PyTorch's dispatcher into a Python kernel and back", lambda: torch.ops.hf_tpu_bench.noop(ta, tb), 1),
-        ("analysing the call (C: dispatch._analyse_common)",
-         lambda: dispatch._analyse_common(sig.kinds, sig.defaults, sig.default_keys, values, sig.ident, "highest"), 1),
+        ("analysing the call (C: dispatch.call._analyse_common)",
+         lambda: calls._analyse_common(sig.kinds, sig.defaults, sig.default_keys, values, sig.ident, "highest"), 1),
         ("making and releasing the result tensor",
          lambda: buffer.allocator.new_tensor((1, 1024), torch.float32, 0, array), 1),
         ("the launch: raw jax.jit", lambda: jitted(ja, jb), 1),

@@ -1,7 +1,10 @@
 """hf-tpu: a native `tpu` device for PyTorch, backed by JAX/XLA.
 
 `import hf_tpu` is all a user does: PyTorch's PrivateUse1 backend becomes `tpu`, `torch.tpu` appears,
-and every ATen op on a `tpu` tensor is routed to `hf_tpu.dispatch`.
+and every ATen op on a `tpu` tensor is routed to `hf_tpu.dispatch`. The layers, bottom up: `platform`,
+`dtypes`, `counters`; `memory/`; `device/current` and `device/rng`; `modes/`; `dispatch/`; `ops/`;
+`device/` (`torch.tpu`, and `device/backend`, which registers it all); `compile`, `loops`,
+`distributed/`.
 """
 
 from __future__ import annotations
@@ -61,46 +64,12 @@ def _check_privateuse1_is_free() -> None:
 
 _check_privateuse1_is_free()
 
-from . import device as _device_module  # noqa: E402
-from . import accelerator, autocast, dispatch, modules, ops, random, storage  # noqa: E402,F401
 from .counters import metrics, reset_metrics  # noqa: E402,F401
+from .device import backend  # noqa: E402
 from .loops import while_loop  # noqa: E402,F401
 from .modes import EagerMode  # noqa: E402,F401
 
-
-class _Hooks(torch._C._acc.PrivateUse1Hooks):
-    def is_available(self) -> bool:
-        return _device_module.is_available()
-
-    def has_primary_context(self, dev_id) -> bool:
-        return True
-
-    def is_built(self) -> bool:
-        return True
-
-
-class _Guard(torch._C._acc.DeviceGuard):
-    def type_(self):
-        return torch._C._autograd.DeviceType.PrivateUse1
-
-
-def _register_backend() -> None:
-    if torch._C._get_privateuse1_backend_name() == "tpu":
-        return  # this process already registered us (e.g. importlib.reload)
-    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
-
-    _setup_privateuseone_for_python_backend(
-        "tpu", backend_module=_device_module, hook=_Hooks(), device_guard=_Guard()
-    )
-    dispatch.register_kernels()
-    accelerator.install()
-    storage.install()
-    autocast.install()
-    random.install()
-    modules.install()
-
-
-_register_backend()
+backend.register()
 
 
 def __getattr__(name: str):

@@ -17,7 +17,9 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from . import buffer, counters, dispatch, donation, loops, modes, platform, random
+from . import counters, loops, modes, platform
+from .device import current, rng
+from .memory import buffer, donation
 
 log = logging.getLogger("hf_tpu.compile")
 _counters = counters.counters
@@ -26,7 +28,7 @@ _counters = counters.counters
 class _Tracing:
     """The execution mode inside a trace: programs run on tracers, randomness comes from an input."""
 
-    name = "TRACE"
+    kind = modes.ModeKind.TRACE
 
     def __init__(self, rng_base):
         self.mode = None
@@ -41,14 +43,14 @@ class _Tracing:
         if self.replayed is not None:  # inside `run_with_rng_state`: the recomputed op's own draws
             state, n = self.replayed
             self.replayed = (state, n + 1)
-            return random.offset_key(state, n)
-        key = random.offset_key(self.rng_base, self.draws)
+            return rng.offset_key(state, n)
+        key = rng.offset_key(self.rng_base, self.draws)
         self.draws += 1
         return key
 
     def next_key(self):
         """The key the next random op will take (`run_and_save_rng_state` saves it)."""
-        return random.offset_key(self.rng_base, self.draws)
+        return rng.offset_key(self.rng_base, self.draws)
 
     def execute(self, program, key, arrays, scalars, rng, device_index):
         return program.fn(arrays, scalars, rng)
@@ -98,14 +100,13 @@ class _CompiledGraph:
                 inputs.append(value)
             else:
                 inputs.append(buffer.new_tensor(array.shape, spec[0], spec[1], array))
-        saved = modes._current[0]
         tracer = _Tracing(rng_base)
-        modes._current[0] = tracer
+        saved = modes.replace_current(tracer)
         try:
             with torch.no_grad():
                 outputs = self.gm(*inputs)
         finally:
-            modes._current[0] = saved
+            modes.replace_current(saved)
         if not isinstance(outputs, (list, tuple)):
             outputs = (outputs,)
         # A CPU tensor made inside the graph depends on no input (every input is on tpu here): a
@@ -136,13 +137,13 @@ class _CompiledGraph:
         try:
             # the graph's random ops take the device's next offsets, the ones eager ops would take;
             # how many is known once it is traced (a graph without random ops takes none, as in PyTorch)
-            results, checked = jitted(overwritten, others, values, random.current_key(device_index))
+            results, checked = jitted(overwritten, others, values, rng.current_key(device_index))
         except (_Untraceable, NotImplementedError, jax.errors.JAXTypeError, TypeError) as e:
             self.eager = True
             log.warning("hf_tpu: a compiled graph runs in the eager mode instead (%s: %s)", type(e).__name__, e)
             return self.gm(*args)
         metas, checks, draws = self._meta(arrays, values)
-        random.advance(device_index, draws)
+        rng.advance(device_index, draws)
         for (dtype, raise_if_bad), array in zip(checks, checked):
             modes.check_on_device(buffer.new_tensor(array.shape, dtype, device_index, array), raise_if_bad)
         return self._outputs(metas, results)
@@ -171,7 +172,7 @@ class _CompiledGraph:
                 arrays.append(None)
                 values.append(a)
         if device_index is None:
-            device_index = dispatch.current_device_index()
+            device_index = current.current_device_index()
         for i in host:
             in_specs[i] = (args[i].dtype, device_index)
             arrays[i] = buffer.from_host(args[i], device_index)
@@ -224,12 +225,12 @@ class _CompiledGraph:
             *carried, keep_going = buffer.place_together([*arrays, *carried, keep_going])[len(arrays):]
         jitted = self.loop_jitted[self._donatable(args, overwritten)]
         try:
-            overwritten, carried, keep_going = jitted(overwritten, others, values, random.current_key(device_index),
+            overwritten, carried, keep_going = jitted(overwritten, others, values, rng.current_key(device_index),
                                                       tuple(slots), carried, keep_going)
         except (_Untraceable, NotImplementedError, jax.errors.JAXTypeError, TypeError, ValueError) as e:
             raise loops.NotLoopable(f"{type(e).__name__}: {e}") from e
         metas, _, draws = self._meta(arrays, values)
-        random.advance(device_index, draws)  # iteration j draws at these offsets plus j * 2**32
+        rng.advance(device_index, draws)  # iteration j draws at these offsets plus j * 2**32
         return self._outputs(metas, [*overwritten, *carried, keep_going])
 
     def _loop(self, overwritten_arrays, other_arrays, values, rng_base, slots, carried, keep_going):
@@ -373,7 +374,7 @@ def _tpu_generators_as_cpu_ones() -> None:
     """Dynamo treats an object of exactly `torch._C.Generator`'s type as a plain object, so a random op
     given one breaks the graph and runs eagerly, as on CUDA; any other generator type it takes for an
     opaque TorchScript object, and tracing `torch.randn(..., generator=torch.Generator("tpu"))`
-    failed outright. A `tpu` generator (a subclass, `random.TpuGenerator`) takes the CPU one's path."""
+    failed outright. A `tpu` generator (a subclass, `rng.TpuGenerator`) takes the CPU one's path."""
     from torch._dynamo.variables.builder import VariableBuilder
 
     original = VariableBuilder._wrap
@@ -381,7 +382,7 @@ def _tpu_generators_as_cpu_ones() -> None:
         return
 
     def _wrap(self, value):
-        if type(value) is random.TpuGenerator:
+        if type(value) is rng.TpuGenerator:
             return self.wrap_user_defined(value)
         return original(self, value)
 
@@ -420,35 +421,35 @@ def _rng_state_ops_on_tpu() -> None:
 def _device_index_of(args, kwargs) -> int:
     device = kwargs.get("device")
     if device is not None:
-        return dispatch.current_index_for(torch.device(device))
+        return current.current_index_for(torch.device(device))
     return next(a.device.index for a in torch.utils._pytree.tree_leaves(args) if isinstance(a, torch.Tensor))
 
 
 def _run_and_save_rng_state(op, *args, **kwargs):
     index = _device_index_of(args, kwargs)
-    mode = modes._current[0]
-    if mode.name == "TRACE":
+    mode = modes.current()
+    if mode.kind is modes.ModeKind.TRACE:
         state = mode.next_key()
     else:  # a graph run eagerly (`_CompiledGraph.eager`): the device's next offset
-        state = jax.device_put(random.current_key(index), platform.jax_device(index))
+        state = jax.device_put(rng.current_key(index), platform.jax_device(index))
     return buffer.new_tensor((4,), torch.int64, index, state.astype(jnp.int64)), op(*args, **kwargs)
 
 
 def _run_with_rng_state(rng_state, op, *args, **kwargs):
-    mode = modes._current[0]
-    if mode.name == "TRACE":
+    mode = modes.current()
+    if mode.kind is modes.ModeKind.TRACE:
         saved, mode.replayed = mode.replayed, (buffer.array_of(rng_state).astype(jnp.uint32), 0)
         try:
             return op(*args, **kwargs)
         finally:
             mode.replayed = saved
     index = rng_state.device.index
-    current = random.get_state(index)
-    random.set_key_state(rng_state.cpu().numpy(), index)
+    current = rng.get_state(index)
+    rng.set_key_state(rng_state.cpu().numpy(), index)
     try:
         return op(*args, **kwargs)
     finally:
-        random.set_state(current, index)
+        rng.set_state(current, index)
 
 
 _capturable_on_tpu()

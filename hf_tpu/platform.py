@@ -158,6 +158,23 @@ def jax_device(index: int):
     return devs[index]
 
 
+def memory_info(index: int) -> tuple[int, int]:
+    """(free, total) bytes of device `index`; on the CPU platform, of the host."""
+    dev = jax_device(index)
+    stats = None
+    try:
+        stats = dev.memory_stats()
+    except Exception:
+        stats = None
+    if stats and "bytes_limit" in stats:
+        total = int(stats["bytes_limit"])
+        return total - int(stats.get("bytes_in_use", 0)), total
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = os.sysconf("SC_PHYS_PAGES") * page
+    free = os.sysconf("SC_AVPHYS_PAGES") * page
+    return free, total
+
+
 def supports_float64() -> bool:
     """TPUs have no float64 arithmetic; XLA on CPU and GPU does."""
     return name() != "tpu"

@@ -107,7 +107,7 @@ def test_graph_size_cap_flushes_between_an_op_and_its_pending_operands(monkeypat
 def test_sync_points_compute_pending_work_and_are_counted(sync, capsys):
     with torch.tpu.use_eager_mode(Mode.DEFER_AND_FUSE):
         t = torch.arange(-3.0, 5.0, device="tpu") * 2
-        from hf_tpu import buffer
+        from hf_tpu.memory import buffer
 
         assert type(buffer.buffer_of(t).array) is buffer.Lazy
         hf_tpu.reset_metrics()
@@ -122,7 +122,7 @@ def test_sync_points_compute_pending_work_and_are_counted(sync, capsys):
 def test_casts_on_the_device_are_deferred_not_sync_points(cast):
     """Llama's rotary embedding casts its position ids with `.float()`: that cut every deferred forward
     in two when a tpu-to-tpu `_to_copy` read its operand's value."""
-    from hf_tpu import buffer
+    from hf_tpu.memory import buffer
 
     x = torch.arange(6, device="tpu").reshape(2, 3)
     with torch.tpu.use_eager_mode(Mode.DEFER_AND_FUSE):
@@ -155,7 +155,7 @@ def test_dead_intermediates_never_take_device_memory():
 def test_launch_blocking_completes_each_op():
     with torch.tpu.use_eager_mode(Mode.DEFER_NEVER_AND_LAUNCH_BLOCKING):
         y = torch.ones(4, device="tpu") + 1
-        from hf_tpu import buffer
+        from hf_tpu.memory import buffer
 
         assert buffer.buffer_of(y).array.is_ready()
 
@@ -244,7 +244,7 @@ def test_torch_compile_matches_eager_and_stops_compiling():
 
 
 def _array_address(t):
-    return hf_tpu.buffer.buffer_of(t).value().unsafe_buffer_pointer()
+    return hf_tpu.memory.buffer.buffer_of(t).value().unsafe_buffer_pointer()
 
 
 def test_torch_compile_updates_a_mutated_input_in_place():
@@ -299,9 +299,9 @@ def test_a_recurring_tiny_upload_is_shared_and_never_donated(write):
     an in-place write to one tensor, however it runs, gives that tensor a new array and leaves the
     kept one, and so the next upload, intact."""
     first, second = torch.tensor([7.0, 9.0]).to("tpu"), torch.tensor([7.0, 9.0]).to("tpu")
-    kept = hf_tpu.buffer.buffer_of(first).array
-    assert hf_tpu.buffer.buffer_of(second).array is kept
-    assert hf_tpu.buffer.buffer_of(torch.tensor([7.0, 8.0]).to("tpu")).array is not kept
+    kept = hf_tpu.memory.buffer.buffer_of(first).array
+    assert hf_tpu.memory.buffer.buffer_of(second).array is kept
+    assert hf_tpu.memory.buffer.buffer_of(torch.tensor([7.0, 8.0]).to("tpu")).array is not kept
     del second
     if write == "compiled":
         torch.compile(lambda t: t.mul_(3.0), backend="tpu")(first)
@@ -312,22 +312,22 @@ def test_a_recurring_tiny_upload_is_shared_and_never_donated(write):
     assert first.tolist() == [21.0, 27.0]
     assert not kept.is_deleted()
     again = torch.tensor([7.0, 9.0]).to("tpu")
-    assert hf_tpu.buffer.buffer_of(again).array is kept and again.tolist() == [7.0, 9.0]
+    assert hf_tpu.memory.buffer.buffer_of(again).array is kept and again.tolist() == [7.0, 9.0]
 
 
 def test_kept_uploads_are_bounded_and_let_go():
     """Only the last few hundred tiny uploads are kept, until `empty_cache`: an evicted value's array
     is held by its tensors alone again, so an in-place op may reuse its memory."""
     oldest = torch.tensor([-1.5]).to("tpu")
-    array = hf_tpu.buffer.buffer_of(oldest).array
-    assert hf_tpu.buffer.allocator.holders(array) == 2  # the tensor and the kept upload
-    for i in range(hf_tpu.buffer._RECURRING_KEPT):
+    array = hf_tpu.memory.buffer.buffer_of(oldest).array
+    assert hf_tpu.memory.buffer.allocator.holders(array) == 2  # the tensor and the kept upload
+    for i in range(hf_tpu.memory.buffer._RECURRING_KEPT):
         torch.tensor([float(i)]).to("tpu")
-    assert hf_tpu.buffer.allocator.holders(array) == 1
-    assert hf_tpu.buffer.buffer_of(torch.tensor([-1.5]).to("tpu")).array is not array
-    newest = hf_tpu.buffer.buffer_of(torch.tensor([-2.5]).to("tpu")).array
+    assert hf_tpu.memory.buffer.allocator.holders(array) == 1
+    assert hf_tpu.memory.buffer.buffer_of(torch.tensor([-1.5]).to("tpu")).array is not array
+    newest = hf_tpu.memory.buffer.buffer_of(torch.tensor([-2.5]).to("tpu")).array
     torch.tpu.empty_cache()  # lets go of every kept upload
-    assert hf_tpu.buffer.allocator.holders(newest) == 0
+    assert hf_tpu.memory.buffer.allocator.holders(newest) == 0
 
 
 def test_torch_compile_graph_break_runs_tpu_ops_eagerly():

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .. import buffer, platform
+from .. import platform
+from ..memory import buffer
 from .mesh import Mesh
 
 

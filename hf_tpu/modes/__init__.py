@@ -4,31 +4,28 @@ Every op reaches its mode as a `Program` (a pure function of its operands' array
 themselves; the mode decides when and how that function runs. Strict eager runs it at once through
 `jax.jit`; launch-blocking also waits for the result so an error surfaces at the user's line;
 defer-and-fuse records it and runs the pending ops as one program at the next sync point
-(`modes/deferred.py`).
+(`modes/deferred.py`). Each mode object says what it is by `mode.kind`, a `ModeKind` member
+(`modes/kinds.py`); a `torch.compile` trace is one more kind (`hf_tpu.compile`).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import enum
 import logging
 import traceback
 
 import jax
 import torch
 
-from .. import buffer, counters, donation, platform, random
+from .. import counters, platform
+from ..memory import buffer, donation
+from ..memory.out_of_memory import raise_out_of_memory  # noqa: F401  (modes.raise_out_of_memory)
 from .deferred import Deferred
+from .kinds import EagerMode, ModeKind
 
 _counters = counters.counters
 log = logging.getLogger("hf_tpu.compile")
-
-
-class EagerMode(enum.Enum):
-    DEFER_NEVER = "DEFER_NEVER"
-    DEFER_AND_FUSE = "DEFER_AND_FUSE"
-    DEFER_NEVER_AND_LAUNCH_BLOCKING = "DEFER_NEVER_AND_LAUNCH_BLOCKING"
 
 
 class _Eager:
@@ -36,7 +33,8 @@ class _Eager:
 
     def __init__(self, mode: EagerMode, blocking: bool):
         self.mode = mode
-        self.name = mode.value
+        self.kind = ModeKind[mode.name]
+        self.counter_key = self.kind.value  # its key in the per-mode metrics
         self.blocking = blocking
 
     def _compiled(self, program, donating: bool, scalars, rng):
@@ -44,7 +42,7 @@ class _Eager:
 
         def traced(donated, kept, scalars, rng):
             _counters["compiles"] += 1
-            _counters["compiles_by_mode"][self.name] += 1
+            _counters["compiles_by_mode"][self.counter_key] += 1
             return fn(donation.join(overwritten, donated, kept), scalars, rng)
 
         if donating:
@@ -54,9 +52,9 @@ class _Eager:
             # arrays in, one array out, no pytree for jit's dispatch to walk: 1-1.5 us less per op.
             # (A program's number of scalars and its use of a key are in its key: fixed per program.)
             program.jitted = jax.jit(lambda *arrays: traced((), list(arrays), (), None)[0])
-            program.positional = True
-            if program.only_result is not None and not program.overwritten:
-                program.direct = (program.jitted, *program.only_result)
+            program.arrays_only_call = True
+            if program.single_result_spec is not None and not program.overwritten:
+                program.direct_launch = (program.jitted, *program.single_result_spec)
         else:
             program.jitted = jax.jit(lambda arrays, scalars, rng: traced((), arrays, scalars, rng))
         return program.jitted
@@ -69,11 +67,11 @@ class _Eager:
             jitted = self._compiled(program, donating, scalars, rng)
         else:
             _counters["compile_cache_hits"] += 1
-            _counters["compile_cache_hits_by_mode"][self.name] += 1
+            _counters["compile_cache_hits_by_mode"][self.counter_key] += 1
         try:
             if donating:
                 out = jitted(*donation.split(arrays, overwritten), scalars, rng)
-            elif program.positional:
+            elif program.arrays_only_call:
                 if arrays:
                     out = (jitted(*arrays),)
                 else:
@@ -110,21 +108,6 @@ def _donatable(overwritten: tuple, arrays: list) -> bool:
     return all(reads[id(arrays[i])] == 1 for i in overwritten)
 
 
-def raise_out_of_memory(error, device_index: int, what: str) -> None:
-    """XLA's RESOURCE_EXHAUSTED becomes `torch.OutOfMemoryError`, with the sizes involved; any other
-    error is left to the caller to re-raise."""
-    if "RESOURCE_EXHAUSTED" not in str(error) and "Out of memory" not in str(error):
-        return
-    from .. import device
-
-    free, total = device.mem_get_info(device_index)
-    raise torch.OutOfMemoryError(
-        f"tpu:{device_index} ran out of memory running {what}. Live tpu tensors hold "
-        f"{device.memory_allocated(device_index) / 2**30:.2f} GiB of {total / 2**30:.2f} GiB "
-        f"({free / 2**30:.2f} GiB free). XLA said: {str(error).splitlines()[0]}"
-    ) from None
-
-
 def log_sync(reason: str) -> None:
     """With HF_TPU_LOG_COMPILES=1, say where the user's code forced a sync and why."""
     from hf_tpu import settings
@@ -158,6 +141,25 @@ def current():
     return _current[0]
 
 
+def current_cell() -> list:
+    """The one-element list holding the current mode object: what the C entry and the dispatch hot
+    path read (`cell[0]`) without a call."""
+    return _current
+
+
+def mode_for(mode: EagerMode):
+    """The mode object that runs `mode`."""
+    return _MODES[mode]
+
+
+def replace_current(mode):
+    """Make `mode` (a mode object: a trace's, in `hf_tpu.compile`) current without syncing the one it
+    replaces; returns that one, to be put back the same way."""
+    previous = _current[0]
+    _current[0] = mode
+    return previous
+
+
 def set_eager_mode(mode) -> None:
     mode = EagerMode(mode.value if isinstance(mode, EagerMode) else str(mode).upper())
     _current[0].sync("eager mode change")
@@ -188,15 +190,6 @@ def host_read(reason: str) -> None:
     report_device_checks()
 
 
-def random_key(device_index: int, generator=None):
-    """Key data for one random op: the device's next offset (or a seed from `generator`), or inside a
-    `torch.compile` trace the trace's next key, so tracing draws nothing from the host stream."""
-    mode = _current[0]
-    if mode.name == "TRACE":
-        return mode.random_key(generator)
-    return random.next_key(device_index, generator)
-
-
 # Checks on device values (`torch.linalg`'s LAPACK `info`, `torch._assert_async`): (value, raise_if_bad).
 _pending_checks: list = []
 
@@ -208,9 +201,9 @@ def check_on_device(value: torch.Tensor, raise_if_bad) -> None:
     at the user's line. Inside a `torch.compile` trace the value becomes an output of the compiled
     program, checked in the same way after each call of it."""
     mode = _current[0]
-    if mode.name == "TRACE":
+    if mode.kind is ModeKind.TRACE:
         mode.checks.append((value, raise_if_bad))
-    elif mode.name == "DEFER_NEVER_AND_LAUNCH_BLOCKING":
+    elif mode.kind is ModeKind.DEFER_NEVER_AND_LAUNCH_BLOCKING:
         host_read("a check on a device value")
         raise_if_bad(buffer.host_copy(value))
     else:

@@ -24,7 +24,10 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from .. import buffer, counters, donation, dtypes, platform
+from .. import counters, dtypes, platform
+from ..memory import buffer, donation
+from ..memory.out_of_memory import raise_out_of_memory
+from .kinds import ModeKind
 
 _counters = counters.counters
 log = logging.getLogger("hf_tpu.compile")
@@ -83,7 +86,7 @@ class _Fused:
 
     def _run(self, donated, kept, scalars, rngs):
         _counters["compiles"] += 1
-        _counters["compiles_by_mode"]["DEFER_AND_FUSE"] += 1
+        _counters["compiles_by_mode"][ModeKind.DEFER_AND_FUSE.value] += 1
         inputs = donation.join(self.donated, donated, kept)
         env = {}
         for n, (program, wiring) in enumerate(zip(self.programs, self.wirings)):
@@ -96,7 +99,8 @@ class _Fused:
 class Deferred:
     """The DEFER_AND_FUSE execution mode."""
 
-    name = "DEFER_AND_FUSE"
+    kind = ModeKind.DEFER_AND_FUSE
+    counter_key = kind.value  # its key in the per-mode metrics
 
     def __init__(self, mode):
         self.mode = mode
@@ -161,7 +165,7 @@ class Deferred:
             self.seen_structures.add(structure)
         else:
             _counters["compile_cache_hits"] += 1
-            _counters["compile_cache_hits_by_mode"][self.name] += 1
+            _counters["compile_cache_hits_by_mode"][self.counter_key] += 1
         if buffer.sharded_arrays_exist:  # a sharded tensor (hf_tpu.distributed) may meet single-chip ones
             graph.inputs = buffer.place_together(graph.inputs)
         scalars = [node[3] for node in graph.nodes]
@@ -173,8 +177,6 @@ class Deferred:
                 with jax.default_device(platform.jax_device(graph.device_index)):
                     results = fused(graph.inputs, scalars, rngs)
         except jax.errors.JaxRuntimeError as e:
-            from . import raise_out_of_memory
-
             raise_out_of_memory(e, graph.device_index, f"a fused graph of {len(graph.nodes)} ops")
             raise
         for (value, bufs), array in zip(holders, results):

@@ -1,4 +1,5 @@
-"""ATen -> JAX lowerings, one module per op family; importing this package fills the registry."""
+"""ATen -> JAX lowerings, one module per op family; importing this package fills the registry
+(`hf_tpu.dispatch.registry`), through the decorators `hf_tpu.dispatch` exports."""
 
 from . import (  # noqa: F401
     attention,
@@ -14,10 +15,10 @@ from . import (  # noqa: F401
     linalg,
     nn,
     optim,
-    random_ops,
+    random,
     reduce,
     shape,
     sort,
     special,
-    storage,
+    memory,
 )

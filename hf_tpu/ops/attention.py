@@ -18,9 +18,9 @@ import jax.numpy as jnp
 from jax import lax
 import torch
 
+from ..dispatch import backend_choice, lowering
 from .linalg import matmul_precision
 from .nn import _opmath
-from .registry import backend_choice, lowering
 
 aten = torch.ops.aten
 

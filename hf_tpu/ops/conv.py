@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from ..dispatch import lowering
 from .linalg import accumulation_dtype, matmul_precision
-from .registry import lowering
 
 aten = torch.ops.aten
 

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from ..dispatch import lowering
 
-from .registry import lowering
 
 aten = torch.ops.aten
 

@@ -16,7 +16,7 @@ import torch
 from jax import lax
 
 from .. import dtypes
-from .registry import Promote, lowering
+from ..dispatch import Promote, lowering
 
 aten = torch.ops.aten
 

@@ -13,8 +13,8 @@ import math
 import jax
 import jax.numpy as jnp
 import torch
+from ..dispatch import lowering
 
-from .registry import lowering
 
 aten = torch.ops.aten
 

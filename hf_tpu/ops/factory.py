@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from .. import dtypes
-from .registry import lowering
+from ..dispatch import lowering
 
 aten = torch.ops.aten
 

@@ -15,7 +15,7 @@ import torch
 from torch._prims_common import elementwise_dtypes
 
 from .. import dtypes
-from .registry import LOWERINGS, lowering
+from ..dispatch import LOWERINGS, lowering
 
 aten = torch.ops.aten
 

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import torch
 
 from .. import dtypes
+from ..dispatch import lowering
 from .factory import _linspace
 from .linalg import accumulation_dtype
-from .registry import lowering
 
 aten = torch.ops.aten
 

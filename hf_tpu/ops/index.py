@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import torch
 
 from .. import dispatch
+from ..dispatch import handler, lowering
 from .elementwise import value_fits
-from .registry import kernel, lowering
 
 aten = torch.ops.aten
 
@@ -74,7 +74,7 @@ def _check_masks(self, indices):
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.uint8, torch.bool)
 
 
-@kernel(aten.index.Tensor)
+@handler(aten.index.Tensor)
 def index_tensor(sig, values):
     """PyTorch's CPU and CUDA kernels read a uint8 index as a mask, with a deprecation warning, and
     raise an IndexError for an index of another dtype; its meta kernel, which gives our result shapes,

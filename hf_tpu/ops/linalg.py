@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from .. import buffer, dispatch, dtypes, modes
-from .registry import Promote, kernel, lowering
+from .. import dispatch, dtypes, modes
+from ..dispatch import Promote, handler, lowering
+from ..memory import buffer
 
 aten = torch.ops.aten
 
@@ -519,7 +520,7 @@ def linalg_matrix_exp(self):
     return jax.scipy.linalg.expm(self)
 
 
-@kernel(aten._linalg_check_errors.default)
+@handler(aten._linalg_check_errors.default)
 def linalg_check_errors(sig, values):
     """PyTorch raises its own error from `info` read on the host. CUDA syncs here on every call; on
     `tpu` the check waits for the next host read (`modes.check_on_device`), so a loop of small solves
@@ -530,9 +531,9 @@ def linalg_check_errors(sig, values):
 
 # XLA has a non-symmetric eigensolver only on the CPU platform: these ops run on PyTorch's CPU
 # kernels through the fallback, and without it the error says why.
-@kernel(aten.linalg_eig, aten.linalg_eigvals.out, aten._linalg_eigvals)
+@handler(aten.linalg_eig, aten.linalg_eigvals.out, aten._linalg_eigvals)
 def linalg_eig_on_cpu(sig, values):
-    if not dispatch._cpu_fallback_enabled():
+    if not dispatch.cpu_fallback_enabled():
         raise NotImplementedError(
             f"{dispatch.unsupported(sig, values)} XLA has no non-symmetric eigensolver off the CPU, so "
             "linalg.eig and linalg.eigvals need the CPU fallback; for symmetric or Hermitian matrices, "

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import torch
 
 from .. import dispatch
-from .registry import Promote, kernel, lowering
+from ..dispatch import Promote, handler, lowering
 
 aten = torch.ops.aten
 
@@ -115,7 +115,7 @@ def _masked_backward(op, params, param_shape):
         results = dispatch.run_lowered(sig, values)
         return tuple(r if keep else None for r, keep in zip(results, mask))
 
-    return kernel(op)(run)
+    return handler(op)(run)
 
 
 def _channel_shape(input):
@@ -231,7 +231,7 @@ def _native_batch_norm_legit_no_stats(input, weight, bias, training, momentum, e
 _BATCH_NORM_FUNCTIONAL = aten._native_batch_norm_legit_functional.default
 
 
-@kernel(aten.native_batch_norm.default, aten._native_batch_norm_legit.default)
+@handler(aten.native_batch_norm.default, aten._native_batch_norm_legit.default)
 def _batch_norm_updating_stats(sig, values):
     """The dispatcher cannot write arguments an op mutates without returning them (running
     statistics), so the functional op computes them and they are copied in here."""
@@ -246,7 +246,7 @@ def _batch_norm_updating_stats(sig, values):
     return out, mean, rstd
 
 
-@kernel(aten._batch_norm_with_update.default)
+@handler(aten._batch_norm_with_update.default)
 def _batch_norm_with_update(sig, values):
     input, weight, bias, running_mean, running_var, momentum, eps = values
     out, mean, rstd = _batch_norm_updating_stats(
@@ -471,7 +471,7 @@ def rrelu_with_noise_functional(self, noise, lower=0.125, upper=1 / 3, training=
 _RRELU_FUNCTIONAL = aten.rrelu_with_noise_functional.default
 
 
-@kernel(aten.rrelu_with_noise.default)
+@handler(aten.rrelu_with_noise.default)
 def rrelu_with_noise(sig, values):
     """rrelu_with_noise writes its noise argument without returning it: the functional op computes
     it and it is copied in here (the backward reads the slopes from it)."""
@@ -480,7 +480,7 @@ def rrelu_with_noise(sig, values):
     return output
 
 
-@kernel(aten.rrelu_with_noise_.default)
+@handler(aten.rrelu_with_noise_.default)
 def rrelu_with_noise_(sig, values):
     values[0].copy_(rrelu_with_noise(sig, values))
     return values[0]

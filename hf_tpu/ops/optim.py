@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import torch
+from ..dispatch import lowering
 
-from .registry import lowering
 
 aten = torch.ops.aten
 

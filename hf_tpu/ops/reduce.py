@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import torch
 
 from .. import dtypes
-from .registry import Promote, lowering
+from ..dispatch import Promote, lowering
 
 aten = torch.ops.aten
 

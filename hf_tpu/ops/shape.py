@@ -2,7 +2,7 @@
 `*_scatter` ops that write a view's values into a copy.
 
 Views themselves (view, slice, select, transpose, expand, ...) are PyTorch's own kernels over shared
-storage (ops/storage.py); the `*_copy` view variants already run as view + copy.
+storage (ops/memory.py); the `*_copy` view variants already run as view + copy.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import torch
+from ..dispatch import lowering
 
-from .registry import lowering
 
 aten = torch.ops.aten
 

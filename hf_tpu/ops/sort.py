@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from .registry import lowering
+from ..dispatch import lowering
 from .reduce import require_nonempty, scalar_as_vector
 
 aten = torch.ops.aten

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import jax.scipy.special as jsp
 import torch
 from jax import lax
+from ..dispatch import Promote, lowering
 
-from .registry import Promote, lowering
 
 aten = torch.ops.aten
 

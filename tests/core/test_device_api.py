@@ -154,7 +154,7 @@ def test_module_functions():
 
 @needs_two_chips
 def test_synchronize_waits_on_every_computed_array_of_its_chip(monkeypatch):
-    from hf_tpu import buffer
+    from hf_tpu.memory import buffer
 
     on_chip0 = torch.ones(4, device="tpu:0") * 3
     on_chip1 = torch.ones(4, device="tpu:1") * 3

@@ -1,5 +1,5 @@
-"""The C entry of strict eager (`hf_tpu/_dispatch.c`): its analysis of a call gives what
-`dispatch._Call`'s general loop gives, and it takes the calls it is for. A drift between the two
+"""The C entry of strict eager (`hf_tpu/dispatch/_entry.c`): its analysis of a call gives what
+`dispatch.call.Call`'s general loop gives, and it takes the calls it is for. A drift between the two
 would compile a program twice or, worse, reuse one for a call it does not fit."""
 
 import functools
@@ -9,6 +9,9 @@ import torch
 
 import hf_tpu
 from hf_tpu import dispatch
+from hf_tpu.dispatch import call as calls
+from hf_tpu.dispatch import program as programs
+from hf_tpu.dispatch import signatures
 
 aten = torch.ops.aten
 
@@ -46,14 +49,14 @@ def _calls():
 def test_c_fast_path_gives_the_general_loops_analysis(index, monkeypatch):
     _, op, values, taken = _calls()[index]
     sig = dispatch.signature(op)
-    common = dispatch._analyse_common(sig.kinds, sig.defaults, sig.default_keys, values, sig.ident,
-                                      dispatch._matmul_precision())
+    common = calls._analyse_common(sig.kinds, sig.defaults, sig.default_keys, values, sig.ident,
+                                      calls.matmul_precision())
     assert (common is not None) == taken
     if not taken:
         return
-    fast = dispatch._Call(sig, values)
-    monkeypatch.setattr(dispatch, "_analyse_common", lambda *args: None)
-    general = dispatch._Call(sig, values)
+    fast = calls.Call(sig, values)
+    monkeypatch.setattr(calls, "_analyse_common", lambda *args: None)
+    general = calls.Call(sig, values)
     assert fast.key == general.key
     assert fast.operands == general.operands
     assert len(fast.arrays) == len(general.arrays) and all(x is y for x, y in zip(fast.arrays, general.arrays))
@@ -62,16 +65,16 @@ def test_c_fast_path_gives_the_general_loops_analysis(index, monkeypatch):
 
 def test_a_check_of_argument_types_keeps_the_fast_path():
     """`Lowering.type_check` (bool subtraction) runs when a program is built: `sub` stays plain."""
-    assert dispatch.signature(aten.sub.Tensor).plain and dispatch.signature(aten.sub.Tensor).lowering.type_check
-    assert not dispatch.signature(aten.amax.default).plain  # a per-call check
+    assert dispatch.signature(aten.sub.Tensor).fast_path_eligible and dispatch.signature(aten.sub.Tensor).lowering.type_check
+    assert not dispatch.signature(aten.amax.default).fast_path_eligible  # a per-call check
 
 
 def test_a_negative_zero_is_not_its_defaults_zero():
     """-0.0 == 0.0 in Python, yet a program with either baked in computes something else."""
     sig = dispatch.signature(aten.add.Tensor)  # any signature: only the key's head comes from it
-    args = ((dispatch.SCALAR,), (0.0,), (dispatch._hashable(0.0),))
-    assert dispatch._analyse_common(*args, [0.0], sig.ident, "highest") is not None
-    assert dispatch._analyse_common(*args, [-0.0], sig.ident, "highest") is None
+    args = ((signatures.SCALAR,), (0.0,), (signatures.hashable(0.0),))
+    assert calls._analyse_common(*args, [0.0], sig.ident, "highest") is not None
+    assert calls._analyse_common(*args, [-0.0], sig.ident, "highest") is None
 
 
 def test_tensors_on_two_chips_take_the_general_loop_and_its_error():
@@ -79,7 +82,7 @@ def test_tensors_on_two_chips_take_the_general_loop_and_its_error():
         pytest.skip("needs two tpu chips (CI simulates them)")
     a, b = torch.ones(3, device="tpu:0"), torch.ones(3, device="tpu:1")
     sig = dispatch.signature(aten.add.Tensor)
-    assert dispatch._analyse_common(sig.kinds, sig.defaults, sig.default_keys, [a, b, 1], sig.ident,
+    assert calls._analyse_common(sig.kinds, sig.defaults, sig.default_keys, [a, b, 1], sig.ident,
                                     "highest") is None
     with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
         a + b
@@ -125,18 +128,72 @@ def test_a_direct_launch_that_raises_is_made_again_by_pythons_path():
     a, b = torch.randn(3, device="tpu"), torch.randn(3, device="tpu")
     with torch.tpu.use_eager_mode("DEFER_NEVER"):
         expected = (a + b).cpu()
-        program = next(p for p in dispatch._PROGRAMS.values()
-                       if p.direct is not None and p.name == "aten::add.Tensor" and p.direct[1] == (3,))
-        direct = program.direct
+        program = next(p for p in programs.PROGRAMS.values()
+                       if p.direct_launch is not None and p.name == "aten::add.Tensor" and p.direct_launch[1] == (3,))
+        direct = program.direct_launch
 
         def fails(*arrays, error):
             raise error
 
         try:
-            program.direct = (functools.partial(fails, error=RuntimeError("XLA failed")), *direct[1:])
+            program.direct_launch = (functools.partial(fails, error=RuntimeError("XLA failed")), *direct[1:])
             assert torch.equal((a + b).cpu(), expected)
-            program.direct = (functools.partial(fails, error=KeyboardInterrupt()), *direct[1:])
+            program.direct_launch = (functools.partial(fails, error=KeyboardInterrupt()), *direct[1:])
             with pytest.raises(KeyboardInterrupt):
                 a + b
         finally:
-            program.direct = direct
+            program.direct_launch = direct
+
+
+def _configure_fails(match, **changes):
+    from hf_tpu.dispatch import _entry, registration
+
+    bindings = {**registration.BINDINGS, **changes}
+    for name, value in changes.items():
+        if value is None:
+            del bindings[name]
+    with pytest.raises(TypeError, match=match):
+        _entry.configure(**bindings)
+
+
+def test_the_c_entry_checks_every_binding_by_name_at_configure():
+    """`_entry.configure` takes the Python objects the C entry uses by name and checks them (and the
+    attributes it reads by name) before keeping any: a rename on the Python side fails at import, naming
+    what is missing, instead of silently turning the fast path off."""
+    import dataclasses
+
+    from hf_tpu.dispatch import _entry, registration
+
+    _configure_fails("'run_bound'", run_bound=None)  # a binding missing
+    _configure_fails("'programs'", programs=[])  # of the wrong type
+    _configure_fails("unexpected keyword", launch=print)  # a name the C entry does not know
+    with pytest.raises(TypeError, match="keyword arguments only"):
+        _entry.configure(*registration.BINDINGS.values())
+
+    @dataclasses.dataclass
+    class RenamedProgram:  # Program with `direct_launch` renamed
+        launch: tuple | None = None
+
+    _configure_fails("'direct_launch'", program_type=RenamedProgram)
+
+    @dataclasses.dataclass
+    class RenamedSignature:  # Signature with a field the entry reads renamed
+        names: tuple
+        defaults: tuple
+        kinds: tuple
+        keys_of_defaults: tuple
+        ident: int
+        fast_path_eligible: bool
+
+    _configure_fails("'default_keys'", signature_type=RenamedSignature)
+    fields = registration.BINDINGS["entry_fields"]
+    _configure_fails("entry_fields", entry_fields=(fields[1], fields[0], *fields[2:]))  # reordered
+    _configure_fails("'_array'", buffer_type=type("Buffer", (), {"dtype": 0, "shape": 0, "device_index": 0}))
+    _configure_fails("'SCALAR'", kinds={**registration.BINDINGS["kinds"], "SCALAR": 4})
+    _configure_fails("'compile_cache_hits'", counters={"ops_dispatched": 0, "compile_cache_hits_by_mode": {}})
+    # nothing was kept from the failed calls: the entry still launches a common call from C
+    a, b = torch.randn(3, device="tpu"), torch.randn(3, device="tpu")
+    with torch.tpu.use_eager_mode("DEFER_NEVER"):
+        expected = (a + b).cpu()
+        assert "run_bound" not in _python_functions_called(lambda: a + b)
+        assert torch.equal((a + b).cpu(), expected)

@@ -140,7 +140,7 @@ def test_memory_counts_live_buffers_and_peak():
 
 
 def test_storage_freed_while_an_exception_propagates_keeps_the_exception():
-    """The storage's deleter (C, `_storage.c`) calls back into Python while the frame that held the
+    """The storage's deleter (C, `memory/_capsule.c`) calls back into Python while the frame that held the
     tensor unwinds: the user's exception must arrive as it was, and the memory be released."""
     import gc
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import torch
 
 from .. import dtypes
-from .registry import lowering
+from ..dispatch import lowering
 
 aten = torch.ops.aten
 

@@ -136,6 +136,6 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_storage", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_capsule", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__storage(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__capsule(void) { return PyModule_Create(&module); }

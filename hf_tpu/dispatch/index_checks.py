@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import torch
 
+from .. import modes, settings
+
 aten = torch.ops.aten
 
 
 def enabled() -> bool:
-    from hf_tpu import modes, settings
-
     if settings.get("HF_TPU_CHECK_INDICES"):
         return True
-    return modes.current().name == "DEFER_NEVER_AND_LAUNCH_BLOCKING"
+    return modes.current().kind is modes.ModeKind.DEFER_NEVER_AND_LAUNCH_BLOCKING
 
 
 def _bounds(index: torch.Tensor):

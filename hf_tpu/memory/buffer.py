@@ -30,11 +30,11 @@ from jax._src.array import ArrayImpl
 from jax._src.interpreters import pxla
 from jax.experimental import multihost_utils
 
-from . import dtypes, platform
-from ._storage import storage_capsule as _storage_capsule
+from .. import dtypes, platform
+from ._capsule import storage_capsule as _storage_capsule
 
 # --- A new storage: a range of fake addresses, handed to PyTorch as a DLPack capsule made in C
-# (`_storage.c`), whose deleter calls the allocator back with the address when the storage dies.
+# (`_capsule.c`), whose deleter calls the allocator back with the address when the storage dies.
 
 _from_dlpack = torch._C._from_dlpack
 _ALIGN = 256

@@ -12,8 +12,10 @@ import math
 import jax
 import torch
 
-from .. import buffer, dispatch, modes, platform
-from .registry import kernel, lowering, reuse_cpu_kernel
+from .. import dispatch, modes, platform
+from ..device import current
+from ..dispatch import handler, lowering, reuse_cpu_kernel
+from ..memory import buffer
 
 aten = torch.ops.aten
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
@@ -37,19 +39,19 @@ def _contiguous(shape):
     return torch.empty(shape, device="meta").stride()
 
 
-@kernel(aten.empty.memory_format)
+@handler(aten.empty.memory_format)
 def empty(sig, values):
     size, dtype, _layout, device = values[:4]
     dtype = dtype or torch.get_default_dtype()
-    index = dispatch.current_index_for(torch.device(device) if device is not None else torch.device("tpu"))
+    index = current.current_index_for(torch.device(device) if device is not None else torch.device("tpu"))
     return buffer.new_tensor(size, dtype, index)
 
 
-@kernel(aten.empty_strided.default)
+@handler(aten.empty_strided.default)
 def empty_strided(sig, values):
     size, stride, dtype, _layout, device = values[:5]
     dtype = dtype or torch.get_default_dtype()
-    index = dispatch.current_index_for(torch.device(device) if device is not None else torch.device("tpu"))
+    index = current.current_index_for(torch.device(device) if device is not None else torch.device("tpu"))
     if tuple(stride) == _contiguous(size):
         return buffer.new_tensor(size, dtype, index)
     extent = 1 + sum((n - 1) * s for n, s in zip(size, stride)) if math.prod(size) else 0
@@ -57,7 +59,7 @@ def empty_strided(sig, values):
     return aten.as_strided.default.redispatch(_CPU, base, size, stride, 0)
 
 
-@kernel(aten.resize_.default)
+@handler(aten.resize_.default)
 def resize_(sig, values):
     self, size = values[0], values[1]
     size = tuple(size)
@@ -76,7 +78,7 @@ def resize_(sig, values):
     return aten.resize_.default.redispatch(_CPU, self, size)
 
 
-@kernel(aten._local_scalar_dense.default)
+@handler(aten._local_scalar_dense.default)
 def local_scalar_dense(sig, values):
     t = values[0]
     modes.host_read("item()")
@@ -89,7 +91,7 @@ def _copy_to_host(t) -> torch.Tensor:
     return buffer.host_copy(t)
 
 
-@kernel(aten.copy_.default)
+@handler(aten.copy_.default)
 def copy_(sig, values):
     dst, src = values[0], values[1]  # non_blocking: every transfer is already asynchronous
     if dst.device.type != "tpu":
@@ -99,7 +101,7 @@ def copy_(sig, values):
     index = dst.device.index
     if src.device.type != "tpu":
         if src.device.type != "cpu":
-            raise dispatch._device_mismatch(sig, dst.device, src.device)
+            raise dispatch.device_mismatch(sig, dst.device, src.device)
         host = src.to(dst.dtype)
         if tuple(host.shape) != tuple(dst.shape):
             host = host.expand(dst.shape)
@@ -131,7 +133,7 @@ def copy(self, src, non_blocking=False):
     return src
 
 
-@kernel(aten._to_copy.default)
+@handler(aten._to_copy.default)
 def to_copy(sig, values):
     self = values[0]
     dtype, device = values[1], values[3]  # layout: tpu tensors are strided
@@ -141,7 +143,7 @@ def to_copy(sig, values):
         return _copy_to_host(self).to(dtype)
     if target.type != "tpu":
         raise RuntimeError(f"cannot copy a tpu tensor to {target} directly; go through .cpu()")
-    index = dispatch.current_index_for(target)
+    index = current.current_index_for(target)
     if self.device.type == "cpu":
         host = self.to(dtype)
         return buffer.new_tensor(host.shape, dtype, index, buffer.from_host(host, index))
@@ -157,7 +159,7 @@ def _to_copy(self, dtype=None, layout=None, device=None, pin_memory=None, non_bl
     return self  # the cast to `dtype` is applied to every result from its meta dtype
 
 
-@kernel(aten.equal.default)
+@handler(aten.equal.default)
 def equal(sig, values):
     a, b = values
     if a.shape != b.shape:
@@ -165,7 +167,7 @@ def equal(sig, values):
     return bool(torch.eq(a, b).all().item())
 
 
-@kernel(aten._assert_async.default, aten._assert_async.msg)
+@handler(aten._assert_async.default, aten._assert_async.msg)
 def assert_async(sig, values):
     """Checked at the next host read, as CUDA checks it (`modes.check_on_device`), on a copy: the
     condition is the one at the call even if the tensor is written before the check runs."""
@@ -182,6 +184,6 @@ def assert_async(sig, values):
     modes.check_on_device(self.detach().clone(), raise_if_false)
 
 
-@kernel(aten.record_stream.default)
+@handler(aten.record_stream.default)
 def record_stream(sig, values):
     return None

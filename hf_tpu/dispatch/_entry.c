@@ -1,11 +1,16 @@
-/* The strict-eager op in C, for its common case; everything else in `dispatch.py`.
+/* The strict-eager op in C, for its common case; everything else in the Python modules of `dispatch/`.
 
-An op's kernel (`dispatch._kernel`) is `entry`. It binds the call's arguments to the schema, and when
-the op is plain (no argument checks, writes nothing: `Signature.plain`), strict eager is the mode, the
-call is the common case of `dispatch._Call` (`analyse` below: tpu tensors that are each exactly their
-storage's buffer, Scalars at their schema default, plain static arguments) and its program was built
-and can be launched with its arrays alone (`Program.direct`), it launches that program and returns the
-new tensor. Any other call continues in Python (`dispatch.run_bound`), with the analysis already made.
+An op's dispatcher kernel (`registration.dispatcher_kernel`) is `entry`. It binds the call's arguments
+to the schema, and when the op may take the fast path (no argument checks, writes nothing:
+`Signature.fast_path_eligible`), strict eager is the mode, the call is the common case of `call.Call`
+(`analyse` below: tpu tensors that are each exactly their storage's buffer, Scalars at their schema
+default, plain static arguments) and its program was built and can be launched with its arrays alone
+(`Program.direct_launch`), it launches that program and returns the new tensor. Any other call
+continues in Python (`run.run_bound`), with the analysis already made.
+
+The Python objects it uses are handed over once, by name, at import (`configure`, from
+`registration.py`), which checks each one and every attribute read by name here, so that a rename on
+the Python side fails at import with an error naming it rather than turning the fast path off.
 In Python these steps were about half of a small strict op's time, beside the launch itself.
 
 `tests/core/test_dispatch_fast_path.py` checks that `analyse` gives the key, operands and arrays the
@@ -15,31 +20,173 @@ general loop gives, and that the entry takes the calls it is for. See docs/desig
 #include <Python.h>
 #include <string.h>
 
-/* dispatch.py's argument kinds */
+/* The argument kinds it tells apart: `signatures.py`'s values, which `configure` checks */
 enum { TENSOR = 0, OPT_TENSOR = 1, SCALAR = 3, STATIC = 6 };
 
-/* What `dispatch.py` hands over once, at import (`configure`). */
+/* What `registration.py` hands over once, at import, by name (`configure`). */
 static PyObject *tensor_type, *operand_type, *live, *hashable, *programs, *current_mode, *strict_mode,
-    *buffer_module, *counters, *allocate, *run_bound, *matmul_precision;
+    *buffer_module, *counters, *allocate, *run_bound, *matmul_precision, *s_strict_name;
+/* The attributes it reads by name, on tensors, buffers, programs and the buffer module; and counter keys */
 static PyObject *s_data_ptr, *s_dtype, *s_is_neg, *s_is_conj, *s_is_contiguous, *s_shape;
-static PyObject *s_device_index, *s_array, *s_direct, *s_sharded, *s_ops_dispatched, *s_cache_hits,
-    *s_cache_hits_by_mode, *s_strict_name;
+static PyObject *s_device_index, *s_array, *s_direct_launch, *s_sharded, *s_ops_dispatched, *s_cache_hits,
+    *s_cache_hits_by_mode;
 
-#define N_CONFIGURED 12
+/* Each object `configure` takes: its keyword, where it goes, and what it must be. */
+enum { ANY, TYPE, DICT, LIST, CALLABLE, STR, MODULE };
+static const struct {
+    const char *name;
+    PyObject **slot;
+    int kind;
+} BINDINGS[] = {
+    {"tensor_type", &tensor_type, TYPE},       {"operand_type", &operand_type, TYPE},
+    {"live", &live, DICT},                     {"hashable", &hashable, CALLABLE},
+    {"programs", &programs, DICT},             {"current_mode", &current_mode, LIST},
+    {"strict_mode", &strict_mode, ANY},        {"strict_counter_key", &s_strict_name, STR},
+    {"buffer_module", &buffer_module, MODULE}, {"counters", &counters, DICT},
+    {"allocate", &allocate, CALLABLE},         {"run_bound", &run_bound, CALLABLE},
+    {"matmul_precision", &matmul_precision, CALLABLE},
+};
+#define N_BINDINGS (sizeof BINDINGS / sizeof BINDINGS[0])
+/* Keywords `configure` checks and does not keep: the classes whose attributes `entry` reads by name,
+   the order of `Signature.entry_fields` and the argument kinds' values. */
+static const char *const CHECKED_ONLY[] = {"buffer_type", "program_type", "signature_type", "entry_fields", "kinds"};
+#define N_CHECKED_ONLY (sizeof CHECKED_ONLY / sizeof CHECKED_ONLY[0])
+/* what `entry` unpacks from `Signature.entry_fields`, by position */
+static const char *const ENTRY_FIELDS[] = {"names", "defaults", "kinds", "default_keys", "ident",
+                                           "fast_path_eligible"};
+#define N_ENTRY_FIELDS (sizeof ENTRY_FIELDS / sizeof ENTRY_FIELDS[0])
 
-static PyObject *configure(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != N_CONFIGURED) {
-        PyErr_SetString(PyExc_TypeError,
-                        "configure(tensor_type, operand_type, live, hashable, programs, current_mode, strict_mode, "
-                        "buffer_module, counters, allocate, run_bound, matmul_precision)");
+static PyObject *bound_error(const char *what, const char *name, const char *expected) {
+    PyErr_Format(PyExc_TypeError, "hf_tpu.dispatch._entry.configure: %s '%s' %s", what, name, expected);
+    return NULL;
+}
+
+/* Whether instances of `cls` have attribute `name`: a class attribute (slot, property, a dataclass
+   field with a default), or a dataclass field. */
+static int has_attribute(PyObject *cls, const char *name) {
+    if (PyObject_HasAttrString(cls, name)) {
+        return 1;
+    }
+    PyObject *fields = PyObject_GetAttrString(cls, "__dataclass_fields__");
+    if (fields == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int found = PyDict_Check(fields) && PyDict_GetItemString(fields, name) != NULL;
+    Py_DECREF(fields);
+    return found;
+}
+
+static int check_attributes(PyObject *cls, const char *cls_name, const char *const *names, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        if (!has_attribute(cls, names[i])) {
+            PyErr_Format(PyExc_TypeError, "hf_tpu.dispatch._entry.configure: %s (%R) has no attribute '%s', which "
+                         "the C entry reads by name", cls_name, cls, names[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* configure(**bindings): every name in BINDINGS and CHECKED_ONLY, nothing else; each of the expected
+   type, and every attribute the entry reads by name present. All is checked before anything is kept,
+   so a rename on the Python side fails here, at import, naming what is missing. */
+static PyObject *configure(PyObject *module, PyObject *args, PyObject *kwargs) {
+    if (PyTuple_GET_SIZE(args) != 0) {
+        PyErr_SetString(PyExc_TypeError, "hf_tpu.dispatch._entry.configure takes keyword arguments only");
         return NULL;
     }
-    PyObject **slots[N_CONFIGURED] = {&tensor_type, &operand_type, &live, &hashable, &programs, &current_mode,
-                                      &strict_mode, &buffer_module, &counters, &allocate, &run_bound,
-                                      &matmul_precision};
-    for (int i = 0; i < N_CONFIGURED; i++) {
-        Py_INCREF(args[i]);
-        Py_XSETREF(*slots[i], args[i]);
+    Py_ssize_t given = kwargs ? PyDict_GET_SIZE(kwargs) : 0;
+    PyObject *values[N_BINDINGS];
+    for (size_t i = 0; i < N_BINDINGS; i++) {
+        PyObject *v = kwargs ? PyDict_GetItemString(kwargs, BINDINGS[i].name) : NULL;
+        if (v == NULL) {
+            return bound_error("missing", BINDINGS[i].name, "(a rename on the Python side?)");
+        }
+        int ok = 1;
+        const char *expected = "";
+        switch (BINDINGS[i].kind) {
+        case TYPE: ok = PyType_Check(v); expected = "must be a type"; break;
+        case DICT: ok = PyDict_Check(v); expected = "must be a dict"; break;
+        case LIST: ok = PyList_Check(v) && PyList_GET_SIZE(v) == 1; expected = "must be a list of one item"; break;
+        case CALLABLE: ok = PyCallable_Check(v); expected = "must be callable"; break;
+        case STR: ok = PyUnicode_Check(v); expected = "must be a str"; break;
+        case MODULE: ok = PyModule_Check(v); expected = "must be a module"; break;
+        }
+        if (!ok) {
+            return bound_error("argument", BINDINGS[i].name, expected);
+        }
+        values[i] = v;
+    }
+    PyObject *checked[N_CHECKED_ONLY];
+    for (size_t i = 0; i < N_CHECKED_ONLY; i++) {
+        checked[i] = kwargs ? PyDict_GetItemString(kwargs, CHECKED_ONLY[i]) : NULL;
+        if (checked[i] == NULL) {
+            return bound_error("missing", CHECKED_ONLY[i], "(a rename on the Python side?)");
+        }
+    }
+    if (given != (Py_ssize_t)(N_BINDINGS + N_CHECKED_ONLY)) {
+        PyErr_SetString(PyExc_TypeError, "hf_tpu.dispatch._entry.configure: unexpected keyword arguments (a name "
+                        "the C entry does not know)");
+        return NULL;
+    }
+    PyObject *buffer_type = checked[0], *program_type = checked[1], *signature_type = checked[2],
+             *entry_fields = checked[3], *kinds = checked[4];
+    if (!PyType_Check(buffer_type) || !PyType_Check(program_type) || !PyType_Check(signature_type)) {
+        return bound_error("argument", "buffer_type, program_type, signature_type", "must be types");
+    }
+    /* operand_type: a tuple type of (tensor, buffer, view), built here with tp_alloc */
+    if (!PyType_IsSubtype((PyTypeObject *)values[1], &PyTuple_Type)) {
+        return bound_error("argument", "operand_type", "must be a tuple type (a NamedTuple)");
+    }
+    static const char *const tensor_attributes[] = {"data_ptr", "dtype", "is_neg", "is_conj", "is_contiguous",
+                                                    "shape"};
+    static const char *const buffer_attributes[] = {"dtype", "shape", "device_index", "_array"};
+    static const char *const program_attributes[] = {"direct_launch"};
+    static const char *const module_attributes[] = {"sharded_arrays_exist"};
+    if (check_attributes(values[0], "tensor_type", tensor_attributes, 6) ||
+        check_attributes(buffer_type, "buffer_type", buffer_attributes, 4) ||
+        check_attributes(program_type, "program_type", program_attributes, 1) ||
+        check_attributes(signature_type, "signature_type", ENTRY_FIELDS, N_ENTRY_FIELDS)) {
+        return NULL;
+    }
+    if (!PyObject_HasAttrString(values[8], module_attributes[0])) {
+        return bound_error("buffer_module has no attribute", module_attributes[0], "which the C entry reads by name");
+    }
+    /* the order `entry` unpacks */
+    if (!PyTuple_Check(entry_fields) || PyTuple_GET_SIZE(entry_fields) != (Py_ssize_t)N_ENTRY_FIELDS) {
+        return bound_error("argument", "entry_fields", "must be the tuple (names, defaults, kinds, default_keys, "
+                           "ident, fast_path_eligible)");
+    }
+    for (size_t i = 0; i < N_ENTRY_FIELDS; i++) {
+        PyObject *name = PyTuple_GET_ITEM(entry_fields, i);
+        if (!PyUnicode_Check(name) || PyUnicode_CompareWithASCIIString(name, ENTRY_FIELDS[i]) != 0) {
+            return bound_error("entry_fields: expected", ENTRY_FIELDS[i], "at this position (the C entry unpacks "
+                               "Signature.entry_fields by position)");
+        }
+    }
+    /* the counters it increments */
+    static const char *const counter_keys[] = {"ops_dispatched", "compile_cache_hits", "compile_cache_hits_by_mode"};
+    for (int i = 0; i < 3; i++) {
+        if (PyDict_GetItemString(values[9], counter_keys[i]) == NULL) {
+            return bound_error("counters has no key", counter_keys[i], "which the C entry increments");
+        }
+    }
+    static const char *const kind_names[] = {"TENSOR", "OPT_TENSOR", "SCALAR", "STATIC"};
+    static const long kind_values[] = {TENSOR, OPT_TENSOR, SCALAR, STATIC};
+    if (!PyDict_Check(kinds)) {
+        return bound_error("argument", "kinds", "must be a dict of the argument kinds' values");
+    }
+    for (int i = 0; i < 4; i++) {
+        PyObject *v = PyDict_GetItemString(kinds, kind_names[i]);
+        if (v == NULL || !PyLong_CheckExact(v) || PyLong_AsLong(v) != kind_values[i]) {
+            return bound_error("kinds:", kind_names[i], "differs from the C entry's value (signatures.py and "
+                               "_entry.c must agree)");
+        }
+    }
+    for (size_t i = 0; i < N_BINDINGS; i++) {
+        Py_INCREF(values[i]);
+        Py_XSETREF(*BINDINGS[i].slot, values[i]);
     }
     Py_RETURN_NONE;
 }
@@ -278,22 +425,22 @@ static PyObject *in_python(PyObject *sig, PyObject *values, PyObject *analysed) 
     return PyObject_Vectorcall(run_bound, args, 3, NULL);
 }
 
-/* entry(sig, native, *args, **kwargs), with `native` = (names, defaults, kinds, default_keys, ident,
-   plain): every tpu op's kernel */
+/* entry(sig, fields, *args, **kwargs), with `fields` = `sig.entry_fields` = (names, defaults, kinds,
+   default_keys, ident, fast_path_eligible): every tpu op's dispatcher kernel */
 static PyObject *entry(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     if (nargs < 2 || run_bound == NULL || !PyTuple_Check(args[1]) || PyTuple_GET_SIZE(args[1]) != 6) {
-        PyErr_SetString(PyExc_TypeError, "entry(sig, native, *args, **kwargs)");
+        PyErr_SetString(PyExc_TypeError, "entry(sig, fields, *args, **kwargs)");
         return NULL;
     }
-    PyObject *sig = args[0], *native = args[1];
-    PyObject *names = PyTuple_GET_ITEM(native, 0), *defaults = PyTuple_GET_ITEM(native, 1),
-             *kinds = PyTuple_GET_ITEM(native, 2), *default_keys = PyTuple_GET_ITEM(native, 3),
-             *ident = PyTuple_GET_ITEM(native, 4), *plain = PyTuple_GET_ITEM(native, 5);
+    PyObject *sig = args[0], *fields = args[1];
+    PyObject *names = PyTuple_GET_ITEM(fields, 0), *defaults = PyTuple_GET_ITEM(fields, 1),
+             *kinds = PyTuple_GET_ITEM(fields, 2), *default_keys = PyTuple_GET_ITEM(fields, 3),
+             *ident = PyTuple_GET_ITEM(fields, 4), *eligible = PyTuple_GET_ITEM(fields, 5);
     PyObject *values = bind(names, defaults, args + 2, nargs - 2, kwnames);
     if (values == NULL) {
         return NULL;
     }
-    if (plain != Py_True || PyList_GET_ITEM(current_mode, 0) != strict_mode) {
+    if (eligible != Py_True || PyList_GET_ITEM(current_mode, 0) != strict_mode) {
         PyObject *result = in_python(sig, values, Py_None);
         Py_DECREF(values);
         return result;
@@ -314,7 +461,7 @@ static PyObject *entry(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     if (program == NULL) {
         goto python_or_error;
     }
-    direct = PyObject_GetAttr(program, s_direct);
+    direct = PyObject_GetAttr(program, s_direct_launch);
     if (direct == NULL) {
         goto python_or_error;
     }
@@ -329,7 +476,7 @@ static PyObject *entry(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     if (device_index == Py_None || by_mode == NULL || !PyDict_Check(by_mode)) {
         goto python_or_error;
     }
-    /* direct = (jitted, shape, dtype): the program's launch and its one result's layout */
+    /* direct_launch = (jitted, shape, dtype): the program's launch and its one result's layout */
     PyObject *arrays = PyTuple_GET_ITEM(analysed, 2);
     launched = PyObject_Vectorcall(PyTuple_GET_ITEM(direct, 0), PySequence_Fast_ITEMS(arrays),
                                    PyList_GET_SIZE(arrays), NULL);
@@ -369,25 +516,27 @@ done:
 }
 
 static PyMethodDef methods[] = {
-    {"configure", (PyCFunction)(void (*)(void))configure, METH_FASTCALL, "what dispatch.py hands over once"},
+    {"configure", (PyCFunction)(void (*)(void))configure, METH_VARARGS | METH_KEYWORDS,
+     "configure(**bindings): what registration.py hands over once, by name, checked"},
     {"entry", (PyCFunction)(void (*)(void))entry, METH_FASTCALL | METH_KEYWORDS,
-     "entry(sig, native, *args, **kwargs): every tpu op's kernel"},
+     "entry(sig, fields, *args, **kwargs): every tpu op's dispatcher kernel"},
     {"analyse", (PyCFunction)(void (*)(void))analyse, METH_FASTCALL,
      "analyse(kinds, defaults, default_keys, values, ident, precision) -> (key, operands, arrays, "
      "device_index), or None for a call the general loop handles"},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_dispatch", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_entry", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__dispatch(void) {
+PyMODINIT_FUNC PyInit__entry(void) {
     PyObject **names[] = {&s_data_ptr, &s_dtype, &s_is_neg, &s_is_conj, &s_is_contiguous, &s_shape,
-                          &s_device_index, &s_array, &s_direct, &s_sharded, &s_ops_dispatched,
-                          &s_cache_hits, &s_cache_hits_by_mode, &s_strict_name};
+                          &s_device_index, &s_array, &s_direct_launch, &s_sharded, &s_ops_dispatched,
+                          &s_cache_hits, &s_cache_hits_by_mode};
+    /* the same names `configure` checks */
     const char *strings[] = {"data_ptr", "dtype", "is_neg", "is_conj", "is_contiguous", "shape",
-                             "device_index", "_array", "direct", "sharded_arrays_exist", "ops_dispatched",
-                             "compile_cache_hits", "compile_cache_hits_by_mode", "DEFER_NEVER"};
-    for (int i = 0; i < 14; i++) {
+                             "device_index", "_array", "direct_launch", "sharded_arrays_exist", "ops_dispatched",
+                             "compile_cache_hits", "compile_cache_hits_by_mode"};
+    for (int i = 0; i < 13; i++) {
         *names[i] = PyUnicode_InternFromString(strings[i]);
         if (*names[i] == NULL) {
             return NULL;

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from . import platform
+from .. import platform
+from . import current
 
 DEFAULT_SEED = 67280421310721  # PyTorch's default seed on every device
 _MASK32 = (1 << 32) - 1
@@ -162,9 +163,7 @@ class Generator(torch._C.Generator, metaclass=_AnyGenerator):
     def __new__(cls, device="cpu"):
         device = torch.device(device)
         if device.type == "tpu":
-            from .dispatch import current_index_for  # dispatch imports this module
-
-            return TpuGenerator(torch.device("tpu", current_index_for(device)))
+            return TpuGenerator(torch.device("tpu", current.current_index_for(device)))
         if cls is Generator:
             return torch._C.Generator(device)
         return super().__new__(cls, device)  # a user's subclass of torch.Generator

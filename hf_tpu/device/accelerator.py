@@ -10,8 +10,8 @@ import functools
 
 import torch
 
-from . import device as tpu
-from . import dispatch
+from .. import device as tpu
+from .. import dispatch
 
 
 def _device_arg(device):
@@ -92,4 +92,4 @@ def install() -> None:
         torch.accelerator.device_index = _DeviceIndex
     # Dynamo asks for the current stream while it compiles: it must not try to compile our answer
     routed = [getattr(torch.accelerator, name) for name in _ROUTES if hasattr(torch.accelerator, name)]
-    dispatch._hide_from_dynamo(*{wrapper.__code__ for wrapper in routed})
+    dispatch.hide_from_dynamo(*{wrapper.__code__ for wrapper in routed})

@@ -8,7 +8,7 @@ shapes come from PyTorch's own meta kernels and are enforced after the lowering,
 has to get the values right.
 
 Only functional overloads are written; their in-place (`add_`) and `out=` (`add.out`) variants are
-derived by `dispatch.py`, once, for every lowering.
+derived by dispatch (`signatures.functional_counterpart`), once, for every lowering.
 
 Ops whose output shapes depend on the data (`nonzero`, `masked_select`, `unique`) have no meta
 kernel; their lowerings cannot be traced, so dispatch runs them on concrete arrays (a sync point)
@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as Promote
 
-__all__ = ["Lowering", "LOWERINGS", "lowering", "KERNELS", "kernel", "CPU_VIEW_KERNELS", "reuse_cpu_kernel",
+__all__ = ["Lowering", "LOWERINGS", "lowering", "HANDLERS", "handler", "CPU_VIEW_KERNELS", "reuse_cpu_kernel",
            "BACKEND_CHOICES", "backend_choice", "Promote"]
 
 
@@ -88,16 +88,18 @@ def lowering(*ops, promote: Promote | None = None, static=(), own_shapes: bool =
     return register
 
 
-# Ops that manage storage rather than compute values (allocation, views, transfers, host reads)
-# get the raw call instead of arrays: they are the few places that touch buffers directly.
-KERNELS: dict[torch._ops.OpOverload, Callable] = {}
+# Ops that manage storage rather than compute values (allocation, views, transfers, host reads), and
+# the few that choose at call time how to compute: a handler, a Python function taking the bound call
+# `(signature, values)` instead of arrays, runs in place of a lowering. Such an op still has the C entry
+# as its dispatcher kernel; its handlers are the few places that touch buffers directly.
+HANDLERS: dict[torch._ops.OpOverload, Callable] = {}
 
 
-def kernel(*ops):
+def handler(*ops):
     def register(fn):
         for op in ops:
             for overload in _overloads(op):
-                KERNELS[overload] = fn
+                HANDLERS[overload] = fn
         return fn
 
     return register

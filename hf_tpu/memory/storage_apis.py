@@ -13,7 +13,8 @@ import re
 
 import torch
 
-from . import buffer, dispatch
+from ..device import current
+from . import buffer
 
 _LOCATION = re.compile(r"^tpu(:(\d+))?$")
 
@@ -28,7 +29,7 @@ def _restore(storage, location: str):
     match = _LOCATION.match(location)
     if match is None:
         return None
-    index = dispatch.current_index_for(torch.device(location))
+    index = current.current_index_for(torch.device(location))
     if storage.device.type == "tpu" and storage.device.index == index:
         return storage
     storage = getattr(storage, "_untyped_storage", storage)  # TypedStorage -> UntypedStorage
@@ -48,7 +49,7 @@ _base_new = torch.UntypedStorage.__new__
 
 def _untyped_storage_new(cls, *args, device=None, **kwargs):
     if device is not None and torch.device(device).type == "tpu":
-        index = dispatch.current_index_for(torch.device(device))
+        index = current.current_index_for(torch.device(device))
         if len(args) == 1 and isinstance(args[0], int) and not kwargs:
             return new_storage(args[0], index)
         host = _base_new(cls, *args, **kwargs)

@@ -11,25 +11,26 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
-import os
 import time
 
 import jax
 import torch
 
-from . import buffer, dispatch, platform, random
+from . import current, rng  # first: the layers below import them
+from .. import modes, platform
+from ..memory import buffer
 
 
 def _index(device=None) -> int:
     if device is None:
-        return dispatch.current_device_index()
+        return current.current_device_index()
     if isinstance(device, int):
         platform.jax_device(device)
         return device
     device = torch.device(device)
     if device.type != "tpu":
         raise ValueError(f"Expected a tpu device, got {device}")
-    return dispatch.current_index_for(device)
+    return current.current_index_for(device)
 
 
 # --- Availability and devices
@@ -66,11 +67,11 @@ def device_count() -> int:
 
 
 def current_device() -> int:
-    return dispatch.current_device_index()
+    return current.current_device_index()
 
 
 def set_device(device) -> None:
-    dispatch._current_device[0] = _index(device)
+    current.set_current_device_index(_index(device))
 
 
 class device:
@@ -137,8 +138,6 @@ def is_bf16_supported(including_emulation: bool = True) -> bool:
 
 def synchronize(device=None) -> None:
     """Wait until every computation on the device has finished (and flush deferred work)."""
-    from . import modes
-
     modes.current().sync("torch.tpu.synchronize()")
     index = _index(device)
     jax.block_until_ready(buffer.device_arrays(index))
@@ -149,40 +148,40 @@ def synchronize(device=None) -> None:
 
 
 def manual_seed(seed: int) -> None:
-    random.manual_seed(int(seed), current_device())
+    rng.manual_seed(int(seed), current_device())
 
 
 def manual_seed_all(seed: int) -> None:
-    random.manual_seed_all(int(seed))
+    rng.manual_seed_all(int(seed))
 
 
 def seed() -> None:
-    random.manual_seed(random.random_seed(), current_device())
+    rng.manual_seed(rng.random_seed(), current_device())
 
 
 def seed_all() -> None:
-    random.manual_seed_all(random.random_seed())
+    rng.manual_seed_all(rng.random_seed())
 
 
 def initial_seed() -> int:
-    return random.initial_seed(current_device())
+    return rng.initial_seed(current_device())
 
 
 def get_rng_state(device="tpu") -> torch.Tensor:
-    return random.get_state(_index(device))
+    return rng.get_state(_index(device))
 
 
 def set_rng_state(new_state: torch.Tensor, device="tpu") -> None:
-    random.set_state(new_state, _index(device))
+    rng.set_state(new_state, _index(device))
 
 
 def get_rng_state_all() -> list:
-    return [random.get_state(i) for i in range(device_count())]
+    return [rng.get_state(i) for i in range(device_count())]
 
 
 def set_rng_state_all(new_states) -> None:
     for i, state in enumerate(new_states):
-        random.set_state(state, i)
+        rng.set_state(state, i)
 
 
 # --- Memory
@@ -251,19 +250,7 @@ def empty_cache() -> None:
 
 def mem_get_info(device=None) -> tuple[int, int]:
     """(free, total) bytes of the device; on the CPU platform, of the host."""
-    dev = platform.jax_device(_index(device))
-    stats = None
-    try:
-        stats = dev.memory_stats()
-    except Exception:
-        stats = None
-    if stats and "bytes_limit" in stats:
-        total = int(stats["bytes_limit"])
-        return total - int(stats.get("bytes_in_use", 0)), total
-    page = os.sysconf("SC_PAGE_SIZE")
-    total = os.sysconf("SC_PHYS_PAGES") * page
-    free = os.sysconf("SC_AVPHYS_PAGES") * page
-    return free, total
+    return platform.memory_info(_index(device))
 
 
 # --- Streams and events: JAX orders work per device itself, so there is one stream per device.
@@ -357,15 +344,13 @@ def stream(stream: Stream | None):
 # --- Execution modes: `torch.tpu.EagerMode`, `set_eager_mode`, the `eager_mode` property and a
 # context manager. See docs/design/execution-modes.md.
 
-from .modes import EagerMode, set_eager_mode  # noqa: E402,F401
-from .modes import eager_mode as use_eager_mode  # noqa: E402,F401
+from ..modes import EagerMode, set_eager_mode  # noqa: E402,F401
+from ..modes import eager_mode as use_eager_mode  # noqa: E402,F401
 
 
 class _TpuModule(sys.modules[__name__].__class__):
     @property
     def eager_mode(self) -> EagerMode:
-        from . import modes
-
         return modes.get_eager_mode()
 
     @eager_mode.setter
