@@ -1,5 +1,6 @@
 """The Transformers adapter: loading onto `tpu` and generation with a static KV cache and compiled decoding,
-one module a job: `loading`, `tensor_parallel`, `cache` (the static cache), `generation` (prompt buckets
+one module a job: `from_pretrained` (the wrapper), `loading` (checks, placement, preparation),
+`tensor_parallel`, `cache` (the static cache), `generation` (prompt buckets
 and the on-device decode loop), `trainer`, and `settings` (`configure`).
 
 Installed by `hf_tpu.integrations.activate()` when `transformers.modeling_utils` or
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 from .. import attention
 from ..output_capturing import install_output_capturing_hooks
-from . import cache, generation, loading, trainer
+from . import cache, from_pretrained, generation, trainer
 from .generation import bucketed_length
 from .loading import check_before_loading, prepare_model
 from .settings import DEFAULT_PROMPT_BUCKETS, Settings, configure, settings
@@ -58,10 +59,10 @@ def install(module) -> None:
         _patch(module.Trainer, "_load_rng_state", trainer._wrap_load_rng_state)
         return
     if module.__name__ == "transformers.modeling_utils":
-        _patch(module.PreTrainedModel, "from_pretrained", loading._wrap_from_pretrained)
+        _patch(module.PreTrainedModel, "from_pretrained", from_pretrained.wrap)
         attention.register()
     elif module.__name__ == "transformers.models.auto.auto_factory":
-        _patch(module._BaseAutoModelClass, "from_pretrained", loading._wrap_from_pretrained)
+        _patch(module._BaseAutoModelClass, "from_pretrained", from_pretrained.wrap)
     elif module.__name__ == "transformers.generation.utils":
         mixin = module.GenerationMixin
         _patch(mixin, "generate", generation._wrap_generate)

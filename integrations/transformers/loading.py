@@ -3,13 +3,13 @@
 `device_map="auto"` means the current `tpu` (Accelerate cannot size a `tpu` yet and would place
 everything on the CPU), and "tpu" the current chip; a missing local checkpoint, an unreadable safetensors
 file or a dtype `tpu` cannot hold is reported before any weight is read; the loaded model gets its
-per-architecture patches (`hf_tpu.model_patches`) and the output-capturing hooks. `tp_plan=`/`tp_size=`
-hand the load to `tensor_parallel`.
+per-architecture patches (`hf_tpu.model_patches`) and the output-capturing hooks. The wrapper of
+`from_pretrained` that uses these (and hands `tp_plan=`/`tp_size=` loads to `tensor_parallel`) is in
+`from_pretrained.py`.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -17,7 +17,6 @@ import torch
 from hf_tpu import model_patches
 
 from ..output_capturing import install_output_capturing_hooks
-from . import tensor_parallel
 
 
 def _on_tpu(model) -> bool:
@@ -137,26 +136,3 @@ def prepare_model(model) -> None:
     model_patches.warn_if_failing(getattr(model.config, "model_type", ""))
     model_patches.apply(model)
     install_output_capturing_hooks(model)
-
-
-def _wrap_from_pretrained(original):
-    """For `PreTrainedModel` and the Auto classes (which read the config first, so they check first)."""
-
-    @functools.wraps(original.__func__)
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        device_map = kwargs.get("device_map")
-        if device_map is None or not _targets_tpu(device_map):
-            return original.__func__(cls, pretrained_model_name_or_path, *args, **kwargs)
-        if any(kwargs.get(name) is not None for name in tensor_parallel.ARGUMENTS):
-            return tensor_parallel.load_sharded(original, cls, pretrained_model_name_or_path, args, kwargs)
-        check_before_loading(pretrained_model_name_or_path, kwargs.get("dtype", kwargs.get("torch_dtype")))
-        if device_map == "auto" and kwargs.get("max_memory") is None:
-            kwargs["device_map"] = {"": _tpu_device()}
-        else:
-            kwargs["device_map"] = _current_chip(device_map)
-        model = original.__func__(cls, pretrained_model_name_or_path, *args, **kwargs)
-        if _on_tpu(model):
-            prepare_model(model)
-        return model
-
-    return classmethod(from_pretrained)
