@@ -9,6 +9,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+
+
+def _model_folder(path: str) -> str:
+    """`--model`'s check, before anything loads: a folder that exists and holds a Transformers config."""
+    if not os.path.exists(path):
+        raise argparse.ArgumentTypeError(f"{path} does not exist")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise argparse.ArgumentTypeError(f"{path} is not a model folder (it has no config.json)")
+    return path
 
 
 def main(argv=None) -> int:
@@ -16,7 +26,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("env", help="print the platform, devices, versions and execution mode")
     demo_parser = sub.add_parser("demo", help="run the demo: tensors, a module and a causal LM on tpu against cpu")
-    demo_parser.add_argument("--model", help="a local Transformers causal-LM checkpoint to use instead of a tiny Llama")
+    demo_parser.add_argument("--model", type=_model_folder, help="a local Transformers causal-LM checkpoint to use instead of a tiny Llama")
     compat_parser = sub.add_parser("compat", help="print the per-architecture compatibility table")
     compat_parser.add_argument("--markdown", action="store_true", help="print the table as the docs' markdown")
     compat_parser.add_argument("--write-docs", action="store_true",
