@@ -30,14 +30,20 @@ def main(argv=None) -> int:
     compat_parser = sub.add_parser("compat", help="print the per-architecture compatibility table")
     compat_parser.add_argument("--markdown", action="store_true", help="print the table as the docs' markdown")
     compat_parser.add_argument("--write-docs", action="store_true",
-                               help="regenerate the table section of docs/compatibility.md from the table")
-    compat_parser.add_argument("--docs", help="the page to write instead of the repository's docs/compatibility.md")
+                               help="regenerate the table section of docs/compatibility.md from the table "
+                                    "(the checkout's, in an editable install; otherwise pass --docs)")
+    compat_parser.add_argument("--docs", metavar="PATH",
+                               help="the page to write instead of the repository's docs/compatibility.md")
     sweep_parser = sub.add_parser("sweep", help="run tiny models of every Transformers architecture on cpu and tpu")
     sweep_parser.add_argument("--only", help="comma-separated model types, e.g. llama,mistral")
     sweep_parser.add_argument("--limit", type=int, help="check only the first N architectures")
     sweep_parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     sweep_parser.add_argument("--timeout", type=float, default=120.0, help="seconds per architecture (default 120)")
-    sweep_parser.add_argument("--write", action="store_true", help="record the results in model_patches/table.json")
+    sweep_parser.add_argument("--write", action="store_true",
+                              help="record the results in model_patches/table.json (the checkout's, in an "
+                                   "editable install; otherwise pass --table)")
+    sweep_parser.add_argument("--table", metavar="PATH",
+                              help="the table file to update instead of the checkout's (implies --write)")
     sweep_parser.add_argument("--json", help="also write every result to this JSON file")
     args = parser.parse_args(argv)
     command = importlib.import_module(f".{args.command}", __name__)  # only the command's own imports

@@ -8,12 +8,14 @@ GENERATED_BEGIN = "<!-- BEGIN ARCHITECTURES: generated from model_patches/table.
 GENERATED_END = "<!-- END ARCHITECTURES -->"
 
 
+DOCS_FILE = "docs/compatibility.md"
+
+
 def _docs_path():
-    from pathlib import Path
+    """The checkout's docs/compatibility.md, or None when hf-tpu is not an editable install of a checkout."""
+    from . import _checkout
 
-    from hf_tpu import model_patches
-
-    return Path(model_patches.__file__).resolve().parents[1] / "docs" / "compatibility.md"
+    return _checkout.checkout_file(DOCS_FILE)
 
 
 def docs_with_table(text: str, table_markdown: str) -> str:
@@ -31,6 +33,10 @@ def run(args) -> int:
     table_markdown = model_patches.render_markdown()
     if args.write_docs:
         path = args.docs or _docs_path()
+        if path is None:
+            from . import _checkout
+
+            return _checkout.not_a_checkout("compat", DOCS_FILE, "--docs")
         with open(path, encoding="utf-8") as f:
             text = f.read()
         with open(path, "w", encoding="utf-8") as f:

@@ -600,12 +600,29 @@ def table_entry(result: Result, patches: list[str], checked_on: str, checked_wit
             "checked": checked_on, "versions": checked_with}
 
 
-def write_table(results: list[Result]) -> None:
-    """Records the results in model_patches/table.json; architectures not in `results` keep their entries.
-    The sweep calls it after each architecture, so an interrupted sweep keeps what it checked."""
+TABLE_FILE = "model_patches/table.json"
+
+
+def table_path():
+    """The checkout's model_patches/table.json, or None when hf-tpu is not an editable install of a checkout."""
+    from . import _checkout
+
+    return _checkout.checkout_file(TABLE_FILE)
+
+
+def write_table(results: list[Result], path) -> None:
+    """Records the results in the table file at `path` (starting from the installed table when `path` does
+    not exist yet); architectures not in `results` keep their entries. The sweep calls it after each
+    architecture, so an interrupted sweep keeps what it checked."""
+    import os
+
     from hf_tpu import model_patches
 
-    table = model_patches.load_table()
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            table = json.load(f)
+    else:
+        table = model_patches.load_table()
     checked_on, checked_with = datetime.date.today().isoformat(), versions()
     for result in results:
         if result.outcome == "skipped-cpu-fails":
@@ -617,7 +634,7 @@ def write_table(results: list[Result]) -> None:
             table["architectures"][result.model_type] = table_entry(result, patches, checked_on, checked_with)
     table = {"architectures": dict(sorted(table["architectures"].items())),
              "not_checked": dict(sorted(table["not_checked"].items()))}
-    with open(model_patches.TABLE_PATH, "w", encoding="utf-8") as f:
+    with open(path, "w", encoding="utf-8") as f:
         json.dump(table, f, indent=1, sort_keys=False)
         f.write("\n")
     model_patches.load_table.cache_clear()
@@ -634,19 +651,26 @@ def format_result(result: Result) -> str:
 
 def run(args) -> int:
     """The `hf-tpu sweep` command."""
+    table = None
+    if args.write or args.table:
+        table = args.table or table_path()
+        if table is None:
+            from . import _checkout
+
+            return _checkout.not_a_checkout("sweep", TABLE_FILE, "--table")
     only = args.only.split(",") if args.only else None
     jobs = architectures(only=only, limit=args.limit)
     print(f"checking {len(jobs)} architectures on cpu and tpu ({args.jobs} worker(s), {args.timeout:.0f} s each)")
 
     def record(result):
         print(format_result(result), flush=True)
-        if args.write:
-            write_table([result])
+        if table is not None:
+            write_table([result], table)
 
     results = run_sweep(jobs, jobs=args.jobs, timeout=args.timeout, on_result=record)
     print(summary(results))
-    if args.write:
-        print("updated model_patches/table.json; run `hf-tpu compat --write-docs` to regenerate the docs")
+    if table is not None:
+        print(f"updated {table}; run `hf-tpu compat --write-docs` to regenerate the docs")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump([dataclasses.asdict(r) for r in results], f, indent=1)

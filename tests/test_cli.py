@@ -24,3 +24,69 @@ def test_demo_with_a_folder_that_is_not_a_model_is_a_one_line_error(tmp_path, ca
     assert _exit_code(["demo", "--model", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "--model" in err and "not a model folder" in err and "config.json" in err
+
+
+def _fake_package_root(monkeypatch, root, checkout: bool):
+    """Points the located package root at `root`, laid out as a checkout (pyproject.toml beside the package's
+    folders) or as a normal install's site-packages/hf_tpu (which also holds model_patches/table.json)."""
+    from hf_tpu.cli import _checkout, compat
+
+    (root / "model_patches").mkdir(parents=True)
+    (root / "model_patches" / "table.json").write_text('{"architectures": {}, "not_checked": {}}\n')
+    (root / "docs").mkdir()
+    (root / "docs" / "compatibility.md").write_text(f"before\n{compat.GENERATED_BEGIN}\nold\n{compat.GENERATED_END}\n")
+    if checkout:
+        (root / "pyproject.toml").write_text('[project]\nname = "hf-tpu"\n')
+    monkeypatch.setattr(_checkout, "package_root", lambda: root)
+    return root
+
+
+def test_compat_write_docs_refuses_to_write_into_an_installed_package(tmp_path, monkeypatch, capsys):
+    root = _fake_package_root(monkeypatch, tmp_path / "hf_tpu", checkout=False)
+    before = (root / "docs" / "compatibility.md").read_text()
+    assert cli.main(["compat", "--write-docs"]) == 2
+    err = capsys.readouterr().err
+    assert "not an editable install" in err and "--docs PATH" in err
+    assert (root / "docs" / "compatibility.md").read_text() == before
+
+
+def test_compat_write_docs_writes_the_checkouts_page(tmp_path, monkeypatch):
+    root = _fake_package_root(monkeypatch, tmp_path / "checkout", checkout=True)
+    assert cli.main(["compat", "--write-docs"]) == 0
+    assert "old" not in (root / "docs" / "compatibility.md").read_text()
+
+
+def test_sweep_write_refuses_to_write_into_an_installed_package_before_sweeping(tmp_path, monkeypatch, capsys):
+    from hf_tpu.cli import sweep
+
+    root = _fake_package_root(monkeypatch, tmp_path / "hf_tpu", checkout=False)
+    monkeypatch.setattr(sweep, "run_sweep", lambda *a, **k: pytest.fail("swept without a table to write"))
+    assert cli.main(["sweep", "--only", "llama", "--write"]) == 2
+    err = capsys.readouterr().err
+    assert "not an editable install" in err and "--table PATH" in err
+    assert (root / "model_patches" / "table.json").read_text() == '{"architectures": {}, "not_checked": {}}\n'
+
+
+def _one_result_sweep(monkeypatch):
+    from hf_tpu.cli import sweep
+
+    result = sweep.Result("llama", "causal-lm", "LlamaForCausalLM", "passes", "max abs diff 0")
+
+    def run_sweep(jobs_list, jobs=1, timeout=0.0, on_result=None):
+        on_result(result)
+        return [result]
+
+    monkeypatch.setattr(sweep, "run_sweep", run_sweep)
+
+
+def test_sweep_write_updates_the_checkouts_table_or_the_table_given(tmp_path, monkeypatch):
+    import json
+
+    _one_result_sweep(monkeypatch)
+    root = _fake_package_root(monkeypatch, tmp_path / "checkout", checkout=True)
+    assert cli.main(["sweep", "--only", "llama", "--write"]) == 0
+    assert json.loads((root / "model_patches" / "table.json").read_text())["architectures"]["llama"]["status"] == "works"
+    given = tmp_path / "elsewhere" / "table.json"
+    given.parent.mkdir()
+    assert cli.main(["sweep", "--only", "llama", "--table", str(given)]) == 0
+    assert "llama" in json.loads(given.read_text())["architectures"]
