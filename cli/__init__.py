@@ -21,6 +21,14 @@ def _model_folder(path: str) -> str:
     return path
 
 
+def _model_types(text: str) -> list[str]:
+    """`--only`'s check: comma-separated model types, at least one (an empty selection is not "all")."""
+    model_types = [name.strip() for name in text.split(",") if name.strip()]
+    if not model_types:
+        raise argparse.ArgumentTypeError("names no model type (leave the option out to check every architecture)")
+    return model_types
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="hf-tpu", description="A native tpu device for PyTorch, backed by JAX/XLA")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -35,7 +43,7 @@ def main(argv=None) -> int:
     compat_parser.add_argument("--docs", metavar="PATH",
                                help="the page to write instead of the repository's docs/compatibility.md")
     sweep_parser = sub.add_parser("sweep", help="run tiny models of every Transformers architecture on cpu and tpu")
-    sweep_parser.add_argument("--only", help="comma-separated model types, e.g. llama,mistral")
+    sweep_parser.add_argument("--only", type=_model_types, help="comma-separated model types, e.g. llama,mistral")
     sweep_parser.add_argument("--limit", type=int, help="check only the first N architectures")
     sweep_parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     sweep_parser.add_argument("--timeout", type=float, default=120.0, help="seconds per architecture (default 120)")

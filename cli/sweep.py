@@ -658,8 +658,7 @@ def run(args) -> int:
             from . import _checkout
 
             return _checkout.not_a_checkout("sweep", TABLE_FILE, "--table")
-    only = args.only.split(",") if args.only else None
-    jobs = architectures(only=only, limit=args.limit)
+    jobs = architectures(only=args.only, limit=args.limit)  # args.only: a non-empty list, or None for all
     print(f"checking {len(jobs)} architectures on cpu and tpu ({args.jobs} worker(s), {args.timeout:.0f} s each)")
 
     def record(result):

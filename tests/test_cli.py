@@ -90,3 +90,12 @@ def test_sweep_write_updates_the_checkouts_table_or_the_table_given(tmp_path, mo
     given.parent.mkdir()
     assert cli.main(["sweep", "--only", "llama", "--table", str(given)]) == 0
     assert "llama" in json.loads(given.read_text())["architectures"]
+
+
+@pytest.mark.parametrize("only", ["", ",", " , "])
+def test_sweep_with_an_empty_selection_is_an_argument_error(only, monkeypatch, capsys):
+    from hf_tpu.cli import sweep
+
+    monkeypatch.setattr(sweep, "run_sweep", lambda *a, **k: pytest.fail("an empty --only started a sweep"))
+    assert _exit_code(["sweep", "--only", only]) == 2
+    assert "argument --only" in capsys.readouterr().err
