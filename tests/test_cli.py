@@ -99,3 +99,13 @@ def test_sweep_with_an_empty_selection_is_an_argument_error(only, monkeypatch, c
     monkeypatch.setattr(sweep, "run_sweep", lambda *a, **k: pytest.fail("an empty --only started a sweep"))
     assert _exit_code(["sweep", "--only", only]) == 2
     assert "argument --only" in capsys.readouterr().err
+
+
+def test_sweep_summary_states_results_without_a_target_figure():
+    from hf_tpu.cli import sweep
+
+    results = [sweep.Result("llama", "causal-lm", "LlamaForCausalLM", "passes"),
+               sweep.Result("bert", "masked-lm", "BertForMaskedLM", "fails-on-tpu", "RuntimeError: x")]
+    text = sweep.summary(results)
+    assert "1/2 = 50% pass on tpu" in text
+    assert "goal" not in text.lower()
