@@ -30,20 +30,40 @@ def _demo_module() -> None:
         raise SystemExit(f"demo failed: tpu and cpu differ by {diff}")
 
 
-def _demo_llama(path=None) -> None:
-    import tempfile
+def _save_tiny_llama(directory: str) -> str:
+    """A tiny Llama built from a config (seed 0), saved under `directory`; its folder."""
+    import os
 
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = os.path.join(directory, "tiny-llama")
+    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def _demo_llama(path=None) -> None:
+    """Generation on tpu against CPU, from the checkpoint at `path`, or from a tiny Llama saved in a
+    temporary folder that is removed afterwards (nothing stays in the temp dir)."""
+    import tempfile
 
     print("\n== A causal LM loaded with device_map='tpu', generating against CPU ==")
-    if path is None:
-        path = tempfile.mkdtemp(prefix="hf_tpu_demo_")
-        config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
-        torch.manual_seed(0)
-        LlamaForCausalLM(config).save_pretrained(path)
-        print(f"built a tiny Llama from a config (seed 0) and saved it to {path}")
+    if path is not None:
+        _generate_against_cpu(path)
+        return
+    with tempfile.TemporaryDirectory(prefix="hf_tpu_demo_") as directory:
+        path = _save_tiny_llama(directory)
+        print(f"built a tiny Llama from a config (seed 0) and saved it to {path} (removed after the demo)")
+        _generate_against_cpu(path)
+
+
+def _generate_against_cpu(path: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
     cpu_model = AutoModelForCausalLM.from_pretrained(path)
     tpu_model = AutoModelForCausalLM.from_pretrained(path, device_map="tpu")
     print(f"loaded with device_map='tpu': parameters on {next(tpu_model.parameters()).device}")

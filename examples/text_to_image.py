@@ -5,7 +5,8 @@ The weights are random (no Hub here), so the image is noise; what the example sh
 `from_pretrained` -> `pipe.to("tpu")` -> `pipe(prompt, generator=...)`, and that a CPU generator gives
 the image the CPU gives.
 
-Run: python examples/text_to_image.py [--pipeline sd|sd3|flux|sdxl] [--steps 3] [--compile] [--out image.png]
+Run: python examples/text_to_image.py [--pipeline sd|sd3|flux|sdxl] [--steps 3] [--compile] [--out text_to_image.png]
+(the checkpoint is saved in a temporary folder removed once loaded; the image goes to --out)
 """
 
 from __future__ import annotations
@@ -163,7 +164,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action="store_true", help="compile the denoiser and VAE decoder")
-    p.add_argument("--out", default=None, help="PNG path (default: a new temporary directory)")
+    p.add_argument("--out", default="text_to_image.png", help="PNG path (default: text_to_image.png here)")
     args = p.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as directory:
@@ -176,7 +177,7 @@ def main(argv=None):
     generator = torch.Generator().manual_seed(args.seed)  # a CPU generator: the same noise as on CPU
     image = pipe(args.prompt, num_inference_steps=args.steps, generator=generator, **CALL_ARGS[args.pipeline]).images[0]
 
-    out = args.out or os.path.join(tempfile.mkdtemp(prefix="hf-tpu-"), "image.png")
+    out = args.out
     image.save(out)
     print(f"saved a {image.size[0]}x{image.size[1]} image to {out} ({args.pipeline}, {args.steps} steps on tpu)")
     print(hf_tpu.metrics())

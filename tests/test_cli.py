@@ -109,3 +109,17 @@ def test_sweep_summary_states_results_without_a_target_figure():
     text = sweep.summary(results)
     assert "1/2 = 50% pass on tpu" in text
     assert "goal" not in text.lower()
+
+
+def test_demo_leaves_nothing_in_the_temp_dir(tmp_path, monkeypatch, capsys):
+    import tempfile
+
+    temp_dir = tmp_path / "tmp"
+    temp_dir.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp_dir))
+    # torch.compile's own per-user cache folder (torchinductor_<user>, one for every run, reused) is PyTorch's,
+    # not the demo's: it goes elsewhere here, so that only what the demo itself leaves is counted
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "torch-cache"))
+    assert cli.main(["demo"]) == 0
+    assert "greedy tokens identical to CPU" in capsys.readouterr().out
+    assert list(temp_dir.iterdir()) == []

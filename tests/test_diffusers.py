@@ -310,23 +310,37 @@ def test_diffusers_test_tables_for_tpu():
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
 
-def test_text_to_image_notebook_runs_top_to_bottom():
+def test_text_to_image_notebook_runs_top_to_bottom(tmp_path):
     """Its code cells in order, as Jupyter would run them in examples/ (no Jupyter needed): the notebook's
     own asserts check the CPU image, the host syncs and the second call's compiles."""
     notebook = json.loads((ROOT / "examples" / "text_to_image.ipynb").read_text())
     program = "\n\n".join("".join(cell["source"]) for cell in notebook["cells"] if cell["cell_type"] == "code")
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "examples"), HF_TPU_PLATFORM="cpu")
+    temp_dir, env = _fresh_temp_dir(tmp_path)
+    env.update(PYTHONPATH=str(ROOT / "examples"), HF_TPU_PLATFORM="cpu")
     result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300,
                             cwd=ROOT / "examples", env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "compiles on the second call: 0" in result.stdout and "3 steps: 0 host syncs" in result.stdout, result.stdout
+    assert list(temp_dir.iterdir()) == [], "the notebook left files in the temp dir"
+
+
+def _fresh_temp_dir(tmp_path) -> tuple[Path, dict]:
+    """An empty folder for the temp dir, and the environment that points a process at it (PyTorch's own
+    per-user compile cache, torchinductor_<user>, elsewhere: it is not the example's)."""
+    temp_dir = tmp_path / "tmp"
+    temp_dir.mkdir()
+    return temp_dir, dict(os.environ, TMPDIR=str(temp_dir), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "torch-cache"))
 
 
 def test_text_to_image_example(tmp_path):
+    """By default the image goes to the current folder, and nothing stays in the temp dir."""
     from PIL import Image
 
-    out = tmp_path / "image.png"
-    result = subprocess.run([sys.executable, str(ROOT / "examples" / "text_to_image.py"), "--out", str(out)],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    temp_dir, env = _fresh_temp_dir(tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "text_to_image.py")],
+                            capture_output=True, text=True, timeout=300, cwd=work, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert Image.open(out).size == (16, 16)
+    assert Image.open(work / "text_to_image.png").size == (16, 16)
+    assert list(temp_dir.iterdir()) == []
