@@ -263,6 +263,34 @@ def test_a_cache_the_user_chose_is_kept(models):
     assert torch.equal(out.sequences.cpu(), expected)
 
 
+def test_the_prefill_compiles_once_per_bucket_with_the_cpu_tokens(models):
+    """The prefill is the compiled forward: a prompt in a new bucket compiles one program (a single new
+    token: no decode loop), another length in the same bucket compiles nothing, and the tokens are CPU's."""
+    saved = adapter.settings.prompt_buckets, adapter.settings.static_cache
+    cpu, tpu = models
+    torch.manual_seed(3)
+    prompts = [torch.randint(3, 128, (1, length)) for length in (40, 45)]
+    try:
+        adapter.configure(prompt_buckets=(48,))  # a bucket no other test compiles
+        compiles = []
+        for prompt in prompts:
+            hf_tpu.reset_metrics()
+            actual = tpu.generate(prompt.to("tpu"), max_new_tokens=1, do_sample=False).cpu()
+            compiles.append(hf_tpu.metrics()["compiles_by_mode"].get("COMPILE", 0))
+            assert torch.equal(actual, cpu.generate(prompt, max_new_tokens=1, do_sample=False))
+        assert compiles == [1, 0]
+        for prompt in prompts:  # then the decode loop after the compiled prefill
+            expected, actual = _both(models, prompt=prompt, max_new_tokens=8, do_sample=False)
+            assert torch.equal(actual, expected)
+        adapter.configure(static_cache=False)  # eager everywhere
+        hf_tpu.reset_metrics()
+        expected, actual = _both(models, prompt=prompts[0], max_new_tokens=3, do_sample=False)
+        assert torch.equal(actual, expected)
+        assert hf_tpu.metrics()["compiles_by_mode"].get("COMPILE", 0) == 0
+    finally:
+        adapter.configure(prompt_buckets=saved[0], static_cache=saved[1])
+
+
 def test_prompt_lengths_pad_to_buckets(models):
     assert adapter.bucketed_length(5) == 16 and adapter.bucketed_length(16) == 16
     assert adapter.bucketed_length(17) == 32

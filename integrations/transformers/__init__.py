@@ -15,7 +15,8 @@ Installed by `hf_tpu.integrations.activate()` when `transformers.modeling_utils`
   `torch.compile(backend="tpu")` (its `_default_compile_config` for `tpu`) with shapes that never change;
   the cache length rounded up to a multiple of `cache_length_multiple` and the prompt left-padded (with
   its attention mask) to the next of `prompt_buckets`, so that a new prompt length or `max_new_tokens`
-  rarely compiles anew. The padding is removed from the returned sequences.
+  rarely compiles anew. The padding is removed from the returned sequences. The prefill of a prompt of a
+  bucket's length runs compiled too, once per bucket.
 - greedy search and sampling with a static cache: after Transformers' own prefill and first token, the
   other tokens are decoded in one `hf_tpu.while_loop` on the device (forward, logits warpers, token
   choice, end-of-sequence test), with no host round-trip per token.
@@ -67,6 +68,7 @@ def install(module) -> None:
         mixin = module.GenerationMixin
         _patch(mixin, "generate", generation._wrap_generate)
         _patch(mixin, "_sample", generation._wrap_sample)
+        _patch(mixin, "_prefill", generation._wrap_prefill)
         _patch(mixin, "_prepare_generation_config", cache._wrap_prepare_generation_config)
         _patch(mixin, "_prepare_cache_for_generation", cache._wrap_prepare_cache_for_generation)
         from transformers.cache_utils import StaticLayer  # imported by generation.utils already

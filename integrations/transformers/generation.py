@@ -1,6 +1,6 @@
 """`generate()` on `tpu`: the prompt left-padded to a bucket length, the token bookkeeping on the host,
-and greedy search or sampling with a static cache decoding every token after the first in one
-`hf_tpu.while_loop` on the device."""
+the prefill compiled once per bucket, and greedy search or sampling with a static cache decoding every
+token after the first in one `hf_tpu.while_loop` on the device."""
 
 from __future__ import annotations
 
@@ -340,3 +340,86 @@ def _decode_loop(model, input_ids, finished, steps: int, eos, logits_processor, 
 
     *_, generated, index = while_loop(cond, body, tuple(t.to(device) for t in carried))
     return generated[:, :int(index)]
+
+
+# --- The prefill compiled once per prompt bucket
+
+# The prefill's own compiled function: Dynamo keeps its graphs per code object, and the one
+# `get_compiled_call` compiles (`Module.__call__`) is shared with Transformers' token-by-token decode steps and
+# every other model; once that code hits Dynamo's recompile limit (8) it runs eagerly for good, prefill
+# included. This code holds an entry per model, prompt bucket and batch size, under a limit of its own.
+_PREFILL_RECOMPILE_LIMIT = 64
+_COMPILED_PREFILL = "_hf_tpu_compiled_prefill"
+
+
+def _prefill_forward(model, inputs: dict):
+    return model(**inputs, return_dict=True)
+
+
+def _compiled_prefill(model, compile_config):
+    """`_prefill_forward` compiled as Transformers compiles the decode forward (`generation_config.compile_config`,
+    by default `backend="tpu"`, `dynamic=False`), one per model and config."""
+    compile_config = compile_config or model._default_compile_config()
+    cached = model.__dict__.get(_COMPILED_PREFILL)
+    if cached is None or cached[0] != compile_config:
+        cached = (compile_config, torch.compile(_prefill_forward, **compile_config.to_dict()))
+        model.__dict__[_COMPILED_PREFILL] = cached
+    return cached[1]
+
+
+def _compiles_the_prefill(model, input_ids, generation_config, model_kwargs) -> bool:
+    """Whether the prefill runs as a compiled forward: on tpu with a fresh static cache that
+    Transformers decodes with a compiled forward, in one piece (not chunked), and for a prompt whose length
+    is a bucket length. The last bounds the compiles to one per bucket (and batch size): a prompt that was
+    not padded (buckets off, padding skipped because it could change the result, or a model whose table
+    entry says `unpadded_prompts`, whose output changes with padding) runs eagerly unless its length is a
+    bucket's, instead of compiling a program for every length it meets."""
+    from transformers.cache_utils import StaticLayer
+
+    cache = model_kwargs.get("cache")
+    length = input_ids.shape[1]
+    return (
+        settings.static_cache
+        and _on_tpu(model)
+        and not model.config.is_encoder_decoder
+        and generation_config.prefill_chunk_size is None
+        and model_kwargs.get("inputs_embeds") is None
+        and bool(settings.prompt_buckets) and bucketed_length(length) == length
+        and cache is not None and not getattr(cache, "_is_user_defined", False)
+        and bool(getattr(cache, "layers", None))
+        and all(type(layer) is StaticLayer and not layer.is_initialized for layer in cache.layers)
+        and model._valid_auto_compile_criteria(model_kwargs, generation_config)
+    )
+
+
+def _wrap_prefill(original):
+    @functools.wraps(original)
+    def _prefill(self, input_ids, generation_config, model_kwargs, is_first_iteration=True):
+        """On tpu, the prefill runs as a compiled forward (`torch.compile(backend="tpu")`, configured as
+        Transformers compiles its decode steps) with the static cache as its mutated input: one compile per
+        prompt bucket, instead of every op over the whole prompt dispatched one by one."""
+        if not (is_first_iteration and _compiles_the_prefill(self, input_ids, generation_config, model_kwargs)):
+            return original(self, input_ids, generation_config, model_kwargs, is_first_iteration)
+        # The keys and values are allocated before the traced forward writes into them, as Transformers does
+        # for its compiled chunked prefill: allocated inside the graph, they would be its outputs, not the
+        # fixed inputs the decode step holds. Transformers cannot always tell their shape ahead (layers on
+        # several devices, distinct key and value sizes): those prefill eagerly.
+        shape = self._get_static_cache_init_shape()
+        if shape is None:
+            return original(self, input_ids, generation_config, model_kwargs, is_first_iteration)
+        # Transformers' `_prefill` for a fresh cache (nothing cached: `past_length` is 0), with the compiled call
+        attention_mask = model_kwargs.get("attention_mask")
+        mask_length = (attention_mask.shape[1] if attention_mask is not None
+                       else getattr(generation_config, "_mask_length", -1))
+        next_sequence_length = input_ids.shape[1] if mask_length == input_ids.shape[1] else None
+        model_inputs = self.prepare_inputs_for_generation(input_ids, next_sequence_length=next_sequence_length,
+                                                          is_first_iteration=True, **model_kwargs)
+        # after the inputs, as in the eager prefill: the 4D mask they build reads the cache's length, which an
+        # allocated layer holds on tpu (a host read to build the mask on the host)
+        model_kwargs["cache"].early_initialization(batch_size=input_ids.shape[0], num_heads=shape[0],
+                                                   head_dim=shape[1], dtype=self.dtype, device=self.device)
+        forward = _compiled_prefill(self, generation_config.compile_config)
+        with torch._dynamo.config.patch(recompile_limit=_PREFILL_RECOMPILE_LIMIT):
+            return forward(self, model_inputs)
+
+    return _prefill
