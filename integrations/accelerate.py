@@ -6,13 +6,16 @@ of them it picks the CPU. The Trainer already put its inputs on `tpu` (Transform
 `torch.accelerator`), so `accelerator.prepare(model)` moved the model back to the CPU and the first
 forward failed on the two devices. Here, a single process whose accelerator is `tpu` gets
 `tpu:<current>`, as one with CUDA gets `cuda`; `cpu=True` (`use_cpu=True`) and
-`ACCELERATE_TORCH_DEVICE` still decide first, as before.
+`ACCELERATE_TORCH_DEVICE` still decide first, as before. A run that a configuration sends to the CPU
+while a `tpu` is there says so once (`accelerate config default` writes `use_cpu: true` on a machine
+without CUDA, and training then ran on the CPU without a word).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 
 import torch
 
@@ -26,6 +29,7 @@ def install(module) -> None:
     """Patch the Accelerate module that was just imported (`hf_tpu.integrations.ADAPTERS`)."""
     if module.__name__ == "accelerate.state":
         _pick_tpu(module.PartialState)
+        _say_when_sent_to_the_cpu(module.PartialState)
     elif module.__name__ == "accelerate.utils.dataclasses":
         _add_tpu_dynamo_backend(module.DynamoBackend)
     elif module.__name__ == "accelerate.accelerator":
@@ -93,6 +97,35 @@ def _pick_tpu(state) -> None:
     patched = property(default_device)
     patched.fget._hf_tpu = True
     state.default_device = patched
+
+
+_CPU_WHILE_TPU = (
+    "Accelerate runs on the CPU although a tpu is available: it was asked for the CPU (`cpu=True`, "
+    "`use_cpu=True`, `use_cpu: true` in the accelerate config, which `accelerate config default` writes on "
+    "a machine without CUDA, or ACCELERATE_USE_CPU). To train on tpu, drop that setting (answer 'no' to "
+    "'CPU only' in `accelerate config`)."
+)
+_told = []
+
+
+def _say_when_sent_to_the_cpu(state) -> None:
+    """Warns once per process when a configuration puts Accelerate on the CPU while `tpu` is the
+    accelerator."""
+    original = state.__init__
+    if getattr(original, "_hf_tpu", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        device = getattr(self, "device", None)
+        if (not _told and getattr(self, "_cpu", False) and getattr(device, "type", None) == "cpu"
+                and _tpu_is_the_accelerator()):
+            _told.append(True)
+            warnings.warn(_CPU_WHILE_TPU, UserWarning, stacklevel=2)
+
+    __init__._hf_tpu = True
+    state.__init__ = __init__
 
 
 def _add_tpu_dynamo_backend(backends) -> None:

@@ -311,3 +311,35 @@ def test_a_resumed_trainer_draws_the_dropout_of_the_uninterrupted_run(tmp_path):
 
     uninterrupted = train()
     assert train(resume=str(tmp_path / "checkpoint-2")) == uninterrupted
+
+
+def test_a_configuration_that_sends_accelerate_to_the_cpu_says_so_once(monkeypatch):
+    """`accelerate config default` writes `use_cpu: true` without CUDA, and training then ran on the CPU
+    without a word while a tpu was there."""
+    import warnings
+
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from hf_tpu.integrations import accelerate as adapter
+
+    monkeypatch.setattr(adapter, "_told", [])
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            monkeypatch.setenv("ACCELERATE_USE_CPU", "true")  # what `accelerate launch` sets for use_cpu
+            assert Accelerator().device == torch.device("cpu")
+            AcceleratorState._reset_state(reset_partial_state=True)
+            assert Accelerator(cpu=True).device == torch.device("cpu")
+        told = [w for w in caught if "runs on the CPU although a tpu is available" in str(w.message)]
+        assert len(told) == 1
+        monkeypatch.delenv("ACCELERATE_USE_CPU")
+        AcceleratorState._reset_state(reset_partial_state=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            monkeypatch.setattr(adapter, "_told", [])
+            assert Accelerator().device == torch.device("tpu", 0)
+        assert not [w for w in caught if "runs on the CPU" in str(w.message)]
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
