@@ -142,6 +142,9 @@ class _CompiledGraph:
             self.eager = True
             log.warning("hf_tpu: a compiled graph runs in the eager mode instead (%s: %s)", type(e).__name__, e)
             return self.gm(*args)
+        except jax.errors.JaxRuntimeError as e:
+            modes.raise_out_of_memory(e, device_index, f"a compiled graph of {len(self.gm.graph.nodes)} nodes")
+            raise
         metas, checks, draws = self._meta(arrays, values)
         rng.advance(device_index, draws)
         for (dtype, raise_if_bad), array in zip(checks, checked):
@@ -229,6 +232,9 @@ class _CompiledGraph:
                                                       tuple(slots), carried, keep_going)
         except (_Untraceable, NotImplementedError, jax.errors.JAXTypeError, TypeError, ValueError) as e:
             raise loops.NotLoopable(f"{type(e).__name__}: {e}") from e
+        except jax.errors.JaxRuntimeError as e:
+            modes.raise_out_of_memory(e, device_index, f"a compiled loop of {len(self.gm.graph.nodes)} nodes")
+            raise
         metas, _, draws = self._meta(arrays, values)
         rng.advance(device_index, draws)  # iteration j draws at these offsets plus j * 2**32
         return self._outputs(metas, [*overwritten, *carried, keep_going])

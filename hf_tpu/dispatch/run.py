@@ -6,11 +6,14 @@ program, run it through the current execution mode, wrap the results as tensors)
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import counters, dtypes, modes
 from ..device import current, rng
 from ..memory import buffer
+from ..memory.out_of_memory import check_allocation
 from . import index_checks
 from .call import Call
 from .fallback import run_unlowered
@@ -44,8 +47,10 @@ def run_lowered(sig: Signature, values: list, analysed=None):
             eval_specs(program.fn, call)
     _counters["ops_dispatched"] += 1
     device_index = call.device_index
-    if device_index is None:
+    if device_index is None:  # a factory (zeros, randn, ...): refused at once beyond the device's memory
         device_index = _factory_device(sig, values)
+        check_allocation(_result_bytes(program), device_index,
+                         lambda: f"{sig.name} of {_result_shapes(program)}")
     rng_key = random_key(device_index, _generator_arg(sig, values)) if call.rng else None
     if program.data_dependent:
         modes.host_read(f"{sig.name} has a data-dependent output shape")
@@ -93,6 +98,15 @@ def _generator_arg(sig, values):
         if kind == GENERATOR:
             return v
     return None
+
+
+def _result_bytes(program) -> int:
+    """The bytes of the new tensors a program makes (not those it writes in place)."""
+    return sum(math.prod(spec[0]) * spec[1].itemsize for spec in program.out_specs or () if spec[0] != "mutated")
+
+
+def _result_shapes(program) -> str:
+    return ", ".join(f"{spec[0]} {spec[1]}" for spec in program.out_specs or () if spec[0] != "mutated")
 
 
 def _factory_device(sig: Signature, values) -> int:

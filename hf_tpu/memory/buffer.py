@@ -135,6 +135,11 @@ class Buffer:
         as zeros (PyTorch leaves it undefined)."""
         if type(self._array) is Lazy:
             flush(f"a value was read ({tuple(self.shape)} {self.dtype})")
+            if type(self._array) is Lazy:  # the flush that was to compute it failed (out of memory)
+                raise RuntimeError(
+                    f"this tpu tensor ({tuple(self.shape)} {self.dtype}) has no value: the deferred work "
+                    "that computes it failed at an earlier sync point (see that error); compute it again"
+                )
         if self._array is None:
             self.array = jax.device_put(
                 jnp.zeros(self.shape, dtypes.to_jax(self.dtype)), platform.jax_device(self.device_index)

@@ -1,21 +1,81 @@
-"""XLA's out-of-memory error in PyTorch's terms."""
+"""Out of memory in PyTorch's terms: `torch.OutOfMemoryError` with the sizes involved, raised once at
+the call that asks for the memory.
+
+Two places meet it. An allocation the dispatch layer makes itself (`torch.empty`, `empty_strided`,
+`new_empty`, a factory such as `zeros` or `randn`) is checked before anything is made
+(`check_allocation`): more bytes than the device has left is refused at once, so no tensor claims
+memory it could never have. A program XLA fails to run for want of memory (strict eager's launch, a
+deferred flush, a compiled graph) has its error turned into the same exception (`raise_out_of_memory`);
+nothing of the failed program is kept, so the device stays usable.
+"""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from .. import platform
 from . import buffer
 
+# How XLA says it ran out of memory: RESOURCE_EXHAUSTED at run time, and at compile time on a TPU an
+# INTERNAL error that says "Ran out of memory in memory space hbm".
+_MARKERS = ("resource_exhausted", "out of memory", "resource exhausted")
+
+
+def is_out_of_memory(error) -> bool:
+    """Whether an error XLA raised says that it ran out of memory."""
+    text = str(error).lower()
+    return any(marker in text for marker in _MARKERS)
+
+
+@functools.cache
+def capacity(device_index: int) -> int:
+    """The bytes device `device_index` holds in all: what JAX reports as its limit
+    (`platform.memory_info`); on the CPU platform, where JAX reports none, the host's physical memory.
+    0 where nothing is known, which turns the allocation check off."""
+    try:
+        return int(platform.memory_info(device_index)[1])
+    except Exception:
+        return 0
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
+
+
+def check_allocation(nbytes: int, device_index: int, what) -> None:
+    """Raise `torch.OutOfMemoryError` before making a tensor of `nbytes` on `tpu:device_index` when
+    those bytes exceed what the device has left: its capacity (`capacity`) less the bytes live tpu
+    tensors hold (`torch.tpu.memory_allocated`). Nothing is checked where the capacity is unknown.
+    `what` (the call, for the message) is a string or a function that makes it, called only to raise."""
+    total = capacity(device_index)
+    if not total:
+        return
+    held = buffer.allocator.allocated.get(device_index, 0)
+    if nbytes <= total - held:
+        return
+    if callable(what):
+        what = what()
+    raise torch.OutOfMemoryError(
+        f"tpu:{device_index} is out of memory: {what} asks for {_gib(nbytes)} ({nbytes} bytes); the device "
+        f"holds {_gib(total)} in all, of which live tpu tensors hold {_gib(held)} "
+        f"({_gib(max(total - held, 0))} free)."
+    )
+
 
 def raise_out_of_memory(error, device_index: int, what: str) -> None:
-    """XLA's RESOURCE_EXHAUSTED becomes `torch.OutOfMemoryError`, with the sizes involved; any other
-    error is left to the caller to re-raise."""
-    if "RESOURCE_EXHAUSTED" not in str(error) and "Out of memory" not in str(error):
+    """XLA's out-of-memory error (`is_out_of_memory`) becomes `torch.OutOfMemoryError`, with the sizes
+    involved, raised without XLA's error chained to it; any other error is left to the caller to
+    re-raise."""
+    if not is_out_of_memory(error):
         return
-    free, total = platform.memory_info(device_index)
+    try:
+        free, total = platform.memory_info(device_index)
+    except Exception:
+        free = total = 0
     raise torch.OutOfMemoryError(
         f"tpu:{device_index} ran out of memory running {what}. Live tpu tensors hold "
         f"{buffer.allocator.allocated.get(device_index, 0) / 2**30:.2f} GiB of {total / 2**30:.2f} GiB "
-        f"({free / 2**30:.2f} GiB free). XLA said: {str(error).splitlines()[0]}"
+        f"({free / 2**30:.2f} GiB free). XLA said: {str(error).strip().splitlines()[0]}"
     ) from None

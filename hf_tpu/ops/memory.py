@@ -16,6 +16,7 @@ from .. import dispatch, modes, platform
 from ..device import current
 from ..dispatch import handler, lowering, reuse_cpu_kernel
 from ..memory import buffer
+from ..memory.out_of_memory import check_allocation
 
 aten = torch.ops.aten
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
@@ -44,6 +45,7 @@ def empty(sig, values):
     size, dtype, _layout, device = values[:4]
     dtype = dtype or torch.get_default_dtype()
     index = current.current_index_for(torch.device(device) if device is not None else torch.device("tpu"))
+    check_allocation(math.prod(size) * dtype.itemsize, index, lambda: f"torch.empty({tuple(size)}, dtype={dtype})")
     return buffer.new_tensor(size, dtype, index)
 
 
@@ -52,9 +54,11 @@ def empty_strided(sig, values):
     size, stride, dtype, _layout, device = values[:5]
     dtype = dtype or torch.get_default_dtype()
     index = current.current_index_for(torch.device(device) if device is not None else torch.device("tpu"))
+    extent = 1 + sum((n - 1) * s for n, s in zip(size, stride)) if math.prod(size) else 0
+    check_allocation(extent * dtype.itemsize, index,
+                     lambda: f"torch.empty_strided({tuple(size)}, dtype={dtype})")
     if tuple(stride) == _contiguous(size):
         return buffer.new_tensor(size, dtype, index)
-    extent = 1 + sum((n - 1) * s for n, s in zip(size, stride)) if math.prod(size) else 0
     base = buffer.new_tensor((extent,), dtype, index)
     return aten.as_strided.default.redispatch(_CPU, base, size, stride, 0)
 
