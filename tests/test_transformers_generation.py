@@ -483,6 +483,37 @@ def test_attentions_asked_for_have_the_cpu_shapes(checkpoint):
     assert torch.equal(actual.sequences.cpu(), expected.sequences)
 
 
+@pytest.mark.parametrize("kwargs", [
+    dict(do_sample=False),
+    dict(attention_mask=torch.ones_like(PROMPT), repetition_penalty=1.5),
+    dict(return_dict_in_generate=True, output_hidden_states=True),
+], ids=["plain", "mask_and_penalty", "dict_output"])
+def test_the_generation_config_is_resolved_once_per_call(models, monkeypatch, kwargs):
+    """The adapter's wrapper resolves the config (a deepcopy of it and the defaults merged in) and hands it
+    on to Transformers' generate(), which would resolve it again."""
+    from transformers import GenerationConfig
+
+    cpu, tpu = models
+    resolve = type(tpu)._prepare_generation_config
+    calls = []
+
+    def counting(self, *args, **kw):
+        calls.append(1)
+        return resolve(self, *args, **kw)
+
+    config = GenerationConfig(max_new_tokens=4, do_sample=False)
+    expected = cpu.generate(PROMPT, generation_config=config, **kwargs)
+    monkeypatch.setattr(type(tpu), "_prepare_generation_config", counting)
+    on_tpu = {k: v.to("tpu") if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    actual = tpu.generate(PROMPT.to("tpu"), generation_config=config, **on_tpu)
+    assert len(calls) == 1
+    if kwargs.get("return_dict_in_generate"):
+        assert len(actual.hidden_states) == len(expected.hidden_states)
+        actual, expected = actual.sequences, expected.sequences
+    assert torch.equal(actual.cpu(), expected)
+    assert "_prepare_generation_config" not in tpu.__dict__
+
+
 @pytest.mark.parametrize("assistance", ["prompt_lookup", "assistant_model"])
 def test_assisted_generation_generates_the_cpu_tokens(models, assistance):
     cpu, tpu = models

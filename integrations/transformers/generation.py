@@ -135,7 +135,8 @@ def _wrap_generate(original):
         input_ids = inputs if inputs is not None else kwargs.get("input_ids")
         if args or not isinstance(input_ids, torch.Tensor) or input_ids.device.type != "tpu":
             return original(self, inputs, generation_config, *args, **kwargs)
-        resolved, model_kwargs = self._prepare_generation_config(generation_config, **kwargs)
+        resolved_kwargs = dict(kwargs)
+        resolved, model_kwargs = self._prepare_generation_config(generation_config, **resolved_kwargs)
         if not _is_plain_prompt(self, input_ids, model_kwargs) or not _loop_runs_on_the_host(resolved, kwargs):
             return original(self, inputs, generation_config, *args, **kwargs)
         kwargs.pop("input_ids", None)
@@ -153,7 +154,7 @@ def _wrap_generate(original):
             if host_mask is None:
                 host_mask = _prompt_mask(host_ids, resolved)
             host_ids, host_mask = _left_pad(host_ids, host_mask, padding)
-        with _step_inputs_on_the_model(self):
+        with _step_inputs_on_the_model(self), _config_resolved_once(self, resolved, model_kwargs, resolved_kwargs):
             output = original(self, host_ids, generation_config, attention_mask=host_mask, **kwargs)
         return _to_device(_strip_padding(output, padding), input_ids.device)
 
@@ -170,14 +171,50 @@ def _longest_sequence(config) -> int | None:
                  if isinstance(getattr(config, name, None), int)), None)
 
 
+# generation config attributes that Transformers' `_prepare_generation_config` takes from the kwargs and then
+# puts back among the model's kwargs when set
+_OUTPUT_FLAGS = ("output_attentions", "output_hidden_states")
+
+
+@contextlib.contextmanager
+def _config_resolved_once(model, resolved, model_kwargs: dict, resolved_kwargs: dict):
+    """Transformers' `generate()` resolves the generation config (a deepcopy of it, merged with the model's
+    and the global defaults, then the kwargs) that the wrapper above has already resolved from the same
+    arguments: for the call, its first `_prepare_generation_config` gets the wrapper's config instead of a
+    second one. The kwargs it is given differ from the wrapper's only in keys that are not config
+    attributes (the ids and mask, moved to the host; `generate()`'s own arguments, taken out of them),
+    which come back as the model's kwargs, as Transformers' own split returns them; any other difference
+    resolves the config again."""
+    def _prepare_generation_config(generation_config=None, **kwargs):
+        del model.__dict__["_prepare_generation_config"]  # once: a later call resolves its own
+        consumed = {key for key in resolved_kwargs if key not in model_kwargs or key in _OUTPUT_FLAGS}
+        if not (set(kwargs) - set(resolved_kwargs) <= {"attention_mask"}
+                and not consumed - set(kwargs) - {"attention_mask"}
+                and all(kwargs[key] is resolved_kwargs[key] for key in consumed if key in kwargs)):
+            return model._prepare_generation_config(generation_config, **kwargs)
+        unused = {key: value for key, value in kwargs.items() if key not in consumed}
+        unused.update({name: getattr(resolved, name) for name in _OUTPUT_FLAGS if getattr(resolved, name)})
+        return resolved, unused
+
+    model.__dict__["_prepare_generation_config"] = _prepare_generation_config
+    try:
+        yield
+    finally:
+        model.__dict__.pop("_prepare_generation_config", None)
+
+
 @contextlib.contextmanager
 def _step_inputs_on_the_model(model):
     """Transformers' own `prepare_inputs_for_generation` moves each step's inputs to the model; some
     models' overrides build them on the ids' device and do not (XLM, Flaubert), which with the ids on
     the host gave a tpu model CPU inputs. For the call, the model's own preparation is followed by
     that move (a no-op where it already happened)."""
+    from transformers.generation import GenerationMixin
     from transformers.pytorch_utils import move_to_device
 
+    if type(model).prepare_inputs_for_generation is GenerationMixin.prepare_inputs_for_generation:
+        yield  # Transformers' own: it moves them itself
+        return
     prepare = model.prepare_inputs_for_generation
 
     @functools.wraps(prepare)  # Transformers reads its signature to validate generate()'s arguments
