@@ -1,4 +1,4 @@
-"""Kernels that manage storage rather than compute: allocation, views, transfers, host reads.
+"""Handlers of the ops that manage storage rather than compute: allocation, views, transfers, host reads.
 
 Views are PyTorch's own: the CPU kernels of `as_strided`, `view`, `set_`, ... only compute sizes
 and strides over a shared storage, so they are reused as they are (redispatched with the CPU key).
