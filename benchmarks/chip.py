@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -49,13 +48,10 @@ PEAK_BF16 = {"TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v4": 275e12, "TPU v5
 
 
 def _median_seconds(fn, iters: int) -> float:
-    fn()
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    """Median seconds of `fn` after one untimed call (a first call compiles)."""
+    from benchmarks.common import timeit
+
+    return timeit(fn, warmup=1, iters=iters)
 
 
 def _forward_flops(config: dict, batch: int, length: int) -> float:
