@@ -61,6 +61,11 @@ SETTINGS = {s.name: s for s in (
     Setting("HF_TPU_COORDINATOR_ADDRESS", "text", None, "multi-process run: host:port of process 0"),
     Setting("HF_TPU_NUM_PROCESSES", "count", None, "multi-process run: the number of processes"),
     Setting("HF_TPU_PROCESS_ID", "index", None, "multi-process run: this process's index"),
+    Setting("HF_TPU_KERNELS", "choice", "auto", "Pallas kernels: auto (on a TPU where a kernel applies), xla (never), "
+            "pallas (wherever one applies; off a TPU in Pallas interpret mode, slow, for tests)",
+            choices=("auto", "xla", "pallas")),
+    Setting("HF_TPU_KERNEL_BLOCK", "count", 512, "the largest query/key block of the Pallas attention kernel "
+            "(a multiple of 128)"),
     Setting("HF_TPU_ALLOW_UNSUPPORTED_TORCH", "bool", False, "import on an untested torch release"),
 )}
 

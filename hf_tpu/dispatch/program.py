@@ -22,6 +22,7 @@ from .. import dtypes
 from ..device import rng
 from ..memory import buffer
 from .call import Call, call_with, checked_by_assert, flatten_returns, is_number, is_static_scalar, promotion, to_meta
+from .registry import lowering_function
 from .signatures import GENERATOR, OPT_TENSOR, SCALAR, SCALAR_LIST, TENSOR, TENSOR_LIST
 from .write_checks import check_out_dtypes
 
@@ -198,7 +199,8 @@ def build_program(call: Call) -> Program:
         args = [by_name[name] for name, kw in lowered_params if not kw and name in by_name]
         kwargs = {name: by_name[name] for name, kw in lowered_params if kw and name in by_name}
         try:
-            result = flatten_returns(low.fn(*args, **kwargs))
+            lower = lowering_function(sig.functional or sig.op, low, args, kwargs)
+            result = flatten_returns(lower(*args, **kwargs))
         except (TypeError, ValueError) as e:
             if isinstance(e, _DATA_DEPENDENT_ERRORS) or not _raised_by_library(e):
                 raise

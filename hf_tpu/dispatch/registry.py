@@ -24,7 +24,7 @@ import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as Promote
 
 __all__ = ["Lowering", "LOWERINGS", "lowering", "HANDLERS", "handler", "CPU_VIEW_KERNELS", "reuse_cpu_kernel",
-           "BACKEND_CHOICES", "backend_choice", "Promote"]
+           "BACKEND_CHOICES", "backend_choice", "KERNEL_CHOICES", "lowering_function", "Promote"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,3 +127,19 @@ def backend_choice(op):
         return fn
 
     return register
+
+
+# Device code registered in place of a lowering for some calls (`hf_tpu.kernels.register`): per functional
+# op, choosers `(args, kwargs) -> function or None`, newest first. A chooser sees the call's arrays while
+# its program is traced (shapes and dtypes, not values) and returns the function to lower it with, or
+# None to leave the call to the next chooser and finally to the lowering.
+KERNEL_CHOICES: dict[torch._ops.OpOverload, list[Callable]] = {}
+
+
+def lowering_function(op, low: Lowering, args, kwargs) -> Callable:
+    """The function that lowers this call of `op`: a registered kernel that takes it, else the lowering."""
+    for choose in KERNEL_CHOICES.get(op, ()):
+        chosen = choose(args, kwargs)
+        if chosen is not None:
+            return chosen
+    return low.fn

@@ -7,6 +7,10 @@ its fused kernel, so does `tpu` (`_scaled_dot_product_flash_attention_for_cpu`, 
 and PyTorch's own derivative); elsewhere (dropout, grouped heads, a mask needing a gradient) the math
 path runs as before. `torch.ops.hf_tpu.flash_attention` (further below) is the op to call for long
 sequences: its tpu lowering never holds the (query, key) score matrix.
+
+On a TPU both ops' lowerings call the Pallas flash attention kernel (`hf_tpu.kernels.flash_attention`,
+JAX's splash attention) for the calls it takes (`_takes_kernel`), forward and backward; every other call,
+and every call elsewhere, takes the XLA lowerings below.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from jax import lax
 import torch
 
 from ..dispatch import backend_choice, lowering
+from ..kernels import flash_attention as flash_kernel
+from ..kernels import selection as kernel_selection
 from .linalg import matmul_precision
 from .nn import _opmath
 
@@ -101,10 +107,25 @@ def _scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0
         query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
 
 
+def _takes_kernel(query, key, value, attn_mask, is_causal, query_offset) -> bool:
+    """Whether this call runs the Pallas flash attention kernel: on the platform and setting that allow
+    Pallas (`hf_tpu.kernels.selection`), for shapes the kernel takes, and in float32 only below the
+    "highest" matmul precision (the kernel's products are not guaranteed full float32 precision)."""
+    if not kernel_selection.pallas_enabled():
+        return False
+    if query.dtype == jnp.float32 and matmul_precision() == lax.Precision.HIGHEST:
+        return False
+    return flash_kernel.unsupported(query, key, value, attn_mask, is_causal=is_causal,
+                                    query_offset=query_offset) is None
+
+
 @lowering(aten._scaled_dot_product_flash_attention_for_cpu.default)
 def _scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p=0.0, is_causal=False, *,
                                                 attn_mask=None, scale=None):
     _no_dropout(dropout_p)
+    if _takes_kernel(query, key, value, attn_mask, is_causal, query_offset=0):  # SDPA's causal is top-left
+        return flash_kernel.flash_attention(query, key, value, attn_mask, scale=_default_scale(query, scale),
+                                            is_causal=is_causal, with_logsumexp=True)
     return _attention(_opmath(query), _opmath(key), _opmath(value), attn_mask, is_causal, scale)
 
 
@@ -112,6 +133,9 @@ def _scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p=0.0
 def _scaled_dot_product_flash_attention_for_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p,
                                                          is_causal, *, attn_mask=None, scale=None):
     _no_dropout(dropout_p)
+    if _takes_kernel(query, key, value, attn_mask, is_causal, query_offset=0):
+        return flash_kernel.gradients(grad_out, query, key, value, attn_mask, scale=_default_scale(query, scale),
+                              is_causal=is_causal)
 
     def forward(q, k, v):
         return _attention(q, k, v, attn_mask, is_causal, scale)[0]
@@ -356,8 +380,21 @@ def _heads_first(grouped):
     return grouped.reshape(grouped.shape[0], -1, *grouped.shape[3:])
 
 
+def _kernel_options(query, key, value, attn_mask, scale, is_causal, sliding_window, softcap):
+    """The Pallas kernel's arguments for a call of hf_tpu's op, or None when the call stays on the scan.
+    The op aligns its queries to the last keys."""
+    query_offset = key.shape[2] - query.shape[2]
+    if not _takes_kernel(query, key, value, attn_mask, is_causal, query_offset):
+        return None
+    return dict(attn_mask=attn_mask, scale=_default_scale(query, scale), is_causal=is_causal,
+                sliding_window=sliding_window, softcap=softcap, query_offset=query_offset)
+
+
 @lowering(torch.ops.hf_tpu.flash_attention.default)
 def flash_attention(query, key, value, attn_mask=None, scale=None, is_causal=False, sliding_window=0, softcap=0.0):
+    options = _kernel_options(query, key, value, attn_mask, scale, is_causal, sliding_window, softcap)
+    if options is not None:
+        return flash_kernel.flash_attention(query, key, value, **options)
     out, _ = _blocked_attention(query, key, value, attn_mask, scale, is_causal, sliding_window, softcap)
     return _heads_first(out)
 
@@ -367,7 +404,11 @@ def flash_attention_backward(grad_out, query, key, value, attn_mask=None, scale=
                              sliding_window=0, softcap=0.0):
     """FlashAttention's backward: the forward pass again for the logsumexp, then one scan over key
     blocks in which each block's probabilities are rebuilt from it. The derivative of the scores
-    (scale, soft-cap) is `jax.vjp` of the same `_block_scores` the forward uses."""
+    (scale, soft-cap) is `jax.vjp` of the same `_block_scores` the forward uses. Where the forward
+    takes the Pallas kernel, so does the backward (the kernel's own)."""
+    options = _kernel_options(query, key, value, attn_mask, scale, is_causal, sliding_window, softcap)
+    if options is not None:
+        return flash_kernel.gradients(grad_out, query, key, value, **options)
     out, logsumexp = _blocked_attention(query, key, value, attn_mask, scale, is_causal, sliding_window, softcap)
     blocks = _Blocks(query, key, value, attn_mask)
     scale = _default_scale(query, scale)

@@ -13,6 +13,8 @@ import torch
 
 from .. import dispatch, dtypes, modes
 from ..dispatch import Promote, handler, lowering
+from ..kernels import grouped_matmul
+from ..kernels import selection as kernel_selection
 from ..memory import buffer
 
 aten = torch.ops.aten
@@ -267,13 +269,29 @@ def _install_grouped_mm_meta() -> None:
 _install_grouped_mm_meta()
 
 
+def _grouped_kernel_applies(lhs, rhs, transposed: bool) -> bool:
+    """Whether megablox's Pallas kernel computes this grouped product (`hf_tpu.kernels.grouped_matmul`):
+    where Pallas is enabled, for the shapes and dtypes it takes, in float32 only below the "highest"
+    matmul precision."""
+    if not kernel_selection.pallas_enabled():
+        return False
+    if lhs.dtype == jnp.float32 and matmul_precision() == jax.lax.Precision.HIGHEST:
+        return False
+    return grouped_matmul.unsupported(lhs, rhs, transposed=transposed) is None
+
+
 def _grouped_product(self, mat2, offs):
     if self.ndim == 3 and mat2.ndim == 3:
         return _matmul(self, mat2)
     group_sizes = jnp.diff(offs.astype(jnp.int32), prepend=0)
+    out_dtype = accumulation_dtype(jnp.result_type(self, mat2))
     if self.ndim == 2 and mat2.ndim == 3:  # (m, k) x (g, k, n) -> (m, n)
+        if _grouped_kernel_applies(self, mat2, transposed=False):
+            return grouped_matmul.gmm(self, mat2, group_sizes, out_dtype=out_dtype)
         return _ragged_dot(self, mat2, group_sizes, 0, [0], ((1,), (1,)))
     if self.ndim == 2:  # (m, K) x (K, n) -> (g, m, n)
+        if _grouped_kernel_applies(self, mat2, transposed=True):
+            return grouped_matmul.tgmm(self, mat2, group_sizes, out_dtype=out_dtype)
         return _ragged_dot(self, mat2, group_sizes, 1, [], ((1,), (0,)))
     # (g, m, k) x (k, N) -> (m, N): as the transposed (N, k) x (g, k, m) -> (N, m)
     return _ragged_dot(mat2.T, jnp.swapaxes(self, 1, 2), group_sizes, 0, [0], ((1,), (1,))).T
