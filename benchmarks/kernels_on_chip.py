@@ -79,8 +79,9 @@ def _attention_rows(tiny, block, iters):
         def xla_full(q, k, v):
             groups = h // kvh
             k, v = jnp.repeat(k, groups, axis=1), jnp.repeat(v, groups, axis=1)
-            f32 = jnp.float32
-            return lowering._attention(q.astype(f32), k.astype(f32), v.astype(f32), None, True, scale)[0].astype(q.dtype)
+            f32 = jnp.float32  # as the lowering's `_opmath` upcasts
+            out, _ = lowering._attention(q.astype(f32), k.astype(f32), v.astype(f32), None, True, scale)
+            return out.astype(q.dtype)
 
         def xla_scan(q, k, v):
             out, _ = lowering._blocked_attention(q, k, v, None, scale, True, 0, 0.0)

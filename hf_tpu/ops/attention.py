@@ -135,7 +135,7 @@ def _scaled_dot_product_flash_attention_for_cpu_backward(grad_out, query, key, v
     _no_dropout(dropout_p)
     if _takes_kernel(query, key, value, attn_mask, is_causal, query_offset=0):
         return flash_kernel.gradients(grad_out, query, key, value, attn_mask, scale=_default_scale(query, scale),
-                              is_causal=is_causal)
+                                      is_causal=is_causal)
 
     def forward(q, k, v):
         return _attention(q, k, v, attn_mask, is_causal, scale)[0]

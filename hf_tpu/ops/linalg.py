@@ -229,7 +229,8 @@ def _ragged_dot(lhs, rhs, group_sizes, lhs_ragged, rhs_group, contracting):
 def grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
     """Groups are given by `offs` (cumulative ends) along the ragged dimension: the rows of a 2-D
     `self` against a 3-D `mat2`, the shared dimension of two 2-D operands, or the columns of a 2-D
-    `mat2` against a 3-D `self`. Rows/columns past the last offset are zeros."""
+    `mat2` against a 3-D `self`. Rows/columns past the last offset are zeros. On a TPU the first two
+    forms run megablox's Pallas kernels where they apply (`_grouped_kernel_applies`)."""
     result = _grouped_product(self, mat2, offs)
     if bias is not None:
         result = result + bias

@@ -1,0 +1,346 @@
+"""The Pallas kernels (`hf_tpu.kernels`) against the XLA lowerings and references, in Pallas interpret mode
+on the CPU (`HF_TPU_KERNELS=pallas`); which calls take a kernel and which fall back; users' kernels.
+
+Interpret mode emulates the kernels slowly, so shapes are the smallest the kernels take (128 queries
+and keys, head_dim 64). Tolerances: float32 kernels against float32 references at 2e-5 (the same
+products summed in another order); bfloat16 results at 2e-2 (one or two roundings of the output).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hf_tpu
+from hf_tpu import kernels, platform
+from hf_tpu.dispatch.program import PROGRAMS
+from hf_tpu.kernels import flash_attention as flash
+from hf_tpu.kernels import grouped_matmul
+from hf_tpu.kernels import selection
+
+
+@pytest.fixture
+def kernel_mode(monkeypatch):
+    """Set HF_TPU_KERNELS; programs traced under another choice are dropped first and after."""
+    def use(mode):
+        monkeypatch.setenv("HF_TPU_KERNELS", mode)
+        PROGRAMS.clear()
+
+    yield use
+    PROGRAMS.clear()
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts the calls that reach each kernel entry point (at trace time)."""
+    counts = {}
+
+    def counting(module, name):
+        original = getattr(module, name)
+
+        def counted(*args, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+
+    for module, name in ((flash, "flash_attention"), (flash, "gradients"), (grouped_matmul, "gmm"),
+                         (grouped_matmul, "tgmm")):
+        counting(module, name)
+    return counts
+
+
+def _normal(seed, shape, dtype=jnp.float32):
+    return jax.random.normal(jax.random.key(seed), shape, dtype)
+
+
+# --- the attention kernel against its reference (JAX level)
+
+ATTENTION_CASES = {
+    # name: (heads, kv_heads, q_len, k_len, options, mask)
+    "causal_aligned_to_last_keys_gqa": (4, 2, 128, 256, dict(is_causal=True, query_offset=128), None),
+    "sliding_window_softcap": (2, 1, 256, 256, dict(is_causal=True, sliding_window=96, softcap=5.0), None),
+    "no_mask": (1, 1, 128, 256, dict(), None),
+    "padding_mask_with_hidden_rows": (1, 1, 128, 128, dict(is_causal=True), "left_padding"),
+}
+
+
+def _padding_mask(batch, k_len):
+    """Left padding, (batch, 1, 1, k_len): the second sequence's first 40 keys are padding, so with a
+    causal pattern its first 40 queries see nothing."""
+    starts = jnp.array([0, 40])[:batch]
+    return (jnp.arange(k_len)[None, :] >= starts[:, None])[:, None, None, :]
+
+
+# interpret mode takes 5-15 s a case here; the op-level tests below cover window and soft-cap too
+SLOW_CASES = ("sliding_window_softcap", "no_mask")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c
+                                  for c in ATTENTION_CASES])
+def test_flash_attention_kernel_matches_reference_forward_and_backward(case):
+    heads, kv_heads, q_len, k_len, options, mask = ATTENTION_CASES[case]
+    batch = 2 if mask else 1  # the padded batch: one sequence padded, one not
+    q = _normal(0, (batch, heads, q_len, 64))
+    k = _normal(1, (batch, kv_heads, k_len, 64))
+    v = _normal(2, (batch, kv_heads, k_len, 64))
+    mask = _padding_mask(batch, k_len) if mask else None
+    options = dict(scale=0.125, **options)
+    assert flash.unsupported(q, k, v, mask, is_causal=options.get("is_causal", False),
+                             query_offset=options.get("query_offset", 0)) is None
+    out, logsumexp = flash.flash_attention(q, k, v, mask, with_logsumexp=True, interpret=True, **options)
+    want, want_logsumexp = flash.reference(q, k, v, mask, with_logsumexp=True, **options)
+    np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(logsumexp, want_logsumexp, atol=2e-5, rtol=2e-5)
+    if mask is not None:
+        assert not np.asarray(out[1, :, :40]).any()  # fully hidden rows give 0, as the XLA lowerings do
+
+    grad_out = _normal(3, q.shape)
+    grads = flash.gradients(grad_out, q, k, v, mask, interpret=True, **options)
+    _, pullback = jax.vjp(lambda q, k, v: flash.reference(q, k, v, mask, **options), q, k, v)
+    for got, expected in zip(grads, pullback(grad_out)):
+        np.testing.assert_allclose(got, expected, atol=5e-5, rtol=5e-5)
+
+
+@pytest.mark.parametrize("reason, call", [
+    ("multiples of 128", lambda: flash.unsupported(*_qkv(1, 256), None)),  # a decode step
+    ("multiples of 128", lambda: flash.unsupported(*_qkv(100, 100), None)),
+    ("bfloat16, float32", lambda: flash.unsupported(*_qkv(128, 128, jnp.float16), None)),
+    ("boolean masks", lambda: flash.unsupported(*_qkv(128, 128), jnp.zeros((1, 1, 128, 128), jnp.float32))),
+    ("multiples of 64", lambda: flash.unsupported(*_qkv(128, 128, head_dim=32), None)),
+    ("hidden rows", lambda: flash.unsupported(*_qkv(256, 128), None, is_causal=True, query_offset=-128)),
+])
+def test_attention_kernel_declines_what_it_cannot_take(reason, call):
+    assert reason in call()
+
+
+def _qkv(q_len, k_len, dtype=jnp.float32, head_dim=64):
+    return (jax.ShapeDtypeStruct((1, 4, q_len, head_dim), dtype), jax.ShapeDtypeStruct((1, 2, k_len, head_dim), dtype),
+            jax.ShapeDtypeStruct((1, 2, k_len, head_dim), dtype))
+
+
+def test_block_sizes_are_the_largest_lane_multiples_that_divide(monkeypatch):
+    sizes = flash.block_sizes(384, 1024)
+    assert (sizes.block_q, sizes.block_kv, sizes.block_q_dq, sizes.block_kv_dkv) == (384, 512, 384, 512)
+    monkeypatch.setenv("HF_TPU_KERNEL_BLOCK", "256")
+    assert flash.block_sizes(1024, 640).block_kv == 128
+    monkeypatch.setenv("HF_TPU_KERNEL_BLOCK", "200")
+    with pytest.raises(ValueError, match="multiple of 128"):
+        flash.block_sizes(1024, 1024)
+
+
+# --- the attention ops on tpu: kernel against XLA lowering
+
+
+def _torch_qkv(heads, kv_heads, q_len, k_len, dtype=torch.bfloat16, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, h, n, 64, generator=generator, dtype=dtype)
+            for h, n in ((heads, q_len), (kv_heads, k_len), (kv_heads, k_len))]
+
+
+def _run_both(kernel_mode, fn):
+    """fn() under the XLA lowering and under the kernel, results on the CPU."""
+    kernel_mode("xla")
+    xla = fn()
+    kernel_mode("pallas")
+    return xla, fn()
+
+
+def _forward_and_grads(op, tensors, **kwargs):
+    leaves = [t.to("tpu").requires_grad_() for t in tensors]
+    out = op(*leaves, **kwargs)
+    out.float().square().sum().backward()
+    return [out.detach().cpu().float()] + [leaf.grad.cpu().float() for leaf in leaves]
+
+
+def test_hf_tpu_flash_attention_takes_the_kernel_forward_and_backward(kernel_mode, kernel_calls):
+    q, k, v = _torch_qkv(4, 2, 128, 256)
+    mask = torch.ones(2, 1, 128, 256, dtype=torch.bool)
+    mask[1, ..., :60] = False  # padding
+
+    def run():
+        return _forward_and_grads(lambda q, k, v: torch.ops.hf_tpu.flash_attention(
+            q, k, v, mask.to("tpu"), None, True, 100, 30.0), (q, k, v))
+
+    xla, pallas = _run_both(kernel_mode, run)
+    assert kernel_calls == {"flash_attention": 2, "gradients": 1}  # the forward, and the one the gradient runs
+    for got, want in zip(pallas, xla):
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+def test_sdpa_fused_op_takes_the_kernel_with_top_left_causal_alignment(kernel_mode, kernel_calls):
+    q, k, v = _torch_qkv(2, 2, 128, 256)  # more keys than queries: SDPA's causal mask is top-left
+
+    def run():
+        return _forward_and_grads(F.scaled_dot_product_attention, (q, k, v), is_causal=True)
+
+    xla, pallas = _run_both(kernel_mode, run)
+    assert kernel_calls == {"flash_attention": 2, "gradients": 1}  # the forward, and the one the gradient runs
+    for got, want in zip(pallas, xla):
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    cpu = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    torch.testing.assert_close(pallas[0], cpu, atol=2e-2, rtol=2e-2)
+
+
+def test_sdpa_with_a_boolean_mask_takes_the_kernel(kernel_mode, kernel_calls):
+    q, k, v = _torch_qkv(2, 2, 128, 128, dtype=torch.bfloat16, seed=1)
+    mask = torch.rand(128, 128, generator=torch.Generator().manual_seed(2)) > 0.3
+    xla, pallas = _run_both(kernel_mode, lambda: F.scaled_dot_product_attention(
+        q.to("tpu"), k.to("tpu"), v.to("tpu"), attn_mask=mask.to("tpu")).cpu().float())
+    assert kernel_calls == {"flash_attention": 1}
+    torch.testing.assert_close(pallas, xla, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("case", ["decode", "float16", "additive_mask", "highest_float32"])
+def test_calls_outside_the_kernel_rules_keep_the_xla_lowering(case, kernel_mode, kernel_calls):
+    kernel_mode("pallas")
+    dtype = {"float16": torch.float16, "highest_float32": torch.float32}.get(case, torch.bfloat16)
+    q, k, v = (t.to("tpu") for t in _torch_qkv(4, 2, 1 if case == "decode" else 128, 128, dtype=dtype))
+    mask = torch.zeros(2, 1, q.shape[2], 128, dtype=dtype, device="tpu") if case == "additive_mask" else None
+    torch.ops.hf_tpu.flash_attention(q, k, v, mask, None, case != "decode").cpu()
+    assert kernel_calls == {}
+
+
+def test_auto_takes_kernels_on_a_tpu_only_and_xla_never(monkeypatch):
+    for mode, on_tpu, on_cpu in (("auto", True, False), ("xla", False, False), ("pallas", True, True)):
+        monkeypatch.setenv("HF_TPU_KERNELS", mode)
+        monkeypatch.setattr(platform, "name", lambda: "tpu")
+        assert selection.pallas_enabled() is on_tpu and not selection.interpret()
+        monkeypatch.setattr(platform, "name", lambda: "cpu")
+        assert selection.pallas_enabled() is on_cpu and selection.interpret()
+    monkeypatch.setenv("HF_TPU_KERNELS", "mosaic")
+    with pytest.raises(ValueError, match="HF_TPU_KERNELS"):
+        selection.mode()
+
+
+# --- the grouped matmul kernels
+
+
+def test_gmm_and_tgmm_kernels_match_their_references():
+    sizes = jnp.array([50, 0, 100, 80], jnp.int32)  # an empty group; rows 230.. are past the groups
+    x, w = _normal(0, (256, 128)), _normal(1, (4, 128, 256))
+    np.testing.assert_allclose(grouped_matmul.gmm(x, w, sizes, interpret=True),
+                               grouped_matmul.reference_gmm(x, w, sizes), atol=2e-4, rtol=2e-5)
+    xt, y = _normal(2, (128, 200)), _normal(3, (200, 128))  # 200 rows: padded to whole row tiles
+    sizes = jnp.array([50, 0, 100, 40], jnp.int32)
+    np.testing.assert_allclose(grouped_matmul.tgmm(xt, y, sizes, interpret=True),
+                               grouped_matmul.reference_tgmm(xt, y, sizes), atol=2e-4, rtol=2e-5)
+    assert "multiples of 128" in grouped_matmul.unsupported(_normal(0, (8, 96)), _normal(1, (2, 96, 128)))
+
+
+def test_grouped_mm_takes_megablox_forward_and_backward(kernel_mode, kernel_calls):
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 128, generator=generator).to(torch.bfloat16)
+    b = torch.randn(4, 128, 128, generator=generator).to(torch.bfloat16)
+    offs = torch.tensor([10, 10, 40, 60], dtype=torch.int32)
+    grad = torch.randn(64, 128, generator=generator).to(torch.bfloat16)
+    grad[60:] = 0
+
+    def run():
+        leaves = [a.to("tpu").requires_grad_(), b.to("tpu").requires_grad_()]
+        out = torch._grouped_mm(*leaves, offs=offs.to("tpu"))
+        out.backward(grad.to("tpu"))
+        return [out.detach().cpu().float()] + [leaf.grad.cpu().float() for leaf in leaves]
+
+    xla, pallas = _run_both(kernel_mode, run)
+    assert set(kernel_calls) == {"gmm", "tgmm"}  # forward and input gradient, weight gradient
+    for got, want in zip(pallas, xla):
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    assert not pallas[0][60:].any()
+
+
+# --- users' kernels
+
+
+def _scale_by_two_kernel(x):
+    """A Pallas kernel: x * 2, one block."""
+    from jax.experimental import pallas as pl
+
+    def body(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2
+
+    return pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=kernels.interpret())(x)
+
+
+def test_a_registered_kernel_replaces_the_lowering_where_it_applies(kernel_mode):
+    x = torch.arange(8.0)
+    kernel_mode("auto")  # on the CPU: a kernel for ("tpu",) stays off, one for ("cpu",) runs
+    registration = kernels.register(torch.ops.aten.exp2.default, _scale_by_two_kernel, platforms=("tpu",))
+    try:
+        torch.testing.assert_close(torch.exp2(x.to("tpu")).cpu(), torch.exp2(x))
+        on_cpu = kernels.register(torch.ops.aten.exp2, _scale_by_two_kernel, platforms="cpu",
+                                  applies=lambda self: self.shape[0] == 8)
+        assert kernels.registered(torch.ops.aten.exp2.default) == [on_cpu, registration]
+        torch.testing.assert_close(torch.exp2(x.to("tpu")).cpu(), x * 2)
+        torch.testing.assert_close(torch.exp2(torch.arange(4.0, device="tpu")).cpu(), torch.exp2(torch.arange(4.0)))
+        kernel_mode("xla")
+        torch.testing.assert_close(torch.exp2(x.to("tpu")).cpu(), torch.exp2(x))
+        kernel_mode("auto")
+        on_cpu.remove()
+        torch.testing.assert_close(torch.exp2(x.to("tpu")).cpu(), torch.exp2(x))
+    finally:
+        registration.remove()
+    assert kernels.registered(torch.ops.aten.exp2.default) == []
+
+
+@torch.library.custom_op("hf_tpu_tests::double", mutates_args=(), device_types="cpu")
+def _double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def test_a_custom_op_gets_a_kernel_on_tpu_and_its_reference_elsewhere(kernel_mode):
+    with pytest.raises(ValueError, match="reference="):
+        kernels.register(torch.ops.hf_tpu_tests.double, _scale_by_two_kernel)
+    kernel_calls = []
+
+    def kernel(x):
+        kernel_calls.append(1)
+        return _scale_by_two_kernel(x)
+
+    registration = kernels.register(torch.ops.hf_tpu_tests.double, kernel, reference=lambda x: x * 2)
+    try:
+        kernel_mode("auto")  # the CPU platform: the reference
+        torch.testing.assert_close(_double(torch.arange(4.0, device="tpu")).cpu(), torch.arange(4.0) * 2)
+        assert not kernel_calls
+        kernel_mode("pallas")  # the kernel, interpreted
+        torch.testing.assert_close(_double(torch.arange(4.0, device="tpu")).cpu(), torch.arange(4.0) * 2)
+        assert kernel_calls
+    finally:
+        registration.remove()
+
+
+def test_register_names_its_errors():
+    with pytest.raises(ValueError, match="no op is named"):
+        kernels.register("rms_norm", _scale_by_two_kernel)
+    assert kernels.NAMED_OPS["flash_attention"]() is torch.ops.hf_tpu.flash_attention.default
+
+
+@pytest.mark.slow  # a process of its own: 10-20 s
+def test_the_example_runs_a_user_pallas_kernel_in_interpret_mode():
+    result = subprocess.run([sys.executable, "examples/pallas_kernel.py"], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "HF_TPU_PLATFORM": "cpu"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "the kernel ran: True" in result.stdout and "matches the reference" in result.stdout
+
+
+@pytest.mark.slow  # a process of its own, every case compiled: 15-45 s
+def test_the_chip_benchmark_runs_its_tiny_form(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "benchmarks.kernels_on_chip", "--tiny", "--iters", "1",
+                             "--json", str(tmp_path / "rows.json")], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "HF_TPU_PLATFORM": "cpu"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    assert {r["kernel"] for r in rows} == {"attention", "decode attention", "grouped matmul"}
+    attention = [r for r in rows if r["kernel"] == "attention"]
+    assert all(r["pallas"] and r["xla_scan"] and r["xla_full"] for r in attention), result.stderr[-2000:]
+    assert all(r["megablox"] and r["ragged"] for r in rows if r["kernel"] == "grouped matmul"), result.stderr[-2000:]
+    assert "full/pallas" in result.stdout
