@@ -27,6 +27,7 @@ from . import selection
 
 LANES = 128
 DTYPES = (jnp.bfloat16, jnp.float32)
+_EXPERT_TILE_BYTES = 4 * 2**20  # one (k, n) tile of an expert: double-buffered, well inside 16 MiB of VMEM
 
 
 def _library():
@@ -45,14 +46,18 @@ def unsupported(lhs, rhs, *, transposed=False):
     return None
 
 
-def _tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
+def _tiling(m: int, k: int, n: int, itemsize: int = 2) -> tuple[int, int, int]:
     """(row, k, n) tiles. The kernel visits each row tile once per group it overlaps, and an MoE layer
     spreads few rows over many experts, so row tiles are short (128 rows, or the rows rounded up to 16
-    when fewer); k and n tiles are 512 wide where they divide, else 256 or 128."""
-    def lanes(size):
-        return next(t for t in (512, 256, 128) if size % t == 0)
+    when fewer). An expert's matrix is read whole where one tile of it fits `_EXPERT_TILE_BYTES`: on
+    a v5e (2026-12-04, 512 rows x 128 experts of 2048 x 768, bfloat16) tiles (128, 2048, 768) took
+    1.15 ms, (256, 512, 256) 1.92 ms and (128, 128, 128) 4.92 ms; `lax.ragged_dot` 1.29 ms."""
+    def widest(size, budget_elements):
+        return next((t for t in (size, 2048, 1024, 512, 256) if size % t == 0 and t <= budget_elements), LANES)
 
-    return min(128, -(-m // 16) * 16), lanes(k), lanes(n)
+    tile_n = widest(n, 2048)
+    tile_k = widest(k, _EXPERT_TILE_BYTES // (itemsize * tile_n))
+    return min(128, -(-m // 16) * 16), tile_k, tile_n
 
 
 def _pad_rows(x, rows: int, axis: int):
@@ -69,7 +74,7 @@ def gmm(lhs, rhs, group_sizes, *, out_dtype=None, tiling=None, interpret=None):
     from jax.experimental.pallas.ops.tpu.megablox import ops
 
     m = lhs.shape[0]
-    tiling = tiling or _tiling(m, lhs.shape[1], rhs.shape[2])
+    tiling = tiling or _tiling(m, lhs.shape[1], rhs.shape[2], lhs.dtype.itemsize)
     interpret = selection.interpret() if interpret is None else interpret
     out = ops.gmm(_pad_rows(lhs, tiling[0], 0), rhs, group_sizes.astype(jnp.int32),
                   out_dtype or lhs.dtype, tiling, None, None, False, interpret)[:m]
@@ -81,7 +86,7 @@ def tgmm(lhs, rhs, group_sizes, *, out_dtype=None, tiling=None, interpret=None):
     """(k, m) x (m, n) -> (groups, k, n): group g is lhs[:, rows of g] @ rhs[rows of g]; empty groups
     and rows past the groups contribute 0."""
     m = lhs.shape[1]
-    tiling = tiling or _tiling(m, lhs.shape[0], rhs.shape[1])
+    tiling = tiling or _tiling(m, lhs.shape[0], rhs.shape[1], lhs.dtype.itemsize)
     interpret = selection.interpret() if interpret is None else interpret
     in_groups = jnp.arange(m) < group_sizes.sum()  # rows past the groups: zero them, the kernel may read them
     lhs = jnp.where(in_groups[None, :], lhs, jnp.zeros((), lhs.dtype))
