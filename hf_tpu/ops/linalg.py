@@ -218,7 +218,9 @@ def _ragged_dot(lhs, rhs, group_sizes, lhs_ragged, rhs_group, contracting):
         rhs,
         group_sizes,
         numbers,
-        precision=matmul_precision(),
+        # a precision is a float32 product's choice; on a TPU, ragged_dot's Pallas lowering refuses
+        # bfloat16 operands with float32 contract precision ("Bad lhs type", v5e, 2026-12-04)
+        precision=matmul_precision() if jnp.result_type(lhs, rhs) == jnp.float32 else None,
         preferred_element_type=accumulation_dtype(jnp.result_type(lhs, rhs)),
     )
 
