@@ -28,8 +28,8 @@ where there is none, against the measured matmul throughput).
 Run: python -m benchmarks.chip                              (the 1.1B and MoE models: on a TPU)
      python -m benchmarks.chip --only forward,torchax --timeout 300 --json f.json
      python -m benchmarks.chip --figures f.json --plot docs/chip.png   (report and plot a saved run)
-     python -m benchmarks.chip --size tiny --plot /tmp/p.png   (tiny models with the same work: CI runs this)
-     python -m benchmarks.chip --only forward --dump-hlo DIR   (XLA's optimized HLO of each side)
+     python -m benchmarks.chip --size tiny --plot /tmp/p.png   (tiny models, same work: CI runs one batch and length)
+     python -m benchmarks.chip --only forward,torchax --dump-hlo DIR   (XLA's optimized HLO of each side)
 """
 
 from __future__ import annotations
@@ -94,7 +94,8 @@ def _layer_matmul_params(config: dict, active_experts: float | None = None) -> f
 
 def weight_bytes(config: dict) -> float:
     """bfloat16 bytes of every weight (embedding and LM head untied, norms left out)."""
-    return 2 * (config["num_hidden_layers"] * _layer_matmul_params(config) + 2 * config["hidden_size"] * config["vocab_size"])
+    embedding_and_head = 2 * config["hidden_size"] * config["vocab_size"]
+    return 2 * (config["num_hidden_layers"] * _layer_matmul_params(config) + embedding_and_head)
 
 
 def kv_bytes_per_token(config: dict) -> int:
@@ -102,8 +103,9 @@ def kv_bytes_per_token(config: dict) -> int:
 
 
 def forward_flops(config: dict, batch: int, length: int) -> float:
-    matmul_params = config["num_hidden_layers"] * _layer_matmul_params(config) + config["hidden_size"] * config["vocab_size"]
-    attention = 2 * 2 * config["num_hidden_layers"] * length * length * config["num_attention_heads"] * _head_dim(config)
+    layers = config["num_hidden_layers"]
+    matmul_params = layers * _layer_matmul_params(config) + config["hidden_size"] * config["vocab_size"]
+    attention = 2 * 2 * layers * length * length * config["num_attention_heads"] * _head_dim(config)
     return batch * (2 * length * matmul_params + attention)
 
 
@@ -121,7 +123,8 @@ def decode_limit_tokens_per_second(config: dict, batch: int, context: int, hbm_b
         experts, chosen = config["num_experts"], config["num_experts_per_tok"]
         reached = experts * (1 - (1 - chosen / experts) ** batch)
     layers = config["num_hidden_layers"] * _layer_matmul_params(config, active_experts=reached)
-    step_bytes = 2 * (layers + config["hidden_size"] * config["vocab_size"]) + batch * context * kv_bytes_per_token(config)
+    weights = 2 * (layers + config["hidden_size"] * config["vocab_size"])
+    step_bytes = weights + batch * context * kv_bytes_per_token(config)
     return batch * hbm_bytes_per_second / step_bytes
 
 
@@ -197,9 +200,7 @@ class _Rows:
         if not self.check_memory:
             return True
         if self._device_bytes is None:
-            from hf_tpu import platform
-
-            self._device_bytes = platform.memory_info(0)[1]
+            self._device_bytes = _device_bytes()
         reason = does_not_fit(config, batch, length, self._device_bytes, new_tokens)
         if reason:
             self.skip(row, reason)
@@ -210,6 +211,15 @@ class _Rows:
 
         gc.collect()
         self.skip(row, f"out of memory: {str(error).splitlines()[0][:200]}")
+
+
+def _device_bytes() -> float:
+    """Memory of JAX's first device (the host's, where XLA states none), read without hf_tpu: the torchax
+    process must not import it (both claim PrivateUse1)."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit") or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _grid(spec: dict) -> list:
@@ -439,7 +449,7 @@ GROUPS = {  # name: (the worker, its default time limit in seconds)
     "limits": (_group_limits, 120),
     "forward": (_group_forward, 420),
     "torchax": (_group_torchax, 300),
-    "decode": (_group_decode, 480),
+    "decode": (_group_decode, 540),
     "ttft": (_group_ttft, 420),
     "eager": (_group_eager, 300),
     "moe": (_group_moe, 540),
@@ -500,8 +510,9 @@ def _run_group(group: str, args, timeout: float, on_row) -> None:
     print(f"[{group}] done in {time.monotonic() - start:.0f} s", flush=True)
 
 
-def describe(row: dict, spec: dict) -> str:
-    """One figure as a line, printed the moment it arrives."""
+def describe(row: dict, spec: dict, limits: dict | None = None) -> str:
+    """One figure as a line, printed the moment it arrives (with MFU and the HBM limit once `limits` is known)."""
+    peak, hbm = _peak_flops(limits), _hbm_limit(limits)
     section = row["section"]
     if section == "skipped":
         return f"[{row['group']}] skipped {row['row']}: {row['reason']}"
@@ -512,15 +523,21 @@ def describe(row: dict, spec: dict) -> str:
                 f"HBM read {row['hbm_gbs']:.0f} GB/s, memory {row['memory_gb']:.1f} GB")
     shape = f"{row.get('batch', 1)}x{row.get('length')}"
     if section == "forward":
+        flops = forward_flops(spec["model"], row["batch"], row["length"]) / row["seconds"]
         return (f"[{row['group']}] {row['side']} forward {shape}: {row['seconds'] * 1e3:.2f} ms "
-                f"({forward_flops(spec['model'], row['batch'], row['length']) / row['seconds'] / 1e12:.1f} TFLOP/s), "
+                f"({flops / 1e12:.1f} TFLOP/s{f', MFU {100 * flops / peak:.0f}%' if peak else ''}), "
                 f"first call {row['first_call']:.1f} s")
     if section == "eager":
-        return f"[eager] {row['mode']} forward {shape}: {row['seconds'] * 1e3:.1f} ms, first call {row['first_call']:.1f} s"
+        return (f"[eager] {row['mode']} forward {shape}: {row['seconds'] * 1e3:.1f} ms, "
+                f"first call {row['first_call']:.1f} s")
     if section in ("decode", "moe"):
         what = f"{row['implementation']} " if section == "moe" else ""
+        tokens = row["batch"] / row["step_seconds"]
+        limit = (decode_limit_tokens_per_second(spec["moe" if section == "moe" else "model"], row["batch"],
+                                                row["context"], hbm) if hbm else None)
         return (f"[{section}] {what}decode batch {row['batch']} after {row['length']}: "
-                f"{row['step_seconds'] * 1e3:.2f} ms/step, {row['batch'] / row['step_seconds']:.0f} tokens/s, "
+                f"{row['step_seconds'] * 1e3:.2f} ms/step, {tokens:.0f} tokens/s"
+                f"{f' ({100 * tokens / limit:.0f}% of the HBM limit)' if limit else ''}, "
                 f"first call {row['first_call']:.1f} s")
     if section == "ttft":
         return (f"[ttft] prompt {row['length']}: generate(1 token) {row['seconds'] * 1e3:.1f} ms, compiled forward "
@@ -541,7 +558,7 @@ def run(args, spec: dict) -> list:
 
     def on_row(row):
         results.append(row)
-        print(describe(row, spec), flush=True)
+        print(describe(row, spec, _limits(results)), flush=True)
         if args.json:
             _save(results, args.json)
 
@@ -675,8 +692,8 @@ def plot(results: list, spec: dict, path: str) -> None:
     if peak:
         for side, style in (("hf-tpu", "o-"), ("torchax", "s--")):
             for batch in sorted({r["batch"] for r in forward if r["side"] == side}):
-                points = sorted((r["length"], 100 * forward_flops(spec["model"], batch, r["length"]) / r["seconds"] / peak)
-                                for r in forward if r["side"] == side and r["batch"] == batch)
+                mfu = lambda r: 100 * forward_flops(spec["model"], batch, r["length"]) / r["seconds"] / peak
+                points = sorted((r["length"], mfu(r)) for r in forward if r["side"] == side and r["batch"] == batch)
                 prefill_axes.plot(*zip(*points), style, label=f"{side}, batch {batch}")
         prefill_axes.axhline(100, color="black", label="peak bf16 FLOP/s")
         prefill_axes.axhline(100 * limits["matmul_tflops"] * 1e12 / peak, color="grey", linestyle=":",

@@ -73,23 +73,21 @@ def test_memory_check_on_a_v5e():
 
 
 def _figures():
+    forward = dict(section="forward", group="forward", side="hf-tpu", batch=1)
+    decode = dict(section="decode", group="decode", side="hf-tpu", length=128, context=160)
+    moe = dict(section="moe", group="moe", side="hf-tpu", batch=64, length=16, context=20)
     return [
-        {"section": "run", "size": "1b", "batches": [1, 8, 64], "lengths": [128, 1024, 4096], "started": "-",
-         "command": "-"},
-        {"section": "limits", "device": "TPU v5 lite", "platform": "tpu", "matmul_tflops": 160.0, "hbm_gbs": 600.0,
-         "peak_tflops": 197.0, "peak_hbm_gbs": 819.0, "memory_gb": 16.9},
-        {"section": "forward", "side": "hf-tpu", "batch": 1, "length": 1024, "seconds": 0.020, "first_call": 30.0},
-        {"section": "forward", "side": "torchax", "batch": 1, "length": 1024, "seconds": 0.016, "first_call": 9.0},
-        {"section": "forward", "side": "hf-tpu", "batch": 1, "length": 128, "seconds": 0.005, "first_call": 20.0},
-        {"section": "decode", "side": "hf-tpu", "batch": 1, "length": 128, "step_seconds": 0.003, "first_call": 35.0,
-         "context": 160},
-        {"section": "decode", "side": "hf-tpu", "batch": 64, "length": 128, "step_seconds": 0.006, "first_call": 40.0,
-         "context": 160},
-        {"section": "moe", "group": "moe", "side": "hf-tpu", "implementation": "grouped_mm", "batch": 64, "length": 16,
-         "step_seconds": 0.012, "first_call": 50.0, "context": 20},
-        {"section": "moe", "group": "moe", "side": "hf-tpu", "implementation": "eager", "batch": 64, "length": 16,
-         "step_seconds": 1.2, "first_call": 90.0, "context": 20},
-        {"section": "skipped", "group": "decode", "row": "64x4096", "reason": "needs ~303 GB"},
+        dict(section="run", size="1b", batches=[1, 8, 64], lengths=[128, 1024, 4096], started="-", command="-"),
+        dict(section="limits", group="limits", device="TPU v5 lite", platform="tpu", matmul_tflops=160.0,
+             hbm_gbs=600.0, peak_tflops=197.0, peak_hbm_gbs=819.0, memory_gb=16.9),
+        dict(forward, length=1024, seconds=0.020, first_call=30.0),
+        dict(forward, group="torchax", side="torchax", length=1024, seconds=0.016, first_call=9.0),
+        dict(forward, length=128, seconds=0.005, first_call=20.0),
+        dict(decode, batch=1, step_seconds=0.003, first_call=35.0),
+        dict(decode, batch=64, step_seconds=0.006, first_call=40.0),
+        dict(moe, implementation="grouped_mm", step_seconds=0.012, first_call=50.0),
+        dict(moe, implementation="eager", step_seconds=1.2, first_call=90.0),
+        dict(section="skipped", group="decode", row="64x4096", reason="needs ~303 GB"),
     ]
 
 
