@@ -27,7 +27,7 @@ where there is none, against the measured matmul throughput).
 
 Run: python -m benchmarks.chip                              (the 1.1B and MoE models: on a TPU)
      python -m benchmarks.chip --only forward,torchax --timeout 300 --json f.json
-     python -m benchmarks.chip --figures f.json --plot docs/chip.png   (report and plot a saved run)
+     python -m benchmarks.chip --figures f.json d.json --plot chip.png   (report and plot saved runs)
      python -m benchmarks.chip --size tiny --plot /tmp/p.png   (tiny models, same work: CI runs one batch and length)
      python -m benchmarks.chip --only forward,torchax --dump-hlo DIR   (XLA's optimized HLO of each side)
 """
@@ -728,7 +728,8 @@ def main(argv=None) -> None:
     parser.add_argument("--budget", type=float, help="seconds the whole run may take: later groups get what is left")
     parser.add_argument("--no-memory-check", action="store_true", help="run rows estimated not to fit")
     parser.add_argument("--json", help="write every figure to this file, after each one")
-    parser.add_argument("--figures", help="report (and plot) the figures of this --json file instead of running")
+    parser.add_argument("--figures", nargs="+", help="report (and plot) the figures of these --json files (runs of "
+                        "different groups, e.g. one device call each) instead of running")
     parser.add_argument("--plot", help="write a PNG of decode tokens/s and prefill MFU here (needs matplotlib)")
     parser.add_argument("--dump-hlo", help="write each group's optimized HLO under this folder")
     parser.add_argument("--worker", choices=sorted(GROUPS), help=argparse.SUPPRESS)
@@ -740,8 +741,10 @@ def main(argv=None) -> None:
     if args.worker:
         return _worker(args, spec)
     if args.figures:
-        with open(args.figures) as f:
-            results = json.load(f)
+        results = []
+        for path in args.figures:
+            with open(path) as f:
+                results += json.load(f)
         run_row = next((r for r in results if r["section"] == "run"), None)
         if run_row:  # the grid the figures were measured at
             spec = dict(SIZES[run_row["size"]], name=run_row["size"], batches=run_row["batches"],

@@ -106,9 +106,12 @@ def test_report_sets_the_sides_side_by_side():
 
 
 def test_saved_figures_are_reported_and_plotted(tmp_path):
-    path, png = tmp_path / "figures.json", tmp_path / "chip.png"
-    path.write_text(json.dumps(_figures()))
-    proc = _chip("--figures", str(path), "--plot", str(png), timeout=120)
+    """Each device call's run of some groups is saved to a file of its own; the report takes them together."""
+    first, second, png = tmp_path / "forward.json", tmp_path / "decode.json", tmp_path / "chip.png"
+    figures = _figures()
+    first.write_text(json.dumps(figures[:5]))
+    second.write_text(json.dumps(figures[:1] + figures[5:]))
+    proc = _chip("--figures", str(first), str(second), "--plot", str(png), timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "0.80x" in proc.stdout and f"plot: {png}" in proc.stdout
+    assert "0.80x" in proc.stdout and "grouped_mm is 100.0x" in proc.stdout and f"plot: {png}" in proc.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
