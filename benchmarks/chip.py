@@ -1,24 +1,35 @@
-"""The headline benchmark: a Llama-shaped model on the chip, hf-tpu beside torchax and the chip's limits.
+"""The headline benchmark: a Llama-shaped and a Qwen3-MoE-shaped model on the chip, hf-tpu beside torchax
+and the chip's limits.
 
 One command prints, from one run, side by side:
-- the chip's limits measured in raw JAX: HBM bandwidth (a large `jnp.sum`) and bf16 matmul throughput;
-- hf-tpu's forward (logits of every position) compiled by `torch.compile(backend="tpu")`, in strict eager
-  and in defer-and-fuse, with its MFU, at each (batch, prompt length) of the size's grid;
-- torchax's jitted forward (`torchax.interop.JittableModule`) of the same model on the same input;
-- hf-tpu's `generate()`: decode time per step at each batch, time to first token against the compiled
-  forward of the same prompt, and the first call's seconds (compiles included).
+- `limits`: the chip's limits measured in raw JAX: HBM read bandwidth (a large `jnp.sum`) and bf16 matmul
+  throughput, with the published peaks;
+- `forward`: hf-tpu's forward (logits of every position, no cache) compiled by `torch.compile(backend="tpu")`,
+  with its MFU, at each batch x prompt length of the grid;
+- `eager`: the same forward in strict eager and in defer-and-fuse;
+- `decode`: hf-tpu's `generate()`: decode time per step (tokens/s) at each batch x prompt length, against the
+  HBM-bound limit (every weight and the whole KV cache read once a step);
+- `ttft`: `generate()` of one token against the compiled forward of the same prompt;
+- `torchax`: torchax's jitted forward (`torchax.interop.JittableModule`) of the same model and input;
+- `moe`: a Qwen3-MoE-shaped model's decode at batch 64 with Transformers' `experts_implementation="grouped_mm"`
+  (its default; hf-tpu lowers `aten._grouped_mm` to a ragged dot) against `"eager"` (Transformers' loop over
+  the experts a batch routes to, one expert at a time), with the ratio.
 
-Each side runs in its own process: both claim PyTorch's PrivateUse1 backend, and one process at a time
-holds a TPU chip. This process only starts the others and prints what they report, so it never holds it.
+Each group runs in its own process with its own time limit (`--timeout`, `--budget`): torchax and hf-tpu both
+claim PyTorch's PrivateUse1 backend, one process at a time holds a TPU chip, and a group that runs out of time
+is stopped without losing the others. This process only starts them and prints each figure as it arrives
+(`--json PATH` is rewritten after each one, so a stopped run keeps what it measured); it never holds the chip.
+A row whose memory would not fit on the chip is skipped with the reason printed.
 
-MFU counts 2 FLOPs per parameter of every matmul (the embedding lookup excluded) per token, plus
-attention's QK^T and PV over the whole (not causally halved) sequence, against the chip's published bf16
-peak (on a CPU, where there is none, against the measured matmul throughput).
+MFU counts 2 FLOPs per parameter of every matmul (the embedding lookup excluded) per token, plus attention's
+QK^T and PV over the whole (not causally halved) sequence, against the chip's published bf16 peak (on a CPU,
+where there is none, against the measured matmul throughput).
 
-Run: python -m benchmarks.chip                 (the 1.1B model: on a TPU)
-     python -m benchmarks.chip --size tiny     (a tiny model with the same shape of work: CI runs this)
-     python -m benchmarks.chip --only forward --dump-hlo DIR   (XLA's optimized HLO of each side, for
-     comparing the two programs)
+Run: python -m benchmarks.chip                              (the 1.1B and MoE models: on a TPU)
+     python -m benchmarks.chip --only forward,torchax --timeout 300 --json f.json
+     python -m benchmarks.chip --figures f.json d.json --plot chip.png   (report and plot saved runs)
+     python -m benchmarks.chip --size tiny --plot /tmp/p.png   (tiny models, same work: CI runs one batch and length)
+     python -m benchmarks.chip --only forward,torchax --dump-hlo DIR   (XLA's optimized HLO of each side)
 """
 
 from __future__ import annotations
@@ -26,25 +37,123 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
+import signal
+import statistics
 import subprocess
 import sys
+import threading
 import time
 
-# model shape, and the grid each section runs at
+_LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                 intermediate_size=8192, vocab_size=32000, max_position_embeddings=8192)
+# Qwen3-30B-A3B's routing (128 experts, 8 a token, experts of 768) and attention (32 query and 4 key/value heads
+# of 128) with its vocabulary, in 5 layers instead of 48: 3.74B parameters, 7.5 GB in bfloat16
+_QWEN3_MOE = dict(hidden_size=2048, num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                  intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                  norm_topk_prob=True, vocab_size=151936, max_position_embeddings=4096)
+
+# the models and the grid each group runs at
 SIZES = {
-    "1b": dict(model=dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                          intermediate_size=8192, vocab_size=32000, max_position_embeddings=8192),
-               forward=[(1, 128), (1, 1024), (8, 1024), (1, 4096)], eager=(1, 1024),
-               decode_batches=[1, 8, 64], decode_prompt=128, decode_steps=64, ttft=[128, 1024, 4096],
-               matmul=8192, hbm_bytes=2 << 30, iters=10),
-    "tiny": dict(model=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    "1b": dict(model=_LLAMA_1B, moe=_QWEN3_MOE, batches=[1, 8, 64], lengths=[128, 1024, 4096], eager=(1, 1024),
+               decode_steps=64, moe_batch=64, moe_prompt=16, moe_steps=8, matmul=8192, hbm_bytes=2 << 30, iters=10),
+    "tiny": dict(model=dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                             intermediate_size=128, vocab_size=256, max_position_embeddings=512),
-                 forward=[(1, 16), (2, 64)], eager=(1, 16), decode_batches=[1, 2], decode_prompt=8,
-                 decode_steps=4, ttft=[8, 32], matmul=256, hbm_bytes=16 << 20, iters=3),
+                 moe=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                          head_dim=16, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
+                          num_experts_per_tok=2, norm_topk_prob=True, vocab_size=128, max_position_embeddings=512),
+                 batches=[1, 2], lengths=[16, 32], eager=(1, 16), decode_steps=32, moe_batch=2, moe_prompt=16,
+                 moe_steps=8, matmul=256, hbm_bytes=16 << 20, iters=3),
 }
 
-# published bf16 peak FLOP/s by JAX device kind
+# published bf16 peak FLOP/s and HBM bytes/s by JAX device kind
 PEAK_BF16 = {"TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v4": 275e12, "TPU v5p": 459e12, "TPU v6 lite": 918e12}
+PEAK_HBM = {"TPU v5 lite": 819e9, "TPU v5e": 819e9, "TPU v4": 1228e9, "TPU v5p": 2765e9, "TPU v6 lite": 1640e9}
+
+# a row is skipped when its estimate passes this share of the device's memory (XLA's own buffers take the rest)
+_MEMORY_SHARE = 0.9
+
+
+# --- The models' arithmetic: parameters, FLOPs, bytes
+
+
+def _head_dim(config: dict) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def _layer_matmul_params(config: dict, active_experts: float | None = None) -> float:
+    """Parameters of one layer's matmuls: attention's four projections and the MLP (for a mixture of experts,
+    the router and `active_experts` experts, all of them when None)."""
+    h, d = config["hidden_size"], _head_dim(config)
+    attention = 2 * h * config["num_attention_heads"] * d + 2 * h * config["num_key_value_heads"] * d
+    if "num_experts" not in config:
+        return attention + 3 * h * config["intermediate_size"]
+    experts = config["num_experts"] if active_experts is None else active_experts
+    return attention + h * config["num_experts"] + experts * 3 * h * config["moe_intermediate_size"]
+
+
+def weight_bytes(config: dict) -> float:
+    """bfloat16 bytes of every weight (embedding and LM head untied, norms left out)."""
+    embedding_and_head = 2 * config["hidden_size"] * config["vocab_size"]
+    return 2 * (config["num_hidden_layers"] * _layer_matmul_params(config) + embedding_and_head)
+
+
+def kv_bytes_per_token(config: dict) -> int:
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * _head_dim(config) * 2
+
+
+def forward_flops(config: dict, batch: int, length: int) -> float:
+    layers = config["num_hidden_layers"]
+    matmul_params = layers * _layer_matmul_params(config) + config["hidden_size"] * config["vocab_size"]
+    attention = 2 * 2 * layers * length * length * config["num_attention_heads"] * _head_dim(config)
+    return batch * (2 * length * matmul_params + attention)
+
+
+def cache_length(prompt: int, new_tokens: int, multiple: int = 128) -> int:
+    """The static cache's length `generate()` on tpu allocates (rounded up to HF_TPU_CACHE_LENGTH_MULTIPLE)."""
+    return -(-(prompt + new_tokens) // multiple) * multiple
+
+
+def decode_limit_tokens_per_second(config: dict, batch: int, context: int, hbm_bytes_per_second: float) -> float:
+    """The HBM-bound decode limit: each step reads every matmul weight the batch uses (the embedding table only
+    a row a token) and the KV cache of `context` positions once. For a mixture of experts, the experts a batch
+    of `batch` tokens is expected to reach when each picks `num_experts_per_tok` of `num_experts` uniformly."""
+    reached = None
+    if "num_experts" in config:
+        experts, chosen = config["num_experts"], config["num_experts_per_tok"]
+        reached = experts * (1 - (1 - chosen / experts) ** batch)
+    layers = config["num_hidden_layers"] * _layer_matmul_params(config, active_experts=reached)
+    weights = 2 * (layers + config["hidden_size"] * config["vocab_size"])
+    step_bytes = weights + batch * context * kv_bytes_per_token(config)
+    return batch * hbm_bytes_per_second / step_bytes
+
+
+def memory_estimate(config: dict, batch: int, length: int, new_tokens: int | None = None) -> dict:
+    """Bytes a row needs at its peak, by part: the forward's logits of every position (`new_tokens` None), or a
+    `generate()`'s static KV cache; and the float32 attention scores and weights of one layer, which the XLA
+    lowering of attention materialises (`[batch, heads, length, length]`, twice)."""
+    parts = {"weights": weight_bytes(config),
+             "attention scores": 2 * 4 * batch * config["num_attention_heads"] * length * length,
+             "activations": 16 * 2 * batch * length * config["hidden_size"]}
+    if new_tokens is None:
+        parts["logits"] = 2 * 2 * batch * length * config["vocab_size"]
+    else:
+        parts["KV cache"] = batch * cache_length(length, new_tokens) * kv_bytes_per_token(config)
+    return parts
+
+
+def does_not_fit(config: dict, batch: int, length: int, device_bytes: float, new_tokens: int | None = None):
+    """None when the row fits in the device's memory, else why not."""
+    parts = memory_estimate(config, batch, length, new_tokens)
+    need = sum(parts.values())
+    if need <= _MEMORY_SHARE * device_bytes:
+        return None
+    largest = ", ".join(f"{name} {size / 1e9:.1f}" for name, size in sorted(parts.items(), key=lambda p: -p[1])[:3])
+    return (f"needs ~{need / 1e9:.1f} GB ({largest}) of the device's {device_bytes / 1e9:.1f} GB "
+            "(--no-memory-check to try)")
+
+
+# --- Measuring
 
 
 def _median_seconds(fn, iters: int) -> float:
@@ -54,49 +163,225 @@ def _median_seconds(fn, iters: int) -> float:
     return timeit(fn, warmup=1, iters=iters)
 
 
-def _forward_flops(config: dict, batch: int, length: int) -> float:
-    h, layers, inter = config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"]
-    head_dim = h // config["num_attention_heads"]
-    kv = config["num_key_value_heads"] * head_dim
-    per_layer = h * h * 2 + h * kv * 2 + 3 * h * inter  # q, o, k, v, gate/up/down
-    matmul_params = layers * per_layer + h * config["vocab_size"]  # + the LM head
-    attention = 2 * 2 * layers * length * length * h  # QK^T and PV per sequence
-    return batch * (2 * length * matmul_params + attention)
+def _first_call(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
-def _emit(section: str, **figures) -> None:
-    print("RESULT " + json.dumps({"section": section, **figures}), flush=True)
+def _step_seconds(generate, ids, steps: int, iters: int) -> tuple[float, float]:
+    """(seconds a decode step takes, seconds of the first call): `generate()` of 2 and of 1 + `steps` new tokens
+    timed in turns, the difference divided by `steps - 1`. Both fill the same static cache length, so they run
+    the same programs, and both pay what a call pays once whatever its length (the prefill, the first token,
+    starting the decode loop), which the difference leaves out. The first call compiles."""
+    first = _first_call(lambda: generate(ids, 1 + steps))
+    generate(ids, 2)
+    short, full = [], []
+    for _ in range(iters):
+        short.append(_first_call(lambda: generate(ids, 2)))
+        full.append(_first_call(lambda: generate(ids, 1 + steps)))
+    return (statistics.median(full) - statistics.median(short)) / (steps - 1), first
 
 
-def _limits(spec: dict) -> None:
-    """The chip's limits in raw JAX, measured in this process."""
+class _Rows:
+    """The figures of one group, printed as `RESULT {json}` lines the moment each is measured."""
+
+    def __init__(self, group: str, check_memory: bool):
+        self.group, self.check_memory = group, check_memory
+        self._device_bytes = None
+
+    def emit(self, section: str, **figures) -> None:
+        print("RESULT " + json.dumps({"section": section, "group": self.group, **figures}), flush=True)
+
+    def skip(self, row: str, reason: str) -> None:
+        self.emit("skipped", row=row, reason=reason)
+
+    def fits(self, row: str, config: dict, batch: int, length: int, new_tokens: int | None = None) -> bool:
+        if not self.check_memory:
+            return True
+        if self._device_bytes is None:
+            self._device_bytes = _device_bytes()
+        reason = does_not_fit(config, batch, length, self._device_bytes, new_tokens)
+        if reason:
+            self.skip(row, reason)
+        return reason is None
+
+    def out_of_memory(self, row: str, error: Exception) -> None:
+        import gc
+
+        gc.collect()
+        self.skip(row, f"out of memory: {str(error).splitlines()[0][:200]}")
+
+
+def _device_bytes() -> float:
+    """Memory of JAX's first device (the host's, where XLA states none), read without hf_tpu: the torchax
+    process must not import it (both claim PrivateUse1)."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit") or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _grid(spec: dict) -> list:
+    return [(batch, length) for batch in spec["batches"] for length in spec["lengths"]]
+
+
+# --- The groups, each run in a process of its own
+
+
+def _group_limits(spec: dict, rows: _Rows) -> None:
+    """The chip's limits in raw JAX, on the device hf-tpu would use (HF_TPU_PLATFORM honoured)."""
+    from hf_tpu import platform  # noqa: I001  (first: it configures JAX before a backend starts)
     import jax
     import jax.numpy as jnp
 
+    device = platform.devices()[0]
     n = spec["matmul"]
-    a = jnp.ones((n, n), jnp.bfloat16)
+    a = jax.device_put(jnp.ones((n, n), jnp.bfloat16), device)
     matmul = jax.jit(lambda x, y: x @ y)
     seconds = _median_seconds(lambda: matmul(a, a).block_until_ready(), spec["iters"])
-    x = jnp.ones((spec["hbm_bytes"] // 4,), jnp.float32)
+    x = jax.device_put(jnp.ones((spec["hbm_bytes"] // 4,), jnp.float32), device)
     total = jax.jit(jnp.sum)
     read = _median_seconds(lambda: total(x).block_until_ready(), spec["iters"])
-    kind = jax.devices()[0].device_kind
-    _emit("limits", device=kind, platform=jax.devices()[0].platform, matmul_tflops=2 * n ** 3 / seconds / 1e12,
-          hbm_gbs=spec["hbm_bytes"] / read / 1e9, peak_tflops=PEAK_BF16.get(kind, 0) / 1e12)
+    kind = device.device_kind
+    rows.emit("limits", device=kind, platform=device.platform, matmul_tflops=2 * n ** 3 / seconds / 1e12,
+              hbm_gbs=spec["hbm_bytes"] / read / 1e9, peak_tflops=PEAK_BF16.get(kind, 0) / 1e12,
+              peak_hbm_gbs=PEAK_HBM.get(kind, 0) / 1e9, memory_gb=platform.memory_info(0)[1] / 1e9)
 
 
-def _model(spec: dict):
+def _llama(spec: dict):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(**spec["model"], attn_implementation="sdpa")
-    with torch.device("cpu"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    return model
+    return LlamaForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
 
 
-def _logits_module():
+def _ids(vocab: int, batch: int, length: int):
+    import torch
+
+    g = torch.Generator().manual_seed(batch * 100003 + length)
+    return torch.randint(0, vocab, (batch, length), generator=g)
+
+
+def _compiled_forward(compiled, ids):
+    """A function running the compiled model's logits of `ids`, waiting for them."""
+    import torch
+
+    def forward():
+        with torch.no_grad():
+            logits = compiled(ids, use_cache=False, return_dict=False)[0]
+        torch.accelerator.synchronize()  # waits for the arrays alive on the device: the logits among them
+        return logits
+
+    return forward
+
+
+def _group_forward(spec: dict, rows: _Rows) -> None:
+    import torch
+
+    import hf_tpu  # noqa: F401  (registers tpu)
+
+    model = _llama(spec).to("tpu")
+    compiled = torch.compile(model, backend="tpu")
+    for batch, length in _grid(spec):
+        row = f"{batch}x{length}"
+        if not rows.fits(row, spec["model"], batch, length):
+            continue
+        forward = _compiled_forward(compiled, _ids(spec["model"]["vocab_size"], batch, length).to("tpu"))
+        try:
+            first = _first_call(forward)
+            rows.emit("forward", side="hf-tpu", batch=batch, length=length,
+                      seconds=_median_seconds(forward, spec["iters"]), first_call=first)
+        except torch.OutOfMemoryError as e:
+            rows.out_of_memory(row, e)
+        del forward
+
+
+def _group_eager(spec: dict, rows: _Rows) -> None:
+    import torch
+
+    import hf_tpu  # noqa: F401
+
+    model = _llama(spec).to("tpu")
+    batch, length = spec["eager"]
+    ids = _ids(spec["model"]["vocab_size"], batch, length).to("tpu")
+    for mode in ("DEFER_NEVER", "DEFER_AND_FUSE"):
+        with torch.tpu.use_eager_mode(mode):
+            def eager():
+                with torch.no_grad():
+                    model(ids, use_cache=False, return_dict=False)[0]
+                torch.accelerator.synchronize()
+
+            first = _first_call(eager)
+            rows.emit("eager", side="hf-tpu", mode=mode, batch=batch, length=length, first_call=first,
+                      seconds=_median_seconds(eager, max(2, spec["iters"] // 3)))
+
+
+def _generate(model):
+    import torch
+
+    def generate(ids, new_tokens: int):
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        torch.accelerator.synchronize()
+
+    return generate
+
+
+def _group_decode(spec: dict, rows: _Rows) -> None:
+    import torch
+
+    import hf_tpu  # noqa: F401
+
+    model = _llama(spec).to("tpu")
+    generate = _generate(model)
+    steps = spec["decode_steps"]
+    for length in spec["lengths"]:  # the shortest prompt at every batch first
+        for batch in spec["batches"]:
+            row = f"{batch}x{length}"
+            if not rows.fits(row, spec["model"], batch, length, new_tokens=1 + steps):
+                continue
+            ids = _ids(spec["model"]["vocab_size"], batch, length).to("tpu")
+            try:
+                step, first = _step_seconds(generate, ids, steps, max(2, spec["iters"] // 3))
+                rows.emit("decode", side="hf-tpu", batch=batch, length=length, step_seconds=step, first_call=first,
+                          context=length + steps // 2)
+            except torch.OutOfMemoryError as e:
+                rows.out_of_memory(row, e)
+
+
+def _group_ttft(spec: dict, rows: _Rows) -> None:
+    import torch
+
+    import hf_tpu  # noqa: F401
+
+    model = _llama(spec).to("tpu")
+    generate = _generate(model)
+    compiled = torch.compile(model, backend="tpu")
+    iters = max(2, spec["iters"] // 3)
+    for length in spec["lengths"]:
+        row = f"1x{length}"
+        if not rows.fits(row, spec["model"], 1, length):
+            continue
+        ids = _ids(spec["model"]["vocab_size"], 1, length).to("tpu")
+        try:
+            first = _first_call(lambda: generate(ids, 1))
+            rows.emit("ttft", side="hf-tpu", length=length, seconds=_median_seconds(lambda: generate(ids, 1), iters),
+                      first_call=first, forward_seconds=_median_seconds(_compiled_forward(compiled, ids), iters))
+        except torch.OutOfMemoryError as e:
+            rows.out_of_memory(row, e)
+
+
+def _group_torchax(spec: dict, rows: _Rows) -> None:
+    try:
+        import torchax
+        import torchax.interop
+    except ImportError as e:
+        rows.skip("torchax", f"torchax is not importable here ({e})")
+        return
+    import jax
     import torch
 
     class Logits(torch.nn.Module):
@@ -109,137 +394,188 @@ def _logits_module():
         def forward(self, ids):
             return self.model(ids, use_cache=False, return_dict=False)[0]
 
-    return Logits
-
-
-def _ids(spec: dict, batch: int, length: int):
-    import torch
-
-    g = torch.Generator().manual_seed(batch * 100003 + length)
-    return torch.randint(0, spec["model"]["vocab_size"], (batch, length), generator=g)
-
-
-def _hf_tpu(spec: dict, sections: set) -> None:
-    import torch
-
-    import hf_tpu  # noqa: F401  (registers tpu)
-
-    model = _model(spec).to("tpu")
-    sync = torch.accelerator.synchronize
-    if "forward" in sections:
-        compiled = torch.compile(model, backend="tpu")
-        for batch, length in spec["forward"]:
-            ids = _ids(spec, batch, length).to("tpu")
-
-            def forward():
-                with torch.no_grad():
-                    logits = compiled(ids, use_cache=False, return_dict=False)[0]
-                sync()  # waits for the arrays alive on the device: the logits among them
-                return logits
-
-            start = time.perf_counter()
-            forward()
-            first = time.perf_counter() - start
-            _emit("forward", side="hf-tpu", batch=batch, length=length,
-                  seconds=_median_seconds(forward, spec["iters"]), first_call=first)
-        batch, length = spec["eager"]
-        ids = _ids(spec, batch, length).to("tpu")
-        for mode in ("DEFER_NEVER", "DEFER_AND_FUSE"):
-            with torch.tpu.use_eager_mode(mode):
-                def eager():
-                    with torch.no_grad():
-                        logits = model(ids, use_cache=False, return_dict=False)[0]
-                    sync()
-                    return logits
-
-                _emit("eager", side="hf-tpu", mode=mode, batch=batch, length=length,
-                      seconds=_median_seconds(eager, max(2, spec["iters"] // 3)))
-    if "generate" in sections:
-        _generate(spec, model, sync)
-
-
-def _generate(spec: dict, model, sync) -> None:
-    import torch
-
-    def generate(ids, new_tokens: int):
-        with torch.no_grad():
-            model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-        sync()
-
-    steps = spec["decode_steps"]
-    for batch in spec["decode_batches"]:
-        ids = _ids(spec, batch, spec["decode_prompt"]).to("tpu")
-        start = time.perf_counter()
-        generate(ids, 1 + steps)
-        first = time.perf_counter() - start
-        one = _median_seconds(lambda: generate(ids, 1), max(2, spec["iters"] // 3))
-        full = _median_seconds(lambda: generate(ids, 1 + steps), max(2, spec["iters"] // 3))
-        _emit("decode", side="hf-tpu", batch=batch, step_seconds=(full - one) / steps, first_call=first)
-    compiled = torch.compile(model, backend="tpu")
-    for length in spec["ttft"]:
-        ids = _ids(spec, 1, length).to("tpu")
-
-        def forward():
-            with torch.no_grad():
-                logits = compiled(ids, use_cache=False, return_dict=False)[0]
-            sync()
-            return logits
-
-        ttft = _median_seconds(lambda: generate(ids, 1), max(2, spec["iters"] // 3))
-        _emit("ttft", side="hf-tpu", length=length, seconds=ttft,
-              forward_seconds=_median_seconds(forward, max(2, spec["iters"] // 3)))
-
-
-def _torchax(spec: dict, sections: set) -> None:
-    import jax
-    import torch
-    import torchax
-    import torchax.interop
-
-    model = _model(spec)
-    env = torchax.default_env()
-    with env:
+    model = _llama(spec)
+    with torchax.default_env():
         model.to("jax")
-        jitted = torchax.interop.JittableModule(_logits_module()(model))
-        for batch, length in spec["forward"]:
-            ids = _ids(spec, batch, length).to("jax")
+        jitted = torchax.interop.JittableModule(Logits(model))
+        for batch, length in _grid(spec):
+            row = f"{batch}x{length}"
+            if not rows.fits(row, spec["model"], batch, length):
+                continue
+            ids = _ids(spec["model"]["vocab_size"], batch, length).to("jax")
 
             def forward():
                 with torch.no_grad():
                     logits = jitted(ids)
                 jax.block_until_ready(logits.jax())
 
-            start = time.perf_counter()
-            forward()
-            first = time.perf_counter() - start
-            _emit("forward", side="torchax", batch=batch, length=length,
-                  seconds=_median_seconds(forward, spec["iters"]), first_call=first)
+            try:
+                first = _first_call(forward)
+                rows.emit("forward", side="torchax", batch=batch, length=length,
+                          seconds=_median_seconds(forward, spec["iters"]), first_call=first)
+            except Exception as e:  # noqa: BLE001  (torchax raises JAX's own error for memory)
+                if "RESOURCE_EXHAUSTED" not in str(e):
+                    raise
+                rows.out_of_memory(row, e)
 
 
-def _worker(args) -> None:
-    spec = SIZES[args.size]
-    sections = set(args.only.split(","))
-    if args.worker == "limits":
-        _limits(spec)
-    elif args.worker == "hf-tpu":
-        _hf_tpu(spec, sections)
-    else:
-        _torchax(spec, sections)
+def _group_moe(spec: dict, rows: _Rows) -> None:
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    import hf_tpu  # noqa: F401
+    from hf_tpu.integrations.transformers import configure
+
+    # The prefill runs eagerly (no prompt buckets, so it is not compiled): the step time leaves it out, and the
+    # loop over experts has data-dependent shapes, with which a compiled prefill breaks its graph at every expert.
+    configure(prompt_buckets=())
+    config = spec["moe"]
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    model = Qwen3MoeForCausalLM._from_config(Qwen3MoeConfig(**config), dtype=torch.bfloat16).eval().to("tpu")
+    print(f"moe: {weight_bytes(config) / 1e9:.1f} GB of weights built and moved in "
+          f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    generate = _generate(model)
+    batch, prompt, steps = spec["moe_batch"], spec["moe_prompt"], spec["moe_steps"]
+    ids = _ids(config["vocab_size"], batch, prompt).to("tpu")
+    for implementation in ("grouped_mm", "eager"):
+        model.set_experts_implementation(implementation)
+        step, first = _step_seconds(generate, ids, steps, max(2, spec["iters"] // 3))
+        rows.emit("moe", side="hf-tpu", implementation=implementation, batch=batch, length=prompt,
+                  step_seconds=step, first_call=first, context=prompt + steps // 2)
 
 
-def _run_worker(name: str, args) -> list:
-    """The figures one worker process reports (its other output passes through to stderr)."""
-    env = dict(os.environ)
+GROUPS = {  # name: (the worker, its default time limit in seconds)
+    "limits": (_group_limits, 120),
+    "forward": (_group_forward, 420),
+    "torchax": (_group_torchax, 300),
+    "decode": (_group_decode, 540),
+    "ttft": (_group_ttft, 420),
+    "eager": (_group_eager, 300),
+    "moe": (_group_moe, 540),
+}
+
+
+# --- The parent: starts each group's process, relays its figures
+
+
+def _worker(args, spec: dict) -> None:
+    GROUPS[args.worker][0](spec, _Rows(args.worker, check_memory=not args.no_memory_check))
+
+
+def _worker_command(group: str, args) -> list:
+    command = [sys.executable, "-m", "benchmarks.chip", "--worker", group, "--size", args.size]
+    for option in ("batches", "lengths"):
+        if getattr(args, option):
+            command += [f"--{option}", getattr(args, option)]
+    return command + (["--no-memory-check"] if args.no_memory_check else [])
+
+
+def _run_group(group: str, args, timeout: float, on_row) -> None:
+    """Runs one group's process, handing each figure to `on_row` as it arrives; stops it after `timeout`."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
     if args.dump_hlo:
-        path = os.path.join(args.dump_hlo, name)
+        path = os.path.join(args.dump_hlo, group)
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={path} --xla_dump_hlo_as_text"
                             " --xla_dump_hlo_pass_re=^$").strip()
-    command = [sys.executable, "-m", "benchmarks.chip", "--worker", name, "--size", args.size, "--only", args.only]
-    proc = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, timeout=args.timeout)
-    results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0:
-        print(f"[{name}] exited with {proc.returncode} after {len(results)} figures", file=sys.stderr)
+    start = time.monotonic()
+    proc = subprocess.Popen(_worker_command(group, args), env=env, stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own process group: stopping it stops its children
+    lines: queue.Queue = queue.Queue()
+
+    def read():
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, start + timeout - time.monotonic()))
+        except queue.Empty:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            on_row({"section": "skipped", "group": group, "row": group,
+                    "reason": f"stopped after its time limit of {timeout:.0f} s"})
+            return
+        if line is None:
+            break
+        if line.startswith("RESULT "):
+            on_row(json.loads(line[len("RESULT "):]))
+        else:
+            print(line, end="", file=sys.stderr, flush=True)
+    if proc.wait() != 0:
+        on_row({"section": "skipped", "group": group, "row": group,
+                "reason": f"its process exited with {proc.returncode} (its error is above)"})
+    print(f"[{group}] done in {time.monotonic() - start:.0f} s", flush=True)
+
+
+def describe(row: dict, spec: dict, limits: dict | None = None) -> str:
+    """One figure as a line, printed the moment it arrives (with MFU and the HBM limit once `limits` is known)."""
+    peak, hbm = _peak_flops(limits), _hbm_limit(limits)
+    section = row["section"]
+    if section == "skipped":
+        return f"[{row['group']}] skipped {row['row']}: {row['reason']}"
+    if section == "run":
+        return f"[run] --size {row['size']}, batches {row['batches']}, lengths {row['lengths']}, {row['started']}"
+    if section == "limits":
+        return (f"[limits] {row['device']} ({row['platform']}): bf16 matmul {row['matmul_tflops']:.1f} TFLOP/s, "
+                f"HBM read {row['hbm_gbs']:.0f} GB/s, memory {row['memory_gb']:.1f} GB")
+    shape = f"{row.get('batch', 1)}x{row.get('length')}"
+    if section == "forward":
+        flops = forward_flops(spec["model"], row["batch"], row["length"]) / row["seconds"]
+        return (f"[{row['group']}] {row['side']} forward {shape}: {row['seconds'] * 1e3:.2f} ms "
+                f"({flops / 1e12:.1f} TFLOP/s{f', MFU {100 * flops / peak:.0f}%' if peak else ''}), "
+                f"first call {row['first_call']:.1f} s")
+    if section == "eager":
+        return (f"[eager] {row['mode']} forward {shape}: {row['seconds'] * 1e3:.1f} ms, "
+                f"first call {row['first_call']:.1f} s")
+    if section in ("decode", "moe"):
+        what = f"{row['implementation']} " if section == "moe" else ""
+        tokens = row["batch"] / row["step_seconds"]
+        limit = (decode_limit_tokens_per_second(spec["moe" if section == "moe" else "model"], row["batch"],
+                                                row["context"], hbm) if hbm else None)
+        return (f"[{section}] {what}decode batch {row['batch']} after {row['length']}: "
+                f"{row['step_seconds'] * 1e3:.2f} ms/step, {tokens:.0f} tokens/s"
+                f"{f' ({100 * tokens / limit:.0f}% of the HBM limit)' if limit else ''}, "
+                f"first call {row['first_call']:.1f} s")
+    if section == "ttft":
+        return (f"[ttft] prompt {row['length']}: generate(1 token) {row['seconds'] * 1e3:.1f} ms, compiled forward "
+                f"{row['forward_seconds'] * 1e3:.1f} ms ({row['seconds'] / row['forward_seconds']:.2f}x)")
+    return json.dumps(row)
+
+
+def _save(results: list, path: str) -> None:
+    """The figures so far, replacing the file whole (a stopped run leaves a readable file)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def run(args, spec: dict) -> list:
+    results: list = []
+    deadline = time.monotonic() + args.budget if args.budget else None
+
+    def on_row(row):
+        results.append(row)
+        print(describe(row, spec, _limits(results)), flush=True)
+        if args.json:
+            _save(results, args.json)
+
+    on_row({"section": "run", "size": args.size, "batches": spec["batches"], "lengths": spec["lengths"],
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv)})
+    for group in args.only.split(","):
+        timeout = args.timeout or GROUPS[group][1]
+        if deadline is not None:
+            timeout = min(timeout, deadline - time.monotonic())
+            if timeout < 10:
+                on_row({"section": "skipped", "group": group, "row": group, "reason": "no time left in --budget"})
+                continue
+        _run_group(group, args, timeout, on_row)
     return results
+
+
+# --- The tables and the plot
 
 
 def _table(headers, rows) -> str:
@@ -248,18 +584,30 @@ def _table(headers, rows) -> str:
     return table(headers, rows)
 
 
+def _limits(results: list) -> dict | None:
+    return next((r for r in results if r["section"] == "limits"), None)
+
+
+def _peak_flops(limits: dict | None) -> float | None:
+    return (limits["peak_tflops"] or limits["matmul_tflops"]) * 1e12 if limits else None
+
+
+def _hbm_limit(limits: dict | None) -> float | None:
+    """Bytes/s the decode roofline assumes: the published HBM bandwidth, else (a CPU) the measured read."""
+    return (limits.get("peak_hbm_gbs") or limits["hbm_gbs"]) * 1e9 if limits else None
+
+
 def report(results: list, spec: dict) -> str:
-    """The side-by-side tables of every worker's figures."""
+    """The side-by-side tables of every group's figures."""
     by = lambda section, side=None: [r for r in results if r["section"] == section and side in (None, r.get("side"))]
     out = []
-    limits = by("limits")
-    peak = None
+    limits = _limits(results)
+    peak, hbm = _peak_flops(limits), _hbm_limit(limits)
     if limits:
-        lim = limits[0]
-        peak = (lim["peak_tflops"] or lim["matmul_tflops"]) * 1e12
-        out.append(f"device: {lim['device']} ({lim['platform']})  bf16 matmul {lim['matmul_tflops']:.1f} TFLOP/s "
-                   f"(peak {lim['peak_tflops'] or 'n/a'})  HBM read {lim['hbm_gbs']:.0f} GB/s\n")
-    mfu = lambda r: (f"{100 * _forward_flops(spec['model'], r['batch'], r['length']) / r['seconds'] / peak:.0f}%"
+        out.append(f"device: {limits['device']} ({limits['platform']})  bf16 matmul {limits['matmul_tflops']:.1f} "
+                   f"TFLOP/s (peak {limits['peak_tflops'] or 'n/a'})  HBM read {limits['hbm_gbs']:.0f} GB/s "
+                   f"(peak {limits.get('peak_hbm_gbs') or 'n/a'})\n")
+    mfu = lambda r: (f"{100 * forward_flops(spec['model'], r['batch'], r['length']) / r['seconds'] / peak:.0f}%"
                      if peak else "-")
     rows = []
     for r in by("forward", "hf-tpu"):
@@ -277,39 +625,140 @@ def report(results: list, spec: dict) -> str:
         strict = {(r["batch"], r["length"]): r["seconds"] for r in eager if r["mode"] == "DEFER_NEVER"}
         out.append(_table(["eager forward", "batch x len", "ms", "strict / this"],
                           [[r["mode"], f"{r['batch']}x{r['length']}", f"{r['seconds'] * 1e3:.1f}",
-                            f"{strict[(r['batch'], r['length'])] / r['seconds']:.2f}x"] for r in eager]) + "\n")
+                            f"{strict[(r['batch'], r['length'])] / r['seconds']:.2f}x"
+                            if (r["batch"], r["length"]) in strict else "-"] for r in eager]) + "\n")
     decode = by("decode", "hf-tpu")
     if decode:
-        out.append(_table(["decode batch", "ms/step", "tokens/s", "first call s"],
-                          [[r["batch"], f"{r['step_seconds'] * 1e3:.2f}", f"{r['batch'] / r['step_seconds']:.0f}",
+        limit = lambda r: decode_limit_tokens_per_second(spec["model"], r["batch"], r["context"], hbm) if hbm else None
+        out.append(_table(["decode batch x prompt", "ms/step", "tokens/s", "HBM limit tokens/s", "of limit",
+                           "first call s"],
+                          [[f"{r['batch']}x{r['length']}", f"{r['step_seconds'] * 1e3:.2f}",
+                            f"{r['batch'] / r['step_seconds']:.0f}", f"{limit(r):.0f}" if hbm else "-",
+                            f"{100 * r['batch'] / r['step_seconds'] / limit(r):.0f}%" if hbm else "-",
                             f"{r['first_call']:.1f}"] for r in decode]) + "\n")
     ttft = by("ttft", "hf-tpu")
     if ttft:
         out.append(_table(["prompt", "generate(1 token) ms", "compiled forward ms", "ratio"],
                           [[r["length"], f"{r['seconds'] * 1e3:.1f}", f"{r['forward_seconds'] * 1e3:.1f}",
                             f"{r['seconds'] / r['forward_seconds']:.2f}x"] for r in ttft]) + "\n")
+    moe = {r["implementation"]: r for r in by("moe")}
+    if moe:
+        limit = lambda r: decode_limit_tokens_per_second(spec["moe"], r["batch"], r["context"], hbm) if hbm else None
+        out.append("MoE decode (Qwen3-MoE-shaped), experts_implementation")
+        out.append(_table(["implementation", "batch", "ms/step", "tokens/s", "HBM limit tokens/s", "first call s"],
+                          [[name, r["batch"], f"{r['step_seconds'] * 1e3:.2f}", f"{r['batch'] / r['step_seconds']:.0f}",
+                            f"{limit(r):.0f}" if hbm else "-", f"{r['first_call']:.1f}"] for name, r in moe.items()]))
+        if {"grouped_mm", "eager"} <= set(moe):
+            out.append(f"grouped_mm is {moe['eager']['step_seconds'] / moe['grouped_mm']['step_seconds']:.1f}x the "
+                       "per-expert loop (eager)")
+        out.append("")
+    skipped = by("skipped")
+    if skipped:
+        out.append("skipped:\n" + "\n".join(f"  [{r['group']}] {r['row']}: {r['reason']}" for r in skipped) + "\n")
     return "\n".join(out)
+
+
+def plot(results: list, spec: dict, path: str) -> None:
+    """Decode tokens/s against batch and prefill MFU against prompt length, beside torchax and the roofline."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    limits = _limits(results)
+    peak, hbm = _peak_flops(limits), _hbm_limit(limits)
+    figure, (decode_axes, prefill_axes) = plt.subplots(1, 2, figsize=(12, 4.8))
+    decode = [r for r in results if r["section"] == "decode"]
+    for length in sorted({r["length"] for r in decode}):
+        points = sorted((r["batch"], r["batch"] / r["step_seconds"]) for r in decode if r["length"] == length)
+        line, = decode_axes.plot(*zip(*points), "o-", label=f"hf-tpu generate(), prompt {length}")
+        if hbm:
+            batches = sorted({batch for batch, _ in points} | set(spec["batches"]))
+            context = length + spec["decode_steps"] // 2
+            decode_axes.plot(batches, [decode_limit_tokens_per_second(spec["model"], b, context, hbm) for b in batches],
+                             "--", color=line.get_color(), alpha=0.6, label=f"HBM limit, prompt {length}")
+    moe = [r for r in results if r["section"] == "moe"]
+    for r in moe:
+        decode_axes.plot([r["batch"]], [r["batch"] / r["step_seconds"]], "s" if r["implementation"] == "eager" else "D",
+                         label=f"Qwen3-MoE-shaped, experts {r['implementation']}")
+    if moe and hbm:
+        decode_axes.plot([moe[0]["batch"]], [decode_limit_tokens_per_second(spec["moe"], moe[0]["batch"],
+                                                                            moe[0]["context"], hbm)],
+                         "k_", markersize=14, label="Qwen3-MoE-shaped, HBM limit")
+    decode_axes.set(xscale="log", yscale="log", xlabel="batch", ylabel="decode tokens/s",
+                    title="decode: tokens/s against batch")
+    decode_axes.legend(fontsize=7)
+    forward = [r for r in results if r["section"] == "forward"]
+    if peak:
+        for side, style in (("hf-tpu", "o-"), ("torchax", "s--")):
+            for batch in sorted({r["batch"] for r in forward if r["side"] == side}):
+                mfu = lambda r: 100 * forward_flops(spec["model"], batch, r["length"]) / r["seconds"] / peak
+                points = sorted((r["length"], mfu(r)) for r in forward if r["side"] == side and r["batch"] == batch)
+                prefill_axes.plot(*zip(*points), style, label=f"{side}, batch {batch}")
+        prefill_axes.axhline(100, color="black", label="peak bf16 FLOP/s")
+        prefill_axes.axhline(100 * limits["matmul_tflops"] * 1e12 / peak, color="grey", linestyle=":",
+                             label="raw JAX bf16 matmul")
+    prefill_axes.set(xscale="log", xlabel="prompt length (tokens)", ylabel="MFU %", ylim=(0, 110),
+                     title="prefill (compiled forward): MFU against length")
+    prefill_axes.set_xscale("log", base=2)
+    prefill_axes.legend(fontsize=7)
+    device = f"{limits['device']} ({limits['platform']})" if limits else "device unknown"
+    figure.suptitle(f"benchmarks.chip --size {spec['name']} on {device}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def _spec(args) -> dict:
+    spec = dict(SIZES[args.size], name=args.size)
+    for option in ("batches", "lengths"):
+        if getattr(args, option):
+            spec[option] = [int(n) for n in getattr(args, option).split(",")]
+    return spec
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="1b")
-    parser.add_argument("--only", default="forward,generate", help="sections: forward, generate")
-    parser.add_argument("--worker", choices=["limits", "hf-tpu", "torchax"], help=argparse.SUPPRESS)
-    parser.add_argument("--no-torchax", action="store_true", help="skip the torchax side")
-    parser.add_argument("--dump-hlo", help="write each side's optimized HLO under this folder")
-    parser.add_argument("--json", help="also write every figure to this file")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds each worker may take")
+    parser.add_argument("--only", default=",".join(GROUPS), help=f"groups, in order: {', '.join(GROUPS)}")
+    parser.add_argument("--batches", help="batch sizes of the grid (e.g. 1,8)")
+    parser.add_argument("--lengths", help="prompt lengths of the grid (e.g. 128,1024)")
+    parser.add_argument("--timeout", type=float, help="seconds each group may take (default: its own, "
+                        + ", ".join(f"{name} {limit}" for name, (_, limit) in GROUPS.items()) + ")")
+    parser.add_argument("--budget", type=float, help="seconds the whole run may take: later groups get what is left")
+    parser.add_argument("--no-memory-check", action="store_true", help="run rows estimated not to fit")
+    parser.add_argument("--json", help="write every figure to this file, after each one")
+    parser.add_argument("--figures", nargs="+", help="report (and plot) the figures of these --json files (runs of "
+                        "different groups, e.g. one device call each) instead of running")
+    parser.add_argument("--plot", help="write a PNG of decode tokens/s and prefill MFU here (needs matplotlib)")
+    parser.add_argument("--dump-hlo", help="write each group's optimized HLO under this folder")
+    parser.add_argument("--worker", choices=sorted(GROUPS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    unknown = set(args.only.split(",")) - set(GROUPS)
+    if unknown:
+        parser.error(f"--only: unknown groups {', '.join(sorted(unknown))}; the groups are {', '.join(GROUPS)}")
+    spec = _spec(args)
     if args.worker:
-        return _worker(args)
-    results = _run_worker("limits", args) + _run_worker("hf-tpu", args)
-    if not args.no_torchax and "forward" in args.only:
-        results += _run_worker("torchax", args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    print(report(results, SIZES[args.size]))
+        return _worker(args, spec)
+    if args.figures:
+        results = []
+        for path in args.figures:
+            with open(path) as f:
+                results += json.load(f)
+        run_row = next((r for r in results if r["section"] == "run"), None)
+        if run_row:  # the grid the figures were measured at
+            spec = dict(SIZES[run_row["size"]], name=run_row["size"], batches=run_row["batches"],
+                        lengths=run_row["lengths"])
+    else:
+        results = run(args, spec)
+    print("\n" + report(results, spec), flush=True)
+    if args.plot:
+        try:
+            plot(results, spec, args.plot)
+            print(f"plot: {args.plot}")
+        except ImportError:
+            print("plot: matplotlib is not installed here; plot the --json file where it is "
+                  "(python -m benchmarks.chip --figures FILE --plot PATH)")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,11 @@ _PLATFORM_ALIASES = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "
 
 
 def _configure_jax_before_backends() -> None:
+    if _settings.get("HF_TPU_PLATFORM") == "cpu":
+        # JAX would still initialise every backend it finds, and libtpu takes the chip's lock (failing when
+        # another process holds it). The variable, read when jax is imported, also keeps the processes this
+        # one starts off the chip, those that use JAX without hf_tpu included.
+        os.environ["JAX_PLATFORMS"] = "cpu"
     num = _settings.get("HF_TPU_NUM_DEVICES")
     if num:
         flag = f"--xla_force_host_platform_device_count={num}"
@@ -36,10 +41,15 @@ from jax._src import xla_bridge  # noqa: E402
 # silently compute them in 32 bits.
 jax.config.update("jax_enable_x64", True)
 
-if _settings.get("HF_TPU_PLATFORM") == "cpu" and not xla_bridge.backends_are_initialized():
-    # JAX would still initialise every backend it finds, and libtpu takes the chip's lock (failing when
-    # another process holds it): asking for cpu keeps JAX off the accelerators altogether
-    jax.config.update("jax_platforms", "cpu")
+if _settings.get("HF_TPU_PLATFORM") == "cpu":
+    if not xla_bridge.backends_are_initialized():  # jax imported before hf_tpu read the variable at its import
+        jax.config.update("jax_platforms", "cpu")
+    elif jax.default_backend() != "cpu":
+        import warnings
+
+        warnings.warn(f"HF_TPU_PLATFORM=cpu, but JAX started its backends ({jax.default_backend()} among them) "
+                      "before hf_tpu was imported, so this process may hold an accelerator: import hf_tpu "
+                      "first, or set JAX_PLATFORMS=cpu too", stacklevel=2)
 
 
 def cache_dir() -> str:

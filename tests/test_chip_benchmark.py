@@ -1,5 +1,6 @@
-"""`benchmarks.chip` in the tiny form CI runs: every section reports, and the report puts the sides
-together (the torchax side is not installed here; its figures are fed to `report` directly)."""
+"""`benchmarks.chip` in the tiny form CI runs: every group reports, each figure is printed and saved the moment
+it is measured, a group past its time limit is stopped without losing the others, and the report and the plot
+put the sides together (the torchax side is not installed here; its figures are fed to `report` directly)."""
 
 import json
 import os
@@ -11,30 +12,106 @@ from benchmarks import chip
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_tiny_run_reports_every_section(tmp_path):
-    out = tmp_path / "figures.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.chip", "--size", "tiny", "--no-torchax",
-                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+def _chip(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "benchmarks.chip", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_tiny_run_reports_every_group(tmp_path):
+    """One row a group (batch 2, prompt 16) keeps the run short; the grid's loops are the same."""
+    out, png = tmp_path / "figures.json", tmp_path / "chip.png"
+    proc = _chip("--size", "tiny", "--batches", "2", "--lengths", "16", "--json", str(out), "--plot", str(png))
     assert proc.returncode == 0, proc.stderr[-3000:]
     figures = json.loads(out.read_text())
-    sections = {f["section"] for f in figures}
-    assert sections == {"limits", "forward", "eager", "decode", "ttft"}, sections
-    spec = chip.SIZES["tiny"]
-    assert len([f for f in figures if f["section"] == "forward"]) == len(spec["forward"])
-    assert len([f for f in figures if f["section"] == "decode"]) == len(spec["decode_batches"])
-    assert all(f["seconds"] > 0 for f in figures if f["section"] in ("forward", "eager", "ttft"))
-    assert "compiled forward" in proc.stdout and "decode batch" in proc.stdout
+    by_section = {}
+    for figure in figures:
+        by_section.setdefault(figure["section"], []).append(figure)
+    assert {"run", "limits", "forward", "eager", "decode", "ttft", "moe"} <= set(by_section), set(by_section)
+    assert [(f["batch"], f["length"]) for f in by_section["forward"] if f["side"] == "hf-tpu"] == [(2, 16)]
+    assert [(f["batch"], f["length"]) for f in by_section["decode"]] == [(2, 16)]
+    assert {f["implementation"] for f in by_section["moe"]} == {"grouped_mm", "eager"}
+    assert all(f["seconds"] > 0 for f in by_section["forward"] + by_section["eager"] + by_section["ttft"])
+    assert all(f["reason"] for f in by_section.get("skipped", []))  # torchax, where it is not installed
+    printed = proc.stdout.splitlines()
+    assert any(line.startswith("[forward] hf-tpu forward 2x16:") for line in printed)
+    assert any(line.startswith("[moe] eager decode batch 2") for line in printed)
+    assert "compiled forward" in proc.stdout and "decode batch x prompt" in proc.stdout
+    assert "MoE decode" in proc.stdout and "the per-expert loop" in proc.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_group_past_its_time_limit_is_stopped_and_the_figures_before_it_kept(tmp_path):
+    out = tmp_path / "figures.json"
+    proc = _chip("--size", "tiny", "--only", "eager", "--timeout", "1", "--json", str(out), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert [f["section"] for f in figures] == ["run", "skipped"]
+    assert figures[1]["group"] == "eager" and "time limit of 1 s" in figures[1]["reason"]
+    assert "[eager] skipped eager: stopped after its time limit of 1 s" in proc.stdout
+
+
+def test_unknown_group_is_an_argument_error():
+    proc = _chip("--only", "forward,prefill", timeout=60)
+    assert proc.returncode == 2 and "unknown groups prefill" in proc.stderr
+
+
+def test_memory_check_on_a_v5e():
+    """1.1B parameters in bfloat16 are 2.2 GB; at batch 64 the 4096-token KV cache (8.9 GB) would fit, the
+    prefill's materialised attention scores would not. The MoE model's weights stay under 8 GB."""
+    spec, v5e = chip.SIZES["1b"], 16.9e9
+    assert 2.1e9 < chip.weight_bytes(spec["model"]) < 2.3e9
+    assert chip.weight_bytes(spec["moe"]) < 8e9
+    assert chip.does_not_fit(spec["model"], 1, 4096, v5e) is None
+    assert chip.does_not_fit(spec["model"], 8, 1024, v5e) is None
+    assert chip.does_not_fit(spec["model"], 64, 128, v5e, new_tokens=65) is None
+    reason = chip.does_not_fit(spec["model"], 64, 4096, v5e, new_tokens=65)
+    assert "attention scores" in reason and "of the device's 16.9 GB" in reason
+    assert chip.memory_estimate(spec["model"], 64, 4096, 65)["KV cache"] == 64 * 4224 * 16 * 2 * 8 * 64 * 2
+    # the HBM limit of decoding at batch 1: every matmul weight read once a step (2.54 ms at 819 GB/s)
+    step = 1 / chip.decode_limit_tokens_per_second(spec["model"], 1, 0, 819e9)
+    assert 2.5e-3 < step < 2.6e-3
+
+
+def _figures():
+    forward = dict(section="forward", group="forward", side="hf-tpu", batch=1)
+    decode = dict(section="decode", group="decode", side="hf-tpu", length=128, context=160)
+    moe = dict(section="moe", group="moe", side="hf-tpu", batch=64, length=16, context=20)
+    return [
+        dict(section="run", size="1b", batches=[1, 8, 64], lengths=[128, 1024, 4096], started="-", command="-"),
+        dict(section="limits", group="limits", device="TPU v5 lite", platform="tpu", matmul_tflops=160.0,
+             hbm_gbs=600.0, peak_tflops=197.0, peak_hbm_gbs=819.0, memory_gb=16.9),
+        dict(forward, length=1024, seconds=0.020, first_call=30.0),
+        dict(forward, group="torchax", side="torchax", length=1024, seconds=0.016, first_call=9.0),
+        dict(forward, length=128, seconds=0.005, first_call=20.0),
+        dict(decode, batch=1, step_seconds=0.003, first_call=35.0),
+        dict(decode, batch=64, step_seconds=0.006, first_call=40.0),
+        dict(moe, implementation="grouped_mm", step_seconds=0.012, first_call=50.0),
+        dict(moe, implementation="eager", step_seconds=1.2, first_call=90.0),
+        dict(section="skipped", group="decode", row="64x4096", reason="needs ~303 GB"),
+    ]
 
 
 def test_report_sets_the_sides_side_by_side():
-    figures = [
-        {"section": "limits", "device": "TPU v5 lite", "platform": "tpu", "matmul_tflops": 160.0, "hbm_gbs": 600.0,
-         "peak_tflops": 197.0},
-        {"section": "forward", "side": "hf-tpu", "batch": 1, "length": 1024, "seconds": 0.020, "first_call": 30.0},
-        {"section": "forward", "side": "torchax", "batch": 1, "length": 1024, "seconds": 0.016, "first_call": 9.0},
-    ]
-    text = chip.report(figures, chip.SIZES["1b"])
+    spec = chip.SIZES["1b"]
+    text = chip.report(_figures(), spec)
     row = [line for line in text.splitlines() if line.startswith("1x1024")][0].split()
     assert row[1] == "20.00" and row[4] == "16.00" and row[-1] == "0.80x"
-    flops = chip._forward_flops(chip.SIZES["1b"]["model"], 1, 1024)
+    flops = chip.forward_flops(spec["model"], 1, 1024)
     assert row[2] == f"{100 * flops / 0.020 / 197e12:.0f}%"
+    decode = [line for line in text.splitlines() if line.startswith("1x128 ") and "3.00" in line][0].split()
+    limit = chip.decode_limit_tokens_per_second(spec["model"], 1, 160, 819e9)
+    assert decode[2] == "333" and decode[3] == f"{limit:.0f}"
+    assert "grouped_mm is 100.0x the per-expert loop (eager)" in text
+    assert "[decode] 64x4096: needs ~303 GB" in text
+
+
+def test_saved_figures_are_reported_and_plotted(tmp_path):
+    """Each device call's run of some groups is saved to a file of its own; the report takes them together."""
+    first, second, png = tmp_path / "forward.json", tmp_path / "decode.json", tmp_path / "chip.png"
+    figures = _figures()
+    first.write_text(json.dumps(figures[:5]))
+    second.write_text(json.dumps(figures[:1] + figures[5:]))
+    proc = _chip("--figures", str(first), str(second), "--plot", str(png), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "0.80x" in proc.stdout and "grouped_mm is 100.0x" in proc.stdout and f"plot: {png}" in proc.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -196,7 +196,10 @@ def test_a_checkpointed_dropout_recomputes_the_same_masks():
     import subprocess
     import sys
 
-    run = subprocess.run([sys.executable, "-c", _CHECKPOINTED_DROPOUT], capture_output=True, text=True, timeout=300)
+    from tests.util import cpu_process_env
+
+    run = subprocess.run([sys.executable, "-c", _CHECKPOINTED_DROPOUT], capture_output=True, text=True, timeout=300,
+                         env=cpu_process_env())
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "True"
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+import hf_tpu
 
 TOLERANCES = {
     torch.float32: dict(rtol=1e-5, atol=1e-5),
@@ -50,3 +54,15 @@ def differential(fn):
     actual = fn("tpu")
     assert_same(actual, expected)
     return actual
+
+
+def on_tpu() -> bool:
+    """Whether `tpu` tensors live on a real TPU (HF_TPU_PLATFORM=tpu) rather than XLA:CPU."""
+    return hf_tpu.platform_name() == "tpu"
+
+
+def cpu_process_env(**env) -> dict:
+    """The environment of a Python process a test starts: this one's, on the CPU platform. While this
+    process holds a chip, another that starts JAX on it fails on libtpu's lock; the process's own
+    variables (`env`) come last."""
+    return {**os.environ, "HF_TPU_PLATFORM": "cpu", "JAX_PLATFORMS": "cpu", **env}

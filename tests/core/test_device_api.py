@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import hf_tpu
+from tests.util import cpu_process_env
 
 # the CPU platform simulates HF_TPU_NUM_DEVICES chips (two under tests/conftest.py); a GPU or TPU has its own
 PLATFORM = os.environ["HF_TPU_PLATFORM"]
 CHIPS = int(os.environ["HF_TPU_NUM_DEVICES"]) if PLATFORM == "cpu" else len(jax.local_devices(backend=PLATFORM))
-needs_two_chips = pytest.mark.skipif(CHIPS < 2, reason="needs two tpu chips")
 
 
 def test_device_strings_and_accelerator():
@@ -27,7 +27,7 @@ def test_device_strings_and_accelerator():
     assert torch.accelerator.memory_allocated() == torch.tpu.memory_allocated()
 
 
-@needs_two_chips
+@pytest.mark.requires_chips(2)
 def test_accelerator_device_index_is_the_tpu_current_device():
     """A Python backend's device guard holds no current device: `torch.accelerator` set, read and
     switched one that new `tpu` tensors never used."""
@@ -152,7 +152,7 @@ def test_module_functions():
     assert stats["allocated_bytes.all.current"] == tpu.memory_allocated()
 
 
-@needs_two_chips
+@pytest.mark.requires_chips(2)
 def test_synchronize_waits_on_every_computed_array_of_its_chip(monkeypatch):
     from hf_tpu.memory import buffer
 
@@ -169,7 +169,7 @@ def test_synchronize_waits_on_every_computed_array_of_its_chip(monkeypatch):
     assert all(a.devices() == {hf_tpu.platform.jax_device(0)} for a in waited[0])
 
 
-@needs_two_chips
+@pytest.mark.requires_chips(2)
 def test_set_device_and_context_manager():
     with torch.tpu.device(1):
         assert torch.tpu.current_device() == 1
@@ -184,7 +184,7 @@ def test_set_device_and_context_manager():
     assert (torch.ones(2, device="tpu:1") + 1).device.index == 1
 
 
-@needs_two_chips
+@pytest.mark.requires_chips(2)
 def test_tensors_on_two_chips_do_not_mix():
     a = torch.ones(2, device="tpu:0")
     b = torch.ones(2, device="tpu:1")
@@ -222,10 +222,8 @@ def test_metrics_counters():
 
 
 def _python(code, **env):
-    import os
-
-    full_env = dict(os.environ, **env)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=300)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cpu_process_env(**env),
+                          timeout=300)
 
 
 def test_one_chip_platform_rejects_tpu7_clearly():

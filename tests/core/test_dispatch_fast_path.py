@@ -77,9 +77,8 @@ def test_a_negative_zero_is_not_its_defaults_zero():
     assert calls._analyse_common(*args, [-0.0], sig.ident, "highest") is None
 
 
+@pytest.mark.requires_chips(2)
 def test_tensors_on_two_chips_take_the_general_loop_and_its_error():
-    if torch.tpu.device_count() < 2:
-        pytest.skip("needs two tpu chips (CI simulates them)")
     a, b = torch.ones(3, device="tpu:0"), torch.ones(3, device="tpu:1")
     sig = dispatch.signature(aten.add.Tensor)
     assert calls._analyse_common(sig.kinds, sig.defaults, sig.default_keys, [a, b, 1], sig.ident,

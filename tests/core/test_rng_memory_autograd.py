@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from tests.util import on_tpu
+
 
 def test_manual_seed_makes_random_ops_reproducible():
     def draw():
@@ -35,8 +37,11 @@ def test_compiled_random_ops_draw_what_eager_ops_draw():
         torch.manual_seed(3)
         draws = [t.cpu() for _ in range(3) for t in fn(x)]
         runs[name] = draws + [torch.randn(4, device="tpu").cpu()]
-    for eager, compiled_draw in zip(runs["eager"], runs["compiled"]):  # fused, the arithmetic may round apart
-        torch.testing.assert_close(compiled_draw, eager, rtol=1e-6, atol=1e-6)
+    # fused, the arithmetic may round apart: by an ulp or so on XLA:CPU; a TPU's float32 transcendentals (the
+    # log and square root of the normal draw) are approximations that round apart by a few ulps more
+    tolerance = dict(rtol=1e-5, atol=1e-5) if on_tpu() else dict(rtol=1e-6, atol=1e-6)
+    for eager, compiled_draw in zip(runs["eager"], runs["compiled"]):
+        torch.testing.assert_close(compiled_draw, eager, **tolerance)
     assert len({tuple(t.tolist()) for t in runs["compiled"]}) == 7
 
 
