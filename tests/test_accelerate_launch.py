@@ -1,7 +1,8 @@
 """`accelerate launch` on tpu (docs/design/accelerate-launch.md): the configs in examples/accelerate/ start
 real processes, which train a small model with gradient accumulation and clipping, save and load their
 state and their model, and give a single CPU process's losses and weights. Each launched process runs
-this file as a script; the CPU's simulated chips stand for a host's chips."""
+this file as a script; the CPU's simulated chips stand for a host's chips. `one-chip.yaml` launches a
+plain single process, which the one-chip and mixed-precision tests run in this process."""
 
 import json
 import os
@@ -50,8 +51,8 @@ def cpu_reference(processes):
     return losses, {name: p.detach() for name, p in model.state_dict().items()}
 
 
-def launch(config, out, *options, chips=2, timeout=240):
-    env = dict(os.environ, HF_TPU_PLATFORM="cpu", HF_TPU_NUM_DEVICES=str(chips), OMP_NUM_THREADS="1")
+def launch(config, out, *options, chips=2, timeout=240, **variables):
+    env = dict(os.environ, HF_TPU_PLATFORM="cpu", HF_TPU_NUM_DEVICES=str(chips), OMP_NUM_THREADS="1", **variables)
     command = [str(ACCELERATE), "launch", "--config_file", str(CONFIGS / config), *options, __file__, str(out)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
@@ -69,8 +70,22 @@ def check_against_cpu(reports, processes):
         assert report["reloaded_equal"] and report["state_restored"]
 
 
-def test_one_chip(tmp_path):
-    (report,) = launch("one-chip.yaml", tmp_path)
+def train_in_this_process(out, monkeypatch, precision="no"):
+    """`train` in the test process (one chip, `distributed_type: 'NO'`, as `one-chip.yaml` launches it): what
+    `accelerate launch --mixed_precision` passes to the script is ACCELERATE_MIXED_PRECISION."""
+    from accelerate.state import AcceleratorState
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", precision)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        train(out)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    return json.loads((out / "process0.json").read_text())
+
+
+def test_one_chip(tmp_path, monkeypatch):
+    report = train_in_this_process(tmp_path, monkeypatch)
     assert report["device"] == "tpu:0" and report["chips_holding_a_weight"] == 1
     check_against_cpu([report], processes=1)
 
@@ -83,7 +98,10 @@ def test_one_process_drives_every_chip(tmp_path):
 
 @pytest.mark.skipif(not hasattr(_jax, "make_gloo_tcp_collectives"), reason="this jaxlib has no gloo collectives")
 def test_two_processes_on_localhost(tmp_path):
-    reports = launch("multi-process.yaml", tmp_path, "--main_process_port", str(_free_port()))
+    # the CPU platform's cross-process collectives (gloo) can hang when several programs with collectives
+    # run at once, so each program waits for its results (docs/design/accelerate-launch.md)
+    reports = launch("multi-process.yaml", tmp_path, "--main_process_port", str(_free_port()),
+                     HF_TPU_EAGER_MODE="DEFER_NEVER_AND_LAUNCH_BLOCKING")
     assert [r["process_index"] for r in reports] == [0, 1]
     assert all(r["chips_holding_a_weight"] == 4 and r["gathered"] == [0.0, 1.0] for r in reports)
     assert all(r["broadcast"] == 0.0 and r["reduced_sum"] == 1.0 for r in reports)
@@ -91,10 +109,11 @@ def test_two_processes_on_localhost(tmp_path):
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_mixed_precision(tmp_path, precision):
-    (report,) = launch("one-chip.yaml", tmp_path, "--mixed_precision", precision)
+def test_mixed_precision(tmp_path, monkeypatch, precision):
+    report = train_in_this_process(tmp_path, monkeypatch, precision)
     assert report["hidden_dtype"] == {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[precision]
     assert report["scaler"] == ("GradScaler" if precision == "fp16" else None)
+    assert report["reloaded_equal"] and report["state_restored"]
     losses, _ = cpu_reference(1)
     torch.testing.assert_close(torch.tensor(report["losses"]), torch.tensor(losses), rtol=2e-2, atol=2e-2)
 
@@ -174,6 +193,7 @@ def train(out_dir: Path):
     assert (restored_layout.mesh.size if restored_layout else 1) == report["chips_holding_a_weight"]
     (out_dir / f"process{accelerator.process_index}.json").write_text(json.dumps(report))
     accelerator.end_training()
+    accelerator.free_memory()
 
 
 if __name__ == "__main__":
