@@ -239,7 +239,7 @@ def _trainer_losses(tmp_path, device, **arguments):
 
 def test_the_trainer_trains_on_tpu_with_the_cpu_losses(tmp_path):
     """Accelerate, which the Trainer trains through, knows no `tpu` backend: it moved the model back to
-    the CPU while the Trainer sent its inputs to `tpu` (`integrations/accelerate.py`)."""
+    the CPU while the Trainer sent its inputs to `tpu` (`integrations/accelerate/device.py`)."""
     cpu = _trainer_losses(tmp_path, "cpu")
     tpu = _trainer_losses(tmp_path, "tpu")
     assert len(tpu) == 3 and ((tpu - cpu).abs() / cpu.abs()).max().item() < 1e-4, (tpu, cpu)
@@ -324,7 +324,7 @@ def test_a_configuration_that_sends_accelerate_to_the_cpu_says_so_once(monkeypat
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
-    from hf_tpu.integrations import accelerate as adapter
+    from hf_tpu.integrations.accelerate import device as adapter
 
     monkeypatch.setattr(adapter, "_told", [])
     AcceleratorState._reset_state(reset_partial_state=True)

@@ -7,13 +7,15 @@ SPMD partitioner from the layouts of the inputs (GSPMD). See docs/design/shardin
 
 Several processes (one per host) join one run with `initialize()` or the HF_TPU_COORDINATOR_ADDRESS,
 HF_TPU_NUM_PROCESSES and HF_TPU_PROCESS_ID variables; the same code then shards over every process's
-chips (docs/design/multi-host.md).
+chips (docs/design/multi-host.md). Each process may also hold its own part of a tensor
+(`from_process_parts`, a batch split between processes), and `all_gather`, `all_reduce` and
+`broadcast` exchange process-local tensors.
 """
 
 from .mesh import Mesh, mesh
 from .model import STYLES, shard_model
-from .processes import device_count, initialize, process_count, process_index
-from .tensors import Sharding, replicate, shard, sharding
+from .processes import all_gather, all_reduce, broadcast, device_count, initialize, process_count, process_index
+from .tensors import Sharding, from_process_parts, replicate, shard, sharding
 
-__all__ = ["Mesh", "STYLES", "Sharding", "device_count", "initialize", "mesh", "process_count", "process_index",
-           "replicate", "shard", "shard_model", "sharding"]
+__all__ = ["Mesh", "STYLES", "Sharding", "all_gather", "all_reduce", "broadcast", "device_count", "from_process_parts",
+           "initialize", "mesh", "process_count", "process_index", "replicate", "shard", "shard_model", "sharding"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import jax
 import numpy as np
 import torch
 from jax.sharding import NamedSharding, PartitionSpec
@@ -74,6 +75,27 @@ def shard(t: torch.Tensor, mesh: Mesh, spec) -> torch.Tensor:
     array = buffer.put_sharded(value, NamedSharding(mesh.jax_mesh, PartitionSpec(*spec)))
     buffer.sharded_arrays_exist = True
     return buffer.new_tensor(shape, t.dtype, device.index, array)
+
+
+def from_process_parts(t: torch.Tensor, mesh: Mesh, spec) -> torch.Tensor:
+    """A new `tpu` tensor laid out as `spec` over `mesh` whose split dims join every process's `t` in
+    process order: the layout of a batch each process loaded its own part of (a data loader that
+    gives each process different rows). Dims that `spec` keeps whole must hold the same values in
+    every process, as with `shard`. A mesh within this process makes it `shard(t, mesh, spec)`. Like
+    `shard`, a collective in a multi-process run: every process calls it at the same point."""
+    if t.device.type not in ("cpu", "tpu"):
+        raise ValueError(f"from_process_parts() takes a cpu or tpu tensor, got one on {t.device}")
+    if not mesh.jax_mesh.is_multi_process:
+        return shard(t, mesh, spec)
+    spec = tuple(spec) + (None,) * (t.dim() - len(tuple(spec)))
+    layout = NamedSharding(mesh.jax_mesh, PartitionSpec(*spec))
+    try:
+        array = jax.make_array_from_process_local_data(layout, buffer.host_array(t.detach().cpu()))
+    except ValueError as e:
+        raise ValueError(f"this process's part of shape {tuple(t.shape)} does not split as {spec} over the "
+                         f"chips the mesh {mesh} has in this process: {e}") from None
+    buffer.sharded_arrays_exist = True
+    return buffer.new_tensor(array.shape, t.dtype, mesh.device.index, array)
 
 
 def replicate(t: torch.Tensor, mesh: Mesh) -> torch.Tensor:

@@ -58,6 +58,11 @@ def install(module) -> None:
     if module.__name__ == "transformers.trainer":
         _patch(module.Trainer, "_save_rng_state", trainer._wrap_save_rng_state)
         _patch(module.Trainer, "_load_rng_state", trainer._wrap_load_rng_state)
+        for name, wrap in (("nested_gather", trainer._wrap_nested_gather),
+                           ("distributed_broadcast_scalars", trainer._wrap_broadcast_scalars)):
+            if not getattr(getattr(module, name), "_hf_tpu", False):  # functions the Trainer imported
+                setattr(module, name, wrap(getattr(module, name)))
+                getattr(module, name)._hf_tpu = True
         return
     if module.__name__ == "transformers.modeling_utils":
         _patch(module.PreTrainedModel, "from_pretrained", from_pretrained.wrap)

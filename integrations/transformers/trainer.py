@@ -1,5 +1,5 @@
-"""The Trainer on `tpu`: its checkpoints hold the `tpu` random state, and `torch_compile=True` compiles
-with the `tpu` backend."""
+"""The Trainer on `tpu`: its checkpoints hold the `tpu` random state, its logged loss is gathered across
+processes under Accelerate's data parallelism, and `torch_compile=True` compiles with the `tpu` backend."""
 
 from __future__ import annotations
 
@@ -45,6 +45,46 @@ def _wrap_load_rng_state(original):
     return _load_rng_state
 
 
+# --- The Trainer's logged loss with several chips or processes
+
+
+def _wrap_nested_gather(original):
+    @functools.wraps(original)
+    def nested_gather(tensors, parallel_mode, name=None):
+        """The Trainer gathers its loss across processes with `torch.distributed.all_gather`, which has no
+        backend for tpu tensors; under Accelerate's data parallelism on tpu (`MULTI_TPU`) Accelerate's
+        `gather` does it (hf_tpu.distributed's collectives, integrations/accelerate/data_parallel.py)."""
+        from transformers.training_args import ParallelMode
+
+        if parallel_mode == ParallelMode.DISTRIBUTED and _holds_tpu_tensors(tensors):
+            from accelerate.utils import gather
+
+            return gather(tensors)
+        return original(tensors, parallel_mode, name)
+
+    return nested_gather
+
+
+def _wrap_broadcast_scalars(original):
+    @functools.wraps(original)
+    def distributed_broadcast_scalars(scalars, num_total_examples=None, device=torch.device("cuda")):
+        """Python numbers (the floating-point operation count) gathered across processes through the
+        process group Accelerate opened, on the CPU: it has no backend for tpu tensors."""
+        if torch.device(device).type == "tpu":
+            return original(scalars, num_total_examples, device=torch.device("cpu")).to(device)
+        return original(scalars, num_total_examples, device=device)
+
+    return distributed_broadcast_scalars
+
+
+def _holds_tpu_tensors(tensors) -> bool:
+    if isinstance(tensors, (list, tuple)):
+        return any(_holds_tpu_tensors(t) for t in tensors)
+    if isinstance(tensors, dict):
+        return any(_holds_tpu_tensors(t) for t in tensors.values())
+    return isinstance(tensors, torch.Tensor) and tensors.device.type == "tpu"
+
+
 # --- The Trainer's `torch_compile=True`: the tpu backend, as Transformers picks HPU's and Neuron's
 
 
@@ -54,7 +94,7 @@ def _wrap_training_args_post_init(original):
         """`TrainingArguments(torch_compile=True)` names no backend, and Transformers then picks its
         accelerator's (`hpu_backend`, `neuron`) or Inductor, which cannot compile for tpu (it imports a
         `torch_tpu` module). With tpu as PyTorch's accelerator the Trainer compiles with
-        `backend="tpu"` (`integrations/accelerate.py` makes it one of Accelerate's backends)."""
+        `backend="tpu"` (`integrations/accelerate/device.py` makes it one of Accelerate's backends)."""
         accelerator = torch.accelerator.current_accelerator()
         if ((self.torch_compile or self.torch_compile_mode is not None) and self.torch_compile_backend is None
                 and not self.use_cpu and accelerator is not None and accelerator.type == "tpu"):

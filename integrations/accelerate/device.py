@@ -1,5 +1,4 @@
-"""Accelerate on `tpu`: `Accelerator()`, and with it the Trainer, trains on `tpu` once hf_tpu is imported,
-and its checkpoints (`save_state`/`load_state`) hold the `tpu` random state as they hold CUDA's.
+"""One process on `tpu` under Accelerate: `Accelerator()`, and with it the Trainer, trains on `tpu`, and its checkpoints (`save_state`/`load_state`) hold the `tpu` random state as they hold CUDA's.
 
 Accelerate picks its device from a list of backends it knows (CUDA, MPS, XPU, ...), and without one
 of them it picks the CPU. The Trainer already put its inputs on `tpu` (Transformers asks
@@ -26,12 +25,11 @@ def _tpu_is_the_accelerator() -> bool:
 
 
 def install(module) -> None:
-    """Patch the Accelerate module that was just imported (`hf_tpu.integrations.ADAPTERS`)."""
     if module.__name__ == "accelerate.state":
         _pick_tpu(module.PartialState)
         _say_when_sent_to_the_cpu(module.PartialState)
     elif module.__name__ == "accelerate.utils.dataclasses":
-        _add_tpu_dynamo_backend(module.DynamoBackend)
+        add_member(module.DynamoBackend, "TPU")
     elif module.__name__ == "accelerate.accelerator":
         # Accelerator.save_state/load_state call these through the names this module imported
         for name, action in (("save_accelerator_state", _save_tpu_rng), ("load_accelerator_state", _load_tpu_rng)):
@@ -128,18 +126,19 @@ def _say_when_sent_to_the_cpu(state) -> None:
     state.__init__ = __init__
 
 
-def _add_tpu_dynamo_backend(backends) -> None:
-    """`TorchDynamoPlugin(backend="tpu")`, `ACCELERATE_DYNAMO_BACKEND=tpu` and the Trainer's
-    `torch_compile_backend="tpu"` compile through `torch.compile(backend="tpu")`: Accelerate takes its
-    backends from a closed enum (Inductor's `torch_tpu` lookup fails on tpu), so a `TPU` member joins it
-    as Python's `Enum` makes members, with Accelerate's lower-cased value convention."""
-    if "TPU" in backends._member_map_:
+def add_member(enum, name: str) -> None:
+    """Adds the member `name` (its value the same string, Accelerate's convention) to one of Accelerate's
+    closed string enums, as Python's `Enum` makes members. `DynamoBackend.TPU` makes
+    `TorchDynamoPlugin(backend="tpu")`, `ACCELERATE_DYNAMO_BACKEND=tpu` and the Trainer's
+    `torch_compile_backend="tpu"` compile through `torch.compile(backend="tpu")` (Inductor's `torch_tpu`
+    lookup fails on tpu); `DistributedType.MULTI_TPU` is data_parallel.py's."""
+    if name in enum._member_map_:
         return
-    member = str.__new__(backends, "TPU")
-    member._name_ = member._value_ = "TPU"
-    member.__objclass__ = backends
-    member._sort_order_ = len(backends._member_names_)
-    type.__setattr__(backends, "TPU", member)
-    backends._member_names_.append("TPU")
-    backends._member_map_["TPU"] = member
-    backends._value2member_map_["TPU"] = member
+    member = str.__new__(enum, name)
+    member._name_ = member._value_ = name
+    member.__objclass__ = enum
+    member._sort_order_ = len(enum._member_names_)
+    type.__setattr__(enum, name, member)
+    enum._member_names_.append(name)
+    enum._member_map_[name] = member
+    enum._value2member_map_[name] = member
