@@ -4,7 +4,7 @@ Each figure is the best of 15 loops of 200 ops (the median is printed beside it)
 loops alternate (cpu, raw jit, tpu, cpu, ...): this shared 2-core machine changes speed by up to 2x from
 one second to the next, and alternating lets every column see the same phases.
 
-Run: python -m benchmarks.dispatch_overhead   (goal: tpu strict eager at most 3x raw JAX dispatch)
+Run: python -m benchmarks.dispatch_overhead   (tpu strict eager should stay within 3x raw JAX dispatch)
      python -m benchmarks.dispatch_overhead --budget   (where a strict and a deferred add's time goes:
      docs/design/deferred-speedup-ceiling.md)
 """

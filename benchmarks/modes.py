@@ -80,7 +80,7 @@ def workloads():
         inp = ids[:1, :16].to(device)
 
         def step():
-            # the issue's case: Transformers' default dynamic cache, decoded op by op in each eager mode
+            # Transformers' default dynamic cache, decoded op by op in each eager mode
             out = model.generate(inp, max_new_tokens=32, do_sample=False, min_new_tokens=32,
                                  cache_implementation="dynamic")
             return _sync(out)

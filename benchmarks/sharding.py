@@ -1,8 +1,8 @@
 """A tiny Llama sharded over 1, 2, 4 and 8 simulated chips with its Transformers tensor-parallel plan:
-weight bytes per chip (goal: 1/N of the total, within 5%), the static KV cache bytes per chip that
-`generate()` allocates (goal: 1/N, split by heads), forward time (logits to the host) in the
-strict and deferred modes, and the collectives XLA's partitioner inserted per transformer layer (goal for column/row
-sharding: two all-reduces per layer, after o_proj and after down_proj).
+weight bytes per chip (expected: 1/N of the total, within 5%), the static KV cache bytes per chip that
+`generate()` allocates (expected: 1/N, split by heads), forward time (logits to the host) in the
+strict and deferred modes, and the collectives XLA's partitioner inserted per transformer layer (expected for
+column/row sharding: two all-reduces per layer, after o_proj and after down_proj).
 
 Collectives are counted in the optimized HLO of the deferred mode's forward programs (XLA dumps
 them): the model is built with L and 2L layers and the difference is divided by L, so the embedding's

@@ -7,7 +7,7 @@ Run: python -m benchmarks.transformers_suite --tests /tmp/tf_tests/tests/models/
 import functools
 
 from . import library_tests_on_tpu
-from .library_tests_on_tpu import compare, report  # noqa: F401  (this module's public API, as before the split)
+from .library_tests_on_tpu import compare, report  # noqa: F401  (part of this module's public API)
 
 LIBRARY = library_tests_on_tpu.LIBRARIES["transformers"]
 DEVICE_ENVIRONMENTS = LIBRARY.device_environments

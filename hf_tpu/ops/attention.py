@@ -4,8 +4,8 @@
 cannot register, which would leave `tpu` on the unfused math path (matmuls and `_safe_softmax`, eight
 ops). `_scaled_dot_product_attention` below makes the choice for `tpu` instead: where PyTorch's CPU takes
 its fused kernel, so does `tpu` (`_scaled_dot_product_flash_attention_for_cpu`, one op with one lowering
-and PyTorch's own derivative); elsewhere (dropout, grouped heads, a mask needing a gradient) the math
-path runs as before. `torch.ops.hf_tpu.flash_attention` (further below) is the op to call for long
+and PyTorch's own derivative); elsewhere (dropout, grouped heads, a mask needing a gradient) PyTorch's math
+path runs. `torch.ops.hf_tpu.flash_attention` (further below) is the op to call for long
 sequences: its tpu lowering never holds the (query, key) score matrix.
 
 On a TPU both ops' lowerings call the Pallas flash attention kernel (`hf_tpu.kernels.flash_attention`,

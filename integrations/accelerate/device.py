@@ -5,7 +5,7 @@ of them it picks the CPU. The Trainer already put its inputs on `tpu` (Transform
 `torch.accelerator`), so `accelerator.prepare(model)` moved the model back to the CPU and the first
 forward failed on the two devices. Here, a single process whose accelerator is `tpu` gets
 `tpu:<current>`, as one with CUDA gets `cuda`; `cpu=True` (`use_cpu=True`) and
-`ACCELERATE_TORCH_DEVICE` still decide first, as before. A run that a configuration sends to the CPU
+`ACCELERATE_TORCH_DEVICE` decide first. A run that a configuration sends to the CPU
 while a `tpu` is there says so once (`accelerate config default` writes `use_cpu: true` on a machine
 without CUDA, and training then ran on the CPU without a word).
 """
