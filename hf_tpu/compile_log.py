@@ -49,6 +49,7 @@ class Compile:
     function: str  # the JAX function whose trace and XLA compile it is (its name, as JAX reports it)
     depth: int = 0  # JAX traces under way: a function traced inside another one is part of its trace
     captured: bool = False  # begun before JAX's trace (Dynamo and AOT autograd capture the graph first)
+    idle: bool = False  # between JAX's phases: a trace that nothing followed (`jax.eval_shape`) stays so
     inputs: str = ""  # the inputs' shapes and dtypes, once known
     phases: dict = dataclasses.field(default_factory=dict)  # phase name -> seconds
     from_disk: bool = False
@@ -74,10 +75,11 @@ def threshold() -> float:
 def begin(what: str, kind: str | None, function: str, started: float | None = None,
           captured: bool = False) -> Compile:
     """Open the compile of `what`, which the XLA compile of the JAX function named `function` ends; `captured`
-    when it began before JAX's trace, at `started`. A compile already under way stays the one."""
+    when it began before JAX's trace, at `started`. A compile under way stays the one; one idle since its
+    trace (a function only traced) is dropped."""
     limit = threshold()
     with _lock:
-        if _current[0] is not None:
+        if _current[0] is not None and not _current[0].idle:
             return _current[0]
         compile_ = _current[0] = Compile(what, kind, time.perf_counter() if started is None else started,
                                          function, captured=captured)
@@ -103,8 +105,9 @@ def describe(what: str, kind: str, inputs_text) -> None:
             compile_.inputs = inputs_text()
 
 
-def end(compile_: Compile | None = None) -> None:
-    """Close the compile under way (`compile_`, when given, and only if it is still the one): log it if slow."""
+def end(compile_: Compile | None = None, finished: bool = True) -> None:
+    """Close the compile under way (`compile_`, when given, and only if it is still the one): log it if it
+    `finished` slow (one that went no further than a trace is dropped)."""
     with _lock:
         done = _current[0]
         if done is None or (compile_ is not None and done is not compile_):
@@ -112,7 +115,7 @@ def end(compile_: Compile | None = None) -> None:
         _current[0] = None
     seconds = time.perf_counter() - done.started
     limit = threshold()
-    if limit <= 0 or seconds <= limit:
+    if not finished or limit <= 0 or seconds <= limit:
         return
     if done.kind is not None:
         _slow_kinds[done.kind] = seconds
@@ -138,7 +141,7 @@ def _watch() -> None:
         with _lock:
             compile_ = _current[0]
             limit = threshold()
-            if compile_ is None or compile_.announced or limit <= 0:
+            if compile_ is None or compile_.announced or compile_.idle or limit <= 0:
                 _wake.wait()
                 continue
             left = compile_.started + limit - time.perf_counter()
@@ -151,19 +154,24 @@ def _watch() -> None:
 
 
 def _on_scalar(event: str, value, **kwargs) -> None:
-    """JAX starts tracing a function: a compile of its own unless one is under way."""
-    if event != _TRACE_STARTS:
+    """JAX starts a phase of a compile; tracing a function starts a compile of its own unless one is under way."""
+    if event not in _PHASES:
         return
     name = kwargs.get("fun_name", "a JAX function")
     compile_ = _current[0]
-    if compile_ is not None and compile_.depth == 0 and "trace" in compile_.phases and compile_.function != name:
-        # the function traced before went no further (its trace failed, or it was only traced): over
-        end(compile_)
+    if event != _TRACE_STARTS:
+        if compile_ is not None and name == f"jit({compile_.function})":
+            compile_.idle = False
+        return
+    if compile_ is not None and compile_.idle:
+        # the function traced before went no further (its trace failed, or it was only traced): dropped
+        end(compile_, finished=False)
         compile_ = None
     if compile_ is None:
         # of no kind: every op's program is a `<lambda>`, and one slow op says nothing of the next
         compile_ = begin(f"`{name}`", kind=None, function=name)
     compile_.depth += 1
+    compile_.idle = False
 
 
 def _on_duration(event: str, seconds: float, **kwargs) -> None:
@@ -178,6 +186,8 @@ def _on_duration(event: str, seconds: float, **kwargs) -> None:
     compile_.phases[phase] = compile_.phases.get(phase, 0.0) + seconds
     if event == _XLA_COMPILE:
         end(compile_)
+    elif compile_.depth == 0:
+        compile_.idle = True  # until the next phase starts
 
 
 def _on_event(event: str, **kwargs) -> None:

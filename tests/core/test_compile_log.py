@@ -72,3 +72,12 @@ def test_the_threshold_must_be_a_number_of_seconds(monkeypatch, value):
     monkeypatch.setenv("HF_TPU_SLOW_COMPILE_SECONDS", value)
     with pytest.raises(ValueError, match="HF_TPU_SLOW_COMPILE_SECONDS.*a non-negative number of seconds"):
         settings.get("HF_TPU_SLOW_COMPILE_SECONDS")
+
+
+def test_a_function_only_traced_is_not_taken_for_a_compile_that_hangs(compile_records, monkeypatch):
+    monkeypatch.setenv("HF_TPU_SLOW_COMPILE_SECONDS", "0.2")
+    jax.eval_shape(lambda x: x + 1, jnp.ones(3))  # traced, never lowered nor compiled
+    time.sleep(0.5)
+    torch.randn(4, device="tpu").sin()
+    assert not any("<lambda>" in line and "so far" in line for line in compile_records()), compile_records()
+    assert not any(line.startswith("hf_tpu: compiled `<lambda>`") for line in compile_records())
