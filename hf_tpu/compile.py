@@ -12,12 +12,13 @@ cannot be traced (an op without a lowering, a host read) runs in the eager mode 
 from __future__ import annotations
 
 import logging
+import time
 
 import jax
 import jax.numpy as jnp
 import torch
 
-from . import counters, loops, modes, platform
+from . import compile_log, counters, loops, modes, platform
 from .device import current, rng
 from .memory import buffer, donation
 
@@ -66,9 +67,15 @@ class _Untraceable(Exception):
 class _CompiledGraph:
     """One ATen graph as one jitted JAX function over its tensor inputs."""
 
-    def __init__(self, gm: torch.fx.GraphModule, overwritten: tuple = (), loopable: bool = False):
+    def __init__(self, gm: torch.fx.GraphModule, overwritten: tuple = (), loopable: bool = False,
+                 description: str = "a torch.compile graph", input_names: tuple = ()):
         self.gm = gm
         self.overwritten = overwritten
+        self.description = description  # what the compile log calls it
+        self.input_names = input_names  # the user's name of each input (None for parameters and buffers)
+        # the compile Dynamo began for this graph (`hf_tpu.compile_log`), until a first call in a loop says
+        # which JAX function compiles
+        self.pending_compile = None
         # outputs PyTorch computes on the CPU (from CPU inputs, e.g. a non-capturable optimizer's step
         # count): computed on the device with the rest, then read back, as the graph's users expect them
         outputs = gm.graph.find_nodes(op="output")[0].args[0]
@@ -94,6 +101,7 @@ class _CompiledGraph:
         _counters["compiles"] += 1
         _counters["compiles_by_mode"]["COMPILE"] += 1
         arrays = donation.join(self.overwritten, overwritten_arrays, other_arrays)
+        compile_log.describe(self.description, "torch.compile", lambda: _inputs_text(self.input_names, arrays))
         inputs = []
         for spec, array, value in zip(self.in_specs, arrays, values):
             if spec is None:
@@ -139,6 +147,7 @@ class _CompiledGraph:
             # how many is known once it is traced (a graph without random ops takes none, as in PyTorch)
             results, checked = jitted(overwritten, others, values, rng.current_key(device_index))
         except (_Untraceable, NotImplementedError, jax.errors.JAXTypeError, TypeError) as e:
+            compile_log.end()
             self.eager = True
             log.warning("hf_tpu: a compiled graph runs in the eager mode instead (%s: %s)", type(e).__name__, e)
             return self.gm(*args)
@@ -227,10 +236,13 @@ class _CompiledGraph:
         if buffer.sharded_arrays_exist:  # a sharded model's loop carries single-chip tokens
             *carried, keep_going = buffer.place_together([*arrays, *carried, keep_going])[len(arrays):]
         jitted = self.loop_jitted[self._donatable(args, overwritten)]
+        if self.pending_compile is not None:  # the first call is a loop's: `_loop` compiles, not `_trace`
+            self.pending_compile.function, self.pending_compile = "_loop", None
         try:
             overwritten, carried, keep_going = jitted(overwritten, others, values, rng.current_key(device_index),
                                                       tuple(slots), carried, keep_going)
         except (_Untraceable, NotImplementedError, jax.errors.JAXTypeError, TypeError, ValueError) as e:
+            compile_log.end()
             raise loops.NotLoopable(f"{type(e).__name__}: {e}") from e
         except jax.errors.JaxRuntimeError as e:
             modes.raise_out_of_memory(e, device_index, f"a compiled loop of {len(self.gm.graph.nodes)} nodes")
@@ -278,6 +290,50 @@ def _meta_key(arrays, values) -> tuple:
     return tuple(None if a is None else a.shape for a in arrays), values
 
 
+def _inputs_text(names, arrays, most: int = 6) -> str:
+    """The graph's inputs other than parameters and buffers, as `input_ids int64[1, 128]`, for the compile log."""
+    from . import dtypes
+
+    if len(names) != len(arrays):
+        names = [f"input {k}" for k in range(len(arrays))]
+    shown = [f"{name} {str(dtypes.to_torch(a.dtype)).removeprefix('torch.')}{list(a.shape)}"
+             for name, a in zip(names, arrays) if name is not None and a is not None]
+    more = f" and {len(shown) - most} more" if len(shown) > most else ""
+    return ", ".join(shown[:most]) + more
+
+
+def _input_names(gm: torch.fx.GraphModule) -> tuple:
+    """Each of Dynamo's graph inputs by the name the user's code gives it (`l_kwargs_input_ids_`: input_ids),
+    None for the module's parameters and buffers."""
+    names = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        name = node.name
+        if "_parameters_" in name or "_buffers_" in name:
+            names.append(None)
+            continue
+        name = name.removeprefix("l_").removesuffix("_")
+        for prefix in ("kwargs_", "args_", "inputs_", "self_"):
+            name = name.removeprefix(prefix)
+        names.append(name)
+    return tuple(names)
+
+
+def _frame_name() -> str:
+    """The function Dynamo is compiling (`LlamaForCausalLM.forward`), for the compile log."""
+    context = torch._guards.TracingContext.try_get()
+    code = next(iter(getattr(context, "traced_code", None) or ()), None)
+    name = getattr(code, "co_qualname", None) or getattr(code, "co_name", None) or "a function"
+    return name.rsplit("<locals>.", 1)[-1]
+
+
+# when Dynamo last started compiling a frame: the compile log counts a graph's capture from there
+_dynamo_started = [None]
+
+
+def _note_dynamo_start(args) -> None:
+    _dynamo_started[0] = time.perf_counter()
+
+
 def _mutated_inputs(gm: torch.fx.GraphModule, example_inputs) -> tuple:
     """(positions of the `tpu` inputs the graph overwrites whole, whether it can be a `while_loop` step).
 
@@ -318,13 +374,14 @@ def _views_as_reshapes(gm: torch.fx.GraphModule) -> None:
         gm.recompile()
 
 
-def _compile_graph(gm: torch.fx.GraphModule, example_inputs, overwritten: tuple = (), loopable: bool = False):
+def _compile_graph(gm: torch.fx.GraphModule, example_inputs, overwritten: tuple = (), loopable: bool = False,
+                   description: str = "a torch.compile graph", input_names: tuple = ()):
     from hf_tpu import settings
 
     if settings.get("HF_TPU_LOG_COMPILES"):
         log.warning("hf_tpu: compiling a torch.compile graph of %d nodes", len(gm.graph.nodes))
     _views_as_reshapes(gm)
-    return _CompiledGraph(gm, overwritten, loopable)
+    return _CompiledGraph(gm, overwritten, loopable, description, input_names)
 
 
 def _touches_tpu(gm: torch.fx.GraphModule, example_inputs) -> bool:
@@ -345,13 +402,29 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         # (a view of CPU attention's output), which the same ops on tpu would not give.
         return gm.forward
 
+    frame = _frame_name()
+    names = _input_names(gm)
+    # from Dynamo's start to the end of the forward graph's first XLA compile, at its first call
+    started = _dynamo_started[0] if _dynamo_started[0] is not None else time.perf_counter()
+    pending = compile_log.begin(f"the torch.compile graph of `{frame}`", "torch.compile", "_trace", started,
+                                captured=True)
+
     def forward_compiler(graph, inputs):
-        return make_boxed_func(_compile_graph(graph, inputs, *_mutated_inputs(graph, inputs)))
+        compiled = _compile_graph(graph, inputs, *_mutated_inputs(graph, inputs),
+                                  description=f"the torch.compile graph of `{frame}` ({len(graph.graph.nodes)} nodes)",
+                                  input_names=names if len(names) == len(inputs) else ())
+        compiled.pending_compile = pending
+        return make_boxed_func(compiled)
 
     def backward_compiler(graph, inputs):
-        return make_boxed_func(_compile_graph(graph, inputs))
+        return make_boxed_func(_compile_graph(
+            graph, inputs, description=f"the backward torch.compile graph of `{frame}` ({len(graph.graph.nodes)} nodes)"))
 
-    return aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler)(gm, example_inputs)
+    try:
+        return aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler)(gm, example_inputs)
+    except BaseException:
+        compile_log.end(pending)
+        raise
 
 
 def _capturable_on_tpu() -> None:
@@ -459,5 +532,6 @@ def _run_with_rng_state(rng_state, op, *args, **kwargs):
 
 
 _capturable_on_tpu()
+torch._dynamo.callback_handler.register_start_callback(_note_dynamo_start)
 _tpu_generators_as_cpu_ones()
 _rng_state_ops_on_tpu()

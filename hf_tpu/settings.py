@@ -21,7 +21,7 @@ _FALSE = ("0", "false", "no", "off")
 @dataclasses.dataclass(frozen=True)
 class Setting:
     name: str
-    kind: str  # "bool", "count" (int >= 1), "index" (int >= 0), "choice", "text"
+    kind: str  # "bool", "count" (int >= 1), "index" (int >= 0), "seconds" (float >= 0), "choice", "text"
     default: object
     help: str
     choices: tuple = ()
@@ -34,6 +34,8 @@ class Setting:
             return "a positive integer"
         if self.kind == "index":
             return "a non-negative integer"
+        if self.kind == "seconds":
+            return "a non-negative number of seconds"
         if self.kind == "choice":
             return "one of " + ", ".join(self.choices) + " (any case)"
         return "any text"
@@ -56,6 +58,8 @@ SETTINGS = {s.name: s for s in (
     Setting("HF_TPU_CHECK_INDICES", "bool", False, "check indices on the host and raise CPU's errors "
             "(always on under DEFER_NEVER_AND_LAUNCH_BLOCKING)"),
     Setting("HF_TPU_LOG_COMPILES", "bool", False, "log compilations and where the program forced a sync"),
+    Setting("HF_TPU_SLOW_COMPILE_SECONDS", "seconds", 5.0, "log each compile that takes longer than this, and "
+            "say what is compiling while it does (0: never)"),
     Setting("HF_TPU_MAX_GRAPH_OPS", "count", 4096, "DEFER_AND_FUSE: the most ops in one deferred graph"),
     Setting("HF_TPU_EARLY_FLUSH", "bool", True, "DEFER_AND_FUSE: cut graphs where a loop's iterations repeat"),
     Setting("HF_TPU_COORDINATOR_ADDRESS", "text", None, "multi-process run: host:port of process 0"),
@@ -111,6 +115,13 @@ def get(name: str):
             number = None
         if number is not None and number >= (1 if setting.kind == "count" else 0):
             return number
+    elif setting.kind == "seconds":
+        try:
+            seconds = float(text)
+        except ValueError:
+            seconds = None
+        if seconds is not None and 0 <= seconds < float("inf"):
+            return seconds
     elif setting.kind == "choice":
         folded = {c.lower(): c for c in setting.choices}
         if text.lower() in folded:

@@ -7,7 +7,8 @@ is imported: at once if it already is, otherwise from a post-import hook, so tha
 imports (or slows down) a Hugging Face library the user does not use. This post-import hook is the one
 hook that lives with the adapters.
 
-One module a library (`transformers/`, a package split by job; `diffusers.py`; `accelerate.py`), with
+One module a library (`transformers/`, a package split by job; `diffusers.py`; `accelerate.py`;
+`sentence_transformers.py`), with
 `attention.py` (`attn_implementation="tpu"`) and `output_capturing.py` (a helper both the Transformers
 and the Diffusers adapters use). Per-architecture patches are in `hf_tpu.model_patches`; the command line
 (`hf-tpu`, the sweep among it) is in `hf_tpu.cli`.
@@ -39,6 +40,7 @@ ADAPTERS = {
     "accelerate.state": "hf_tpu.integrations.accelerate",
     "accelerate.accelerator": "hf_tpu.integrations.accelerate",
     "accelerate.utils.dataclasses": "hf_tpu.integrations.accelerate",
+    "sentence_transformers.base.modules.transformer": "hf_tpu.integrations.sentence_transformers",
 }
 
 

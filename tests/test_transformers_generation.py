@@ -2,6 +2,7 @@
 compiled decoding that compiles nothing on a second call, prompt-length buckets, and activation of the
 adapter on `import hf_tpu` in either import order."""
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -538,9 +539,9 @@ def test_a_compile_config_left_at_inductor_compiles_for_tpu(models):
     assert tpu._last_compile_config.backend == "tpu"
 
 
-def _run(code: str) -> str:
+def _run(code: str, **env) -> str:
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                            env={**__import__("os").environ, "HF_TPU_NUM_DEVICES": "1"}, timeout=120)
+                            env={**__import__("os").environ, "HF_TPU_NUM_DEVICES": "1", **env}, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     return result.stdout.strip()
 
@@ -560,3 +561,21 @@ def test_adapter_installs_in_either_import_order(order):
               hasattr(PreTrainedModel.__dict__["from_pretrained"], "_hf_tpu_original"))
     """.replace("\n        ", "\n"))
     assert out == "True True"
+
+
+def test_a_second_process_loads_every_program_of_generate_from_the_disk_cache(checkpoint, tmp_path):
+    """Every program the first generate() compiles (prefill, decode loop, the ops around them) is written to
+    HF_TPU_CACHE_DIR: a second process with the same folder compiles none and makes the same tokens."""
+    code = f"""
+        import json, torch, hf_tpu
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(checkpoint)!r}, device_map="tpu")
+        hf_tpu.reset_metrics()
+        tokens = model.generate(torch.tensor([[3, 14, 15, 92, 65]]).to("tpu"), max_new_tokens=6, do_sample=False)
+        metrics = hf_tpu.metrics()
+        print(json.dumps([tokens.cpu().tolist(), metrics["xla_compiles"], metrics["disk_cache_hits"]]))
+    """
+    first = json.loads(_run(code, HF_TPU_CACHE_DIR=str(tmp_path)).splitlines()[-1])
+    second = json.loads(_run(code, HF_TPU_CACHE_DIR=str(tmp_path)).splitlines()[-1])
+    assert first[1] > 0 and first[2] == 0
+    assert second[1] == 0 and second[2] == first[1] and second[0] == first[0]

@@ -1,0 +1,119 @@
+"""Where the first `generate()` spends its time, and what a second process with the disk cache saves.
+
+A Llama-shaped model (by default hidden 512, 8 layers, random weights) generates from a fresh process
+twice: with an empty `HF_TPU_CACHE_DIR`, then with the one the first filled. Each reports its first
+`generate()`'s seconds, split per JAX program into trace, lowering and XLA compile (JAX times these), and
+the rest, which for a `torch.compile` graph is Dynamo and AOT autograd's capture; then its time to first
+token once warm against a compiled forward of the same prompt.
+
+Run: python -m benchmarks.first_generate [--hidden 512 --layers 8 --prompt 128 --lengths 128,1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def _worker(args) -> None:
+    import torch
+    from jax._src import monitoring
+
+    import hf_tpu
+    from benchmarks.common import timeit
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    phases = collections.defaultdict(lambda: collections.defaultdict(float))
+    names = {"jaxpr_trace_duration": "trace", "jaxpr_to_mlir_module_duration": "lowering",
+             "backend_compile_duration": "XLA"}
+
+    def on_duration(event, seconds, **kwargs):
+        phase = names.get(event.rsplit("/", 1)[-1])
+        if phase is not None:
+            name = kwargs.get("fun_name", "?")
+            phases[name.removeprefix("jit(").removesuffix(")")][phase] += seconds
+
+    monitoring.register_event_duration_secs_listener(on_duration)
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
+                         num_attention_heads=8, num_key_value_heads=4, vocab_size=args.vocab,
+                         max_position_embeddings=8192)
+    model = LlamaForCausalLM(config).eval().to("tpu")
+    sync = torch.tpu.synchronize
+
+    def generate(ids, new_tokens):
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+        return out.cpu()
+
+    ids = torch.randint(0, args.vocab, (1, args.prompt)).to("tpu")
+    hf_tpu.reset_metrics()
+    start = time.perf_counter()
+    generate(ids, 1)
+    first_token = time.perf_counter() - start
+    start = time.perf_counter()
+    generate(ids, 9)  # the decode loop compiles here
+    decode_first = time.perf_counter() - start
+    metrics = hf_tpu.metrics()
+    first_call_phases = {name: dict(p) for name, p in phases.items()}  # not the compiles timed below
+    compiled = torch.compile(model, backend="tpu")
+    ttft = []
+    for length in args.lengths:
+        prompt = torch.randint(0, args.vocab, (1, length)).to("tpu")
+
+        def forward():
+            with torch.no_grad():
+                logits = compiled(prompt, use_cache=False, return_dict=False)[0]
+            sync()
+            return logits
+
+        ttft.append((length, timeit(lambda: generate(prompt, 1), warmup=1, iters=5), timeit(forward, warmup=1, iters=5)))
+    print("RESULT " + json.dumps({"first_token": first_token, "decode_first": decode_first,
+                                  "xla_compiles": metrics["xla_compiles"], "disk_cache_hits": metrics["disk_cache_hits"],
+                                  "phases": first_call_phases, "ttft": ttft}), flush=True)
+
+
+def _run(args, cache: str) -> dict:
+    command = [sys.executable, "-m", "benchmarks.first_generate", "--worker", "--hidden", str(args.hidden),
+               "--layers", str(args.layers), "--vocab", str(args.vocab), "--prompt", str(args.prompt),
+               "--lengths", ",".join(map(str, args.lengths))]
+    proc = subprocess.run(command, env={**os.environ, "HF_TPU_CACHE_DIR": cache}, stdout=subprocess.PIPE, text=True,
+                          check=True)
+    return json.loads(next(line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--lengths", type=lambda text: [int(x) for x in text.split(",")], default=[128, 1024])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return _worker(args)
+    from benchmarks.common import table
+
+    with tempfile.TemporaryDirectory() as cache:
+        cold, warm = _run(args, cache), _run(args, cache)
+    print(f"Llama hidden {args.hidden}, {args.layers} layers, prompt {args.prompt}")
+    print(table(["process", "first token s", "first 9-token decode s", "XLA compiles", "disk cache hits"],
+                [[name, f"{r['first_token']:.2f}", f"{r['decode_first']:.2f}", r["xla_compiles"], r["disk_cache_hits"]]
+                 for name, r in (("first (cache empty)", cold), ("second (disk cache)", warm))]) + "\n")
+    rows = sorted(cold["phases"].items(), key=lambda item: -sum(item[1].values()))
+    print(table(["JAX program (first process, first calls)", "trace s", "lowering s", "XLA s"],
+                [[name, f"{p.get('trace', 0):.2f}", f"{p.get('lowering', 0):.2f}", f"{p.get('XLA', 0):.2f}"]
+                 for name, p in rows]) + "\n")
+    print(table(["prompt", "generate(1 token) ms", "compiled forward ms", "ratio"],
+                [[length, f"{g * 1e3:.1f}", f"{f * 1e3:.1f}", f"{g / f:.2f}x"] for length, g, f in cold["ttft"]]))
+
+
+if __name__ == "__main__":
+    main()

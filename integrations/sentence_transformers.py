@@ -1,0 +1,113 @@
+"""Sentence Transformers on `tpu`: each batch of text padded to a bucket length.
+
+`SentenceTransformer.encode` sorts its inputs by length and pads each batch to its longest text, so every
+batch has a sequence length of its own; on `tpu` each new shape compiles every op of the encoder again (100
+sentences of varying length compiled 191 programs, and the first pass took twice the CPU's time). Padded
+further, to the next of a few bucket lengths (`HF_TPU_ENCODE_BUCKETS`, by default 16, 32, 48, 64, 96, 128, ...),
+batches of different lengths share one shape and its programs.
+
+The padding is added where Sentence Transformers pads (the tokenized batch of its `Transformer` module), as
+the tokenizer pads: pad tokens on the tokenizer's padding side, zeros in the attention mask and token
+types. The encoder masks those positions out of attention, pooling reads the mask, and token embeddings
+are cut at the mask, so the results are the unpadded batch's. A batch is left as it is when it is not text
+with an attention mask, holds another per-token input, or would outgrow the model's positions.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from hf_tpu import settings as _environment
+
+# powers of two and the halfway points between them (16, 32, 48, 64, 96, 128, 192, ... 8192): a batch grows by
+# at most half its length (on the CPU backend, where compute is dear, powers of two alone cost more in
+# padding than they saved in compiles)
+DEFAULT_BUCKETS = tuple(sorted({2 ** k for k in range(4, 14)} | {3 * 2 ** k for k in range(4, 12)}))
+
+_environment.register(
+    _environment.Setting("HF_TPU_ENCODE_BUCKETS", "text", None, "Sentence Transformers on tpu: sequence lengths "
+                         "to pad each batch to (\"64,128,256\"; empty: no padding)", empty_is_value=True),
+)
+
+# what a tokenizer returns per token, and the value a padded position takes (None: the pad token)
+_PADDED_INPUTS = {"input_ids": None, "attention_mask": 0, "token_type_ids": 0}
+
+
+def buckets() -> tuple[int, ...]:
+    text = _environment.get("HF_TPU_ENCODE_BUCKETS")
+    if text is None:
+        return DEFAULT_BUCKETS
+    try:
+        lengths = sorted({int(part) for part in text.replace(" ", "").split(",") if part})
+    except ValueError:
+        lengths = [0]
+    if any(length <= 0 for length in lengths):
+        raise ValueError(f"HF_TPU_ENCODE_BUCKETS={text!r}: expected positive lengths separated by commas")
+    return tuple(lengths)
+
+
+def bucketed_length(length: int, longest: int | None) -> int:
+    """The length a batch of `length` tokens is padded to: the next bucket, at most `longest` (the model's
+    positions), and `length` itself past the last bucket that fits."""
+    for bucket in buckets():
+        if bucket >= length:
+            return bucket if longest is None or bucket <= longest else length
+    return length
+
+
+def _on_tpu(module) -> bool:
+    parameter = next(module.parameters(), None)
+    return parameter is not None and parameter.device.type == "tpu"
+
+
+def _longest_sequence(module) -> int | None:
+    """The most tokens the encoder takes: its position table, and the module's own limit."""
+    limits = [getattr(module, "max_seq_length", None),
+              getattr(getattr(module.auto_model, "config", None), "max_position_embeddings", None)]
+    limits = [limit for limit in limits if isinstance(limit, int) and limit > 0]
+    return min(limits) if limits else None
+
+
+def pad_to_bucket(features: dict, pad_token_id: int, side: str, longest: int | None) -> dict:
+    """`features` (a tokenized text batch) with its per-token inputs padded to the bucket length."""
+    per_token = {name: value for name, value in features.items()
+                 if isinstance(value, torch.Tensor) and value.dim() == 2}
+    if "attention_mask" not in per_token or not set(per_token) <= set(_PADDED_INPUTS):
+        return features
+    batch, length = per_token["attention_mask"].shape
+    if any(value.shape != (batch, length) for value in per_token.values()):
+        return features
+    padding = bucketed_length(length, longest) - length
+    if padding <= 0:
+        return features
+    padded = dict(features)
+    for name, value in per_token.items():
+        fill = pad_token_id if _PADDED_INPUTS[name] is None else _PADDED_INPUTS[name]
+        pad = value.new_full((batch, padding), fill)
+        padded[name] = torch.cat([pad, value] if side == "left" else [value, pad], dim=1)
+    return padded
+
+
+def _wrap_preprocess(original):
+    @functools.wraps(original)
+    def preprocess(self, *args, **kwargs):
+        features = original(self, *args, **kwargs)
+        if features.get("modality") != "text" or not _on_tpu(self):
+            return features
+        tokenizer = getattr(self, "tokenizer", None)
+        pad_token_id = getattr(tokenizer, "pad_token_id", None)
+        if pad_token_id is None:
+            return features
+        return pad_to_bucket(features, pad_token_id, getattr(tokenizer, "padding_side", "right"),
+                             _longest_sequence(self))
+
+    preprocess._hf_tpu = True
+    return preprocess
+
+
+def install(module) -> None:
+    transformer = module.Transformer
+    if not getattr(transformer.preprocess, "_hf_tpu", False):
+        transformer.preprocess = _wrap_preprocess(transformer.preprocess)

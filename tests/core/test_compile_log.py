@@ -1,0 +1,83 @@
+"""The compile log: a compile longer than HF_TPU_SLOW_COMPILE_SECONDS is named with its inputs and where its
+time went, one still running past it is announced, and short compiles say nothing."""
+
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+import torch
+
+import hf_tpu  # noqa: F401
+from hf_tpu import compile_log
+
+
+@pytest.fixture
+def compile_records(caplog):
+    caplog.set_level(logging.WARNING, logger="hf_tpu.compile")
+    compile_log._slow_kinds.clear()
+    yield lambda: [r.getMessage() for r in caplog.records if r.name == "hf_tpu.compile"]
+    compile_log._slow_kinds.clear()
+
+
+def _slow_to_trace(seconds):
+    def slow_to_trace(x):
+        time.sleep(seconds)
+        return x * 2
+
+    return jax.jit(slow_to_trace)
+
+
+def test_a_slow_compile_is_announced_while_it_runs_then_logged_with_its_phases(compile_records, monkeypatch):
+    monkeypatch.setenv("HF_TPU_SLOW_COMPILE_SECONDS", "0.3")
+    _slow_to_trace(0.8)(jnp.ones(3))
+    lines = compile_records()
+    assert lines[0] == "hf_tpu: compiling `slow_to_trace` (0.3s so far) ..."
+    assert lines[1].startswith("hf_tpu: compiled `slow_to_trace` in ") and "trace 0.8s" in lines[1], lines
+    assert "lowering" in lines[1] and "XLA" in lines[1] and len(lines) == 2
+
+
+def test_short_compiles_say_nothing_by_default(compile_records):
+    compiled = torch.compile(lambda x: torch.sin(x) + 1, backend="tpu")
+    compiled(torch.randn(5, device="tpu"))
+    torch.randn(7, device="tpu").cos()
+    assert compile_records() == []
+
+
+def test_a_torch_compile_graph_is_named_with_its_inputs_and_the_next_announced(compile_records, monkeypatch):
+    monkeypatch.setenv("HF_TPU_SLOW_COMPILE_SECONDS", "0.000001")
+    torch._dynamo.reset()  # Dynamo captures anew in each mode
+
+    def add_one(x, scale):
+        return torch.tanh(x) * scale + 1
+
+    compiled = torch.compile(add_one, backend="tpu")
+    compiled(torch.randn(2, 3, device="tpu"), torch.randn(3, device="tpu"))
+    done = [line for line in compile_records() if line.startswith("hf_tpu: compiled the torch.compile graph")]
+    assert len(done) == 1, compile_records()
+    assert "`add_one`" in done[0] and "x float32[2, 3], scale float32[3]" in done[0], done[0]
+    assert "capture" in done[0] and "trace" in done[0] and "XLA" in done[0]
+    compiled(torch.randn(4, 3, device="tpu"), torch.randn(3, device="tpu"))  # new shapes: Dynamo compiles again
+    lines = compile_records()
+    assert any(line.startswith("hf_tpu: compiling the torch.compile graph of `add_one` (the last one like it took")
+               for line in lines), lines
+    assert "x float32[4, 3]" in lines[-1] or any("x float32[4, 3]" in line for line in lines)
+
+
+@pytest.mark.parametrize("value", ["-1", "soon", "inf"])
+def test_the_threshold_must_be_a_number_of_seconds(monkeypatch, value):
+    from hf_tpu import settings
+
+    monkeypatch.setenv("HF_TPU_SLOW_COMPILE_SECONDS", value)
+    with pytest.raises(ValueError, match="HF_TPU_SLOW_COMPILE_SECONDS.*a non-negative number of seconds"):
+        settings.get("HF_TPU_SLOW_COMPILE_SECONDS")
+
+
+def test_a_function_only_traced_is_not_taken_for_a_compile_that_hangs(compile_records, monkeypatch):
+    monkeypatch.setenv("HF_TPU_SLOW_COMPILE_SECONDS", "0.2")
+    jax.eval_shape(lambda x: x + 1, jnp.ones(3))  # traced, never lowered nor compiled
+    time.sleep(0.5)
+    torch.randn(4, device="tpu").sin()
+    assert not any("<lambda>" in line and "so far" in line for line in compile_records()), compile_records()
+    assert not any(line.startswith("hf_tpu: compiled `<lambda>`") for line in compile_records())

@@ -1,0 +1,77 @@
+"""Sentence Transformers on tpu: batches of varying length padded to bucket lengths, so that new lengths
+compile nothing new, with the CPU's embeddings."""
+
+import pytest
+import torch
+
+import hf_tpu
+from hf_tpu.integrations import sentence_transformers as adapter
+
+sentence_transformers = pytest.importorskip("sentence_transformers")
+
+WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    path = tmp_path_factory.mktemp("tiny-bert")
+    vocab = path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
+    BertTokenizerFast(vocab_file=str(vocab)).save_pretrained(path)
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(WORDS) + 5, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=128)
+    BertModel(config).save_pretrained(path)
+    return path
+
+
+def _model(checkpoint, device):
+    from sentence_transformers import SentenceTransformer, models
+
+    encoder = models.Transformer(str(checkpoint), max_seq_length=128)
+    pooling = models.Pooling(encoder.get_embedding_dimension(), pooling_mode="mean")
+    return SentenceTransformer(modules=[encoder, pooling], device=device)
+
+
+def _sentences(lengths):
+    return [" ".join(WORDS[(i + k) % len(WORDS)] for k in range(n)) for i, n in enumerate(lengths)]
+
+
+def test_new_lengths_within_the_buckets_compile_nothing_with_the_cpu_embeddings(checkpoint):
+    cpu, tpu = _model(checkpoint, "cpu"), _model(checkpoint, "tpu")
+    first = _sentences([3, 9, 5, 12, 20, 25, 17, 28])  # batches of 4, padded to 16 and 32 tokens
+    tpu.encode(first, batch_size=4)
+    hf_tpu.reset_metrics()
+    second = _sentences([2, 7, 11, 4, 22, 26, 19, 29])  # each batch of another length than before
+    actual = tpu.encode(second, batch_size=4)  # each batch read back to the host
+    assert hf_tpu.metrics()["compiles"] == 0
+    expected = cpu.encode(second, batch_size=4)
+    torch.testing.assert_close(torch.from_numpy(actual), torch.from_numpy(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_token_embeddings_are_the_unpadded_ones(checkpoint):
+    cpu, tpu = _model(checkpoint, "cpu"), _model(checkpoint, "tpu")
+    sentences = _sentences([3, 7])
+    expected = cpu.encode(sentences, output_value="token_embeddings")
+    actual = tpu.encode(sentences, output_value="token_embeddings")
+    assert [a.shape for a in actual] == [e.shape for e in expected]
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a.cpu(), e, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("length, longest, padded", [(5, None, 16), (16, None, 16), (17, 128, 32), (33, 128, 48), (100, 64, 100),
+                                                     (9000, None, 9000)])
+def test_bucketed_length(length, longest, padded):
+    assert adapter.bucketed_length(length, longest) == padded
+
+
+def test_buckets_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("HF_TPU_ENCODE_BUCKETS", "")
+    assert adapter.bucketed_length(5, None) == 5
+    monkeypatch.setenv("HF_TPU_ENCODE_BUCKETS", "8, 24")
+    assert adapter.bucketed_length(5, None) == 8 and adapter.bucketed_length(9, None) == 24
+    monkeypatch.setenv("HF_TPU_ENCODE_BUCKETS", "8,-1")
+    with pytest.raises(ValueError, match="HF_TPU_ENCODE_BUCKETS"):
+        adapter.bucketed_length(5, None)
