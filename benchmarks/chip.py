@@ -685,9 +685,18 @@ def plot(results: list, spec: dict, path: str) -> None:
         decode_axes.plot([moe[0]["batch"]], [decode_limit_tokens_per_second(spec["moe"], moe[0]["batch"],
                                                                             moe[0]["context"], hbm)],
                          "k_", markersize=14, label="Qwen3-MoE-shaped, HBM limit")
+    if not decode and not moe:
+        if hbm:
+            batches, length = sorted(set(spec["batches"]) | {1, 64}), min(spec["lengths"])
+            context = length + spec["decode_steps"] // 2
+            decode_axes.plot(batches, [decode_limit_tokens_per_second(spec["model"], b, context, hbm) for b in batches],
+                             "--", color="grey", label=f"HBM limit, prompt {length}")
+        decode_axes.text(0.5, 0.5, "no decode figures in these runs", transform=decode_axes.transAxes,
+                         ha="center", va="center", color="grey")
     decode_axes.set(xscale="log", yscale="log", xlabel="batch", ylabel="decode tokens/s",
                     title="decode: tokens/s against batch")
-    decode_axes.legend(fontsize=7)
+    if decode_axes.get_legend_handles_labels()[0]:
+        decode_axes.legend(fontsize=7)
     forward = [r for r in results if r["section"] == "forward"]
     if peak:
         for side, style in (("hf-tpu", "o-"), ("torchax", "s--")):
