@@ -72,3 +72,21 @@ def test_torch_compile_traces_grouped_mm_in_every_float_dtype(dtype, shapes):
     actual = compiled(a, b, offs)
     assert actual.shape == expected.shape and actual.dtype == expected.dtype
     torch.testing.assert_close(actual.cpu(), expected.cpu())
+
+
+@pytest.mark.parametrize("dtype, precision", [("bfloat16", None), ("float32", "HIGHEST")])
+def test_ragged_dot_asks_for_a_precision_only_for_float32_operands(dtype, precision):
+    """On a TPU ragged_dot lowers through Pallas, and Mosaic refuses bfloat16 operands with float32 contract
+    precision ("Bad lhs type", v5e); XLA:CPU accepts both, so the traced precision is what can be checked here."""
+    import jax
+    import jax.numpy as jnp
+
+    from hf_tpu.ops import linalg
+
+    lhs, rhs = jnp.ones((4, 8), dtype), jnp.ones((2, 8, 16), dtype)
+    jaxpr = jax.make_jaxpr(lambda a, b: linalg._ragged_dot(a, b, jnp.array([1, 3], jnp.int32), 0, [0],
+                                                          ((1,), (1,))))(lhs, rhs)
+    (equation,) = [e for e in jaxpr.eqns if "ragged_dot" in e.primitive.name]
+    traced = equation.params["precision"]
+    names = {getattr(p, "name", str(p)) for p in (traced if isinstance(traced, tuple) else (traced,))} - {"None"}
+    assert names == ({precision} if precision else set()) or (precision is None and names <= {"DEFAULT"})
