@@ -45,7 +45,7 @@ def execute(path: Path, *, small: bool, env: dict | None = None, timeout: int = 
 def main(argv=None) -> int:
     import nbformat
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", help="notebooks in examples/ (default: all)")
     parser.add_argument("--small", action="store_true", help=f"set {SMALL_VARIABLE}=1 (the tests' size)")
     parser.add_argument("--write", action="store_true", help="save each executed notebook in place")
