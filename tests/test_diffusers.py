@@ -6,7 +6,6 @@ Tiny pipelines (examples/text_to_image.py) are built, saved and loaded once per 
 2-3 denoising steps on 16x16 images.
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -308,20 +307,6 @@ def test_diffusers_test_tables_for_tpu():
     env = dict(os.environ, DIFFUSERS_TEST_DEVICE="tpu", DIFFUSERS_TEST_BACKEND="hf_tpu", HF_TPU_NUM_DEVICES="2")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
-
-
-def test_text_to_image_notebook_runs_top_to_bottom(tmp_path):
-    """Its code cells in order, as Jupyter would run them in examples/ (no Jupyter needed): the notebook's
-    own asserts check the CPU image, the host syncs and the second call's compiles."""
-    notebook = json.loads((ROOT / "examples" / "text_to_image.ipynb").read_text())
-    program = "\n\n".join("".join(cell["source"]) for cell in notebook["cells"] if cell["cell_type"] == "code")
-    temp_dir, env = _fresh_temp_dir(tmp_path)
-    env.update(PYTHONPATH=str(ROOT / "examples"), HF_TPU_PLATFORM="cpu")
-    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300,
-                            cwd=ROOT / "examples", env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "compiles on the second call: 0" in result.stdout and "3 steps: 0 host syncs" in result.stdout, result.stdout
-    assert list(temp_dir.iterdir()) == [], "the notebook left files in the temp dir"
 
 
 def _fresh_temp_dir(tmp_path) -> tuple[Path, dict]:
