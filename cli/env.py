@@ -19,6 +19,7 @@ def env_report() -> str:
     import hf_tpu
     from hf_tpu import settings
     from hf_tpu.integrations.transformers import settings as _generation_settings  # noqa: F401  (its variables)
+    from hf_tpu.integrations import sentence_transformers as _encode_settings  # noqa: F401  (its variable)
 
     lines = [
         f"hf-tpu        {hf_tpu.__version__}",
