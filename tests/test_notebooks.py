@@ -27,7 +27,8 @@ def _images(notebook):
 
 
 def test_there_are_notebooks():
-    assert {"text_generation.ipynb", "fine_tuning.ipynb", "sharding.ipynb", "text_to_image.ipynb"} <= set(NOTEBOOKS)
+    assert {"text_generation.ipynb", "fine_tuning.ipynb", "sharding.ipynb", "text_to_image.ipynb",
+            "custom_kernel.ipynb"} <= set(NOTEBOOKS)
 
 
 def test_the_kernel_is_this_interpreter():
