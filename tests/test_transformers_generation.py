@@ -560,3 +560,43 @@ def test_adapter_installs_in_either_import_order(order):
               hasattr(PreTrainedModel.__dict__["from_pretrained"], "_hf_tpu_original"))
     """.replace("\n        ", "\n"))
     assert out == "True True"
+
+
+# --- continuous batching (generate_batch): the paged cache is sized from the tpu's memory
+
+
+def _generate_batch(model, **cb_kwargs):
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    config = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=2, pad_token_id=0)
+    outputs = model.generate_batch([[3, 14, 15, 92, 65], [7, 8, 9]], generation_config=config,
+                                   continuous_batching_config=ContinuousBatchingConfig(**cb_kwargs))
+    return {name: output.generated_tokens for name, output in outputs.items()}
+
+
+def test_continuous_batching_sizes_its_cache_from_the_tpus_memory_and_generates_the_cpu_tokens(models, monkeypatch):
+    """Transformers sized the paged cache from the host's RAM: on tpu it asked the device for 90% of it
+    and the process was killed. A device reporting 64 MiB free must get a cache within 64 MiB."""
+    cpu, tpu = models
+    expected = _generate_batch(cpu, num_blocks=16, max_batch_tokens=64)
+    monkeypatch.setattr(torch.tpu, "mem_get_info", lambda device=None: (64 * 2**20, 128 * 2**20))
+    torch.tpu.reset_peak_memory_stats()
+    before = torch.tpu.memory_allocated()
+    assert _generate_batch(tpu, max_batch_tokens=64) == expected
+    assert torch.tpu.max_memory_allocated() - before <= 64 * 2**20
+
+
+def test_continuous_batching_takes_a_modest_share_of_the_hosts_memory_on_the_virtual_tpu():
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching import initialization
+
+    from hf_tpu.integrations.transformers import continuous_batching
+
+    chosen = ContinuousBatchingConfig()
+    initialization.resolve_max_memory_percent(chosen, False, torch.device("tpu"))
+    on_the_host = torch.tpu.get_device_properties().platform == "cpu"
+    assert chosen.max_memory_percent == (continuous_batching.HOST_MEMORY_SHARE if on_the_host else 0.9)
+    kept = ContinuousBatchingConfig(max_memory_percent=0.5)
+    initialization.resolve_max_memory_percent(kept, False, torch.device("tpu"))
+    assert kept.max_memory_percent == 0.5
