@@ -29,10 +29,12 @@ import torch
 # data pointer of a pinned storage -> the finalizer that forgets it when PyTorch frees the storage
 _pinned: dict[int, weakref.finalize] = {}
 
-# the factories of `torch` and the methods of `torch.Tensor` that take `pin_memory`
+# the factories of `torch` and the methods of `torch.Tensor` that take `pin_memory`, but `torch.tensor`:
+# Dynamo handles that one itself, and wrapped it changed the graphs of Transformers' generation (wrong
+# tokens); `torch.tensor(data).pin_memory()` pins
 _FACTORIES = ("arange", "empty", "empty_like", "empty_permuted", "empty_strided", "eye", "full", "full_like",
               "linspace", "logspace", "ones", "ones_like", "rand", "rand_like", "randint", "randint_like", "randn",
-              "randn_like", "randperm", "scalar_tensor", "tensor", "zeros", "zeros_like")
+              "randn_like", "randperm", "scalar_tensor", "zeros", "zeros_like")
 _TENSOR_FACTORIES = ("new_empty", "new_empty_strided", "new_full", "new_ones", "new_tensor", "new_zeros")
 
 

@@ -14,7 +14,6 @@ _FACTORIES = {
     "zeros": lambda **kw: torch.zeros(2, 3, **kw),
     "ones": lambda **kw: torch.ones(4, dtype=torch.bfloat16, **kw),
     "full": lambda **kw: torch.full((3,), 7, **kw),
-    "tensor": lambda **kw: torch.tensor([[1, 2], [3, 4]], **kw),
     "arange": lambda **kw: torch.arange(5, **kw),
     "empty_strided": lambda **kw: torch.empty_strided((2, 3), (1, 2), **kw).fill_(2),
     "zeros_like": lambda **kw: torch.zeros_like(torch.ones(2, 2), **kw),
