@@ -44,7 +44,8 @@ def _dim_in_range(position: int):
         self, dim = values[0], values[position]
         ndim = max(self.dim(), 1)
         if not -ndim <= dim < ndim:
-            raise IndexError(f"Dimension out of range (expected to be in range of [{-ndim}, {ndim - 1}], but got {dim})")
+            raise IndexError(
+                f"Dimension out of range (expected to be in range of [{-ndim}, {ndim - 1}], but got {dim})")
     return check
 
 
