@@ -11,11 +11,13 @@ cannot be traced (an op without a lowering, a host read) runs in the eager mode 
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 
 from . import compile_log, counters, loops, modes, platform
@@ -235,25 +237,58 @@ class _CompiledGraph:
         keep_going = buffer.array_of(request.keep_going)
         if buffer.sharded_arrays_exist:  # a sharded model's loop carries single-chip tokens
             *carried, keep_going = buffer.place_together([*arrays, *carried, keep_going])[len(arrays):]
+        # a chunk's results are the next chunk's inputs: donated when the loop's first inputs are
         jitted = self.loop_jitted[self._donatable(args, overwritten)]
         if self.pending_compile is not None:  # the first call is a loop's: `_loop` compiles, not `_trace`
             self.pending_compile.function, self.pending_compile = "_loop", None
+        key = rng.current_key(device_index)
+        state = (overwritten, carried, keep_going, np.uint32(0))
+        chunks = loops.ChunkSizes()
+        queued = collections.deque()  # (condition, iterations) of the chunks launched and not yet read
         try:
-            overwritten, carried, keep_going = jitted(overwritten, others, values, rng.current_key(device_index),
-                                                      tuple(slots), carried, keep_going)
+            while True:
+                state = jitted(state[0], others, values, key, tuple(slots), state[1], state[2], state[3],
+                               np.uint32(chunks.steps))
+                if chunks.launched == 0:
+                    chunks.start()  # the first launch compiled the loop: its chunks are timed from here
+                chunks.launched += 1
+                queued.append((state[2], chunks.steps))
+                if len(queued) < 2:
+                    continue  # the next chunk is queued before this one's condition is read
+                condition, steps = queued.popleft()
+                if not np.asarray(condition).item():  # waits for that chunk: Ctrl-C is handled here
+                    break  # the chunk queued behind it ran no iteration: its results are the loop's
+                chunks.finished(steps)
         except (_Untraceable, NotImplementedError, jax.errors.JAXTypeError, TypeError, ValueError) as e:
             compile_log.end()
             raise loops.NotLoopable(f"{type(e).__name__}: {e}") from e
         except jax.errors.JaxRuntimeError as e:
             modes.raise_out_of_memory(e, device_index, f"a compiled loop of {len(self.gm.graph.nodes)} nodes")
             raise
-        metas, _, draws = self._meta(arrays, values)
-        rng.advance(device_index, draws)  # iteration j draws at these offsets plus j * 2**32
+        except KeyboardInterrupt:
+            self._keep_interrupted_state(args, state[0])
+            raise
+        finally:
+            if chunks.launched:
+                rng.advance(device_index, self._meta(arrays, values)[2])  # iteration j: offsets + j * 2**32
+        overwritten, carried, keep_going, _ = state
+        metas, _, _ = self._meta(arrays, values)
         return self._outputs(metas, [*overwritten, *carried, keep_going])
 
-    def _loop(self, overwritten_arrays, other_arrays, values, rng_base, slots, carried, keep_going):
+    def _keep_interrupted_state(self, args, overwritten_arrays) -> None:
+        """A loop stopped by Ctrl-C leaves the inputs it updates (a KV cache) with the values of its last
+        chunk launched: the arrays they held were donated to the chunks."""
+        for i, array in zip(self.overwritten, overwritten_arrays):
+            buf = buffer.buffer_of(args[i])
+            if buffer.view_of(args[i], buf) is None and not array.is_deleted():
+                buf.array = array
+
+    def _loop(self, overwritten_arrays, other_arrays, values, rng_base, slots, carried, keep_going, count, steps):
+        """One chunk of the loop: at most `steps` iterations from iteration `count` on."""
+        limit = count + steps
+
         def go_on(state):
-            return jnp.reshape(state[2], ()).astype(bool)
+            return jnp.reshape(state[2], ()).astype(bool) & (state[3] < limit)
 
         def iteration(state):
             overwritten, carried, _, count = state
@@ -270,9 +305,8 @@ class _CompiledGraph:
                 raise TypeError("a while_loop step must return as many tensors as it carries")
             return results[:k], results[k:k + n], results[k + n], count + jnp.uint32(1)
 
-        state = (list(overwritten_arrays), list(carried), keep_going, jnp.uint32(0))
-        overwritten, carried, keep_going, _ = jax.lax.while_loop(go_on, iteration, state)
-        return overwritten, carried, keep_going
+        state = (list(overwritten_arrays), list(carried), keep_going, count)
+        return jax.lax.while_loop(go_on, iteration, state)
 
     def _donatable(self, args, overwritten_arrays) -> bool:
         """A donated array is gone after the call: only whole buffers that no other live buffer

@@ -579,3 +579,91 @@ def test_a_second_process_loads_every_program_of_generate_from_the_disk_cache(ch
     second = json.loads(_run(code, HF_TPU_CACHE_DIR=str(tmp_path)).splitlines()[-1])
     assert first[1] > 0 and first[2] == 0
     assert second[1] == 0 and second[2] == first[1] and second[0] == first[0]
+
+
+# --- continuous batching (generate_batch): the paged cache is sized from the tpu's memory
+
+
+def _generate_batch(model, **cb_kwargs):
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    config = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=2, pad_token_id=0)
+    outputs = model.generate_batch([[3, 14, 15, 92, 65], [7, 8, 9]], generation_config=config,
+                                   continuous_batching_config=ContinuousBatchingConfig(**cb_kwargs))
+    return {name: output.generated_tokens for name, output in outputs.items()}
+
+
+def test_continuous_batching_sizes_its_cache_from_the_tpus_memory_and_generates_the_cpu_tokens(models, monkeypatch):
+    """Transformers sized the paged cache from the host's RAM: on tpu it asked the device for 90% of it
+    and the process was killed. A device reporting 64 MiB free must get a cache within 64 MiB."""
+    cpu, tpu = models
+    expected = _generate_batch(cpu, num_blocks=16, max_batch_tokens=64)
+    monkeypatch.setattr(torch.tpu, "mem_get_info", lambda device=None: (64 * 2**20, 128 * 2**20))
+    torch.tpu.reset_peak_memory_stats()
+    before = torch.tpu.memory_allocated()
+    assert _generate_batch(tpu, max_batch_tokens=64) == expected
+    assert torch.tpu.max_memory_allocated() - before <= 64 * 2**20
+
+
+def test_continuous_batching_takes_a_modest_share_of_the_hosts_memory_on_the_virtual_tpu():
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching import initialization
+
+    from hf_tpu.integrations.transformers import continuous_batching
+
+    chosen = ContinuousBatchingConfig()
+    initialization.resolve_max_memory_percent(chosen, False, torch.device("tpu"))
+    on_the_host = torch.tpu.get_device_properties().platform == "cpu"
+    assert chosen.max_memory_percent == (continuous_batching.HOST_MEMORY_SHARE if on_the_host else 0.9)
+    kept = ContinuousBatchingConfig(max_memory_percent=0.5)
+    initialization.resolve_max_memory_percent(kept, False, torch.device("tpu"))
+    assert kept.max_memory_percent == 0.5
+
+
+# --- Ctrl-C stops the device loop: it runs in chunks the host launches one after another (hf_tpu/loops.py)
+
+_LONG_GENERATE = """
+import sys, time
+import torch
+import hf_tpu
+from transformers import LlamaConfig, LlamaForCausalLM
+
+config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=128, max_position_embeddings=8192)
+torch.manual_seed(0)
+model = LlamaForCausalLM(config).to("tpu")
+prompt = torch.tensor([[3, 14, 15, 92, 65]], device="tpu")
+model.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None)  # compiles the prefill and the loop
+print("started", flush=True)
+try:
+    model.generate(prompt, max_new_tokens=6000, do_sample=False, eos_token_id=None)
+    print("finished", flush=True)
+except KeyboardInterrupt:
+    interrupted = time.time()
+    assert (torch.ones(2, device="tpu") + 1).cpu().tolist() == [2.0, 2.0]
+    print("interrupted", interrupted, time.time() - interrupted, flush=True)
+"""
+
+
+def test_ctrl_c_stops_a_long_generate_and_the_device_is_free_at_once():
+    """The whole decode loop was one device program: after Ctrl-C the next op waited for its end."""
+    import os
+    import signal
+    import time
+
+    env = {**os.environ, "HF_TPU_PLATFORM": "cpu", "HF_TPU_CACHE_LENGTH_MULTIPLE": "8192"}
+    child = subprocess.Popen([sys.executable, "-c", _LONG_GENERATE], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=env)
+    try:
+        assert child.stdout.readline().strip() == "started", child.stderr.read()[-2000:]
+        time.sleep(2.0)  # the 6,000 tokens take 8-15 s here
+        sent = time.time()
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=300)
+    finally:
+        child.kill()
+    assert out.startswith("interrupted"), (out, err[-2000:])
+    _, interrupted, next_op = out.split()
+    assert float(interrupted) - sent < 1.5  # the chunk running and the one queued behind it
+    assert float(next_op) < 1.5

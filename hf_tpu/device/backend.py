@@ -1,6 +1,7 @@
 """Registering PyTorch's PrivateUse1 backend as `tpu`: its hooks and device guard, `torch.tpu`
 (`hf_tpu.device`), the kernels of every op (`dispatch.register_kernels`) and each piece of PyTorch's
-API that needs a tpu path (accelerator, storage, autocast, generators, `Module.to`)."""
+API that needs a tpu path (accelerator, storage, pinned host memory, autocast, generators,
+`Module.to`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
 from .. import device, dispatch, ops  # noqa: F401  (`ops` fills the lowering registry)
-from ..memory import storage_apis
+from ..memory import pinned, storage_apis
 from . import accelerator, autocast, module_to, rng
 
 
@@ -35,6 +36,7 @@ def register() -> None:
     dispatch.register_kernels()
     accelerator.install()
     storage_apis.install()
+    pinned.install()
     autocast.install()
     rng.install()
     module_to.install()

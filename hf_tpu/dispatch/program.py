@@ -164,8 +164,7 @@ def build_program(call: Call) -> Program:
             if names[i] in low.transposed and op.buf is not None and buffer.swaps_last_two(op.view, op.buf.shape, op.buf.dtype):
                 transposed[k] = op.buf.shape
     returns_mutated = sig.returns_mutated
-    is_out_variant = sig.functional is not None and not sig.op._schema.name.endswith("_")
-    if is_out_variant and sig.written is None:
+    if sig.functional is not None and sig.written is None:  # out= and in-place variants
         check_out_dtypes(call)
     lowered_schema = (sig.functional or sig.op)._schema
     lowered_params = [(a.name, a.kwarg_only) for a in lowered_schema.arguments]

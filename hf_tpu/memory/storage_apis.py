@@ -1,5 +1,5 @@
 """Storage-level PyTorch APIs on `tpu`: `torch.UntypedStorage(n, device="tpu")`,
-`torch.load(..., map_location="tpu")` and pinned host memory.
+and `torch.load(..., map_location="tpu")`.
 
 PyTorch creates a device storage through the device's C++ allocator, which a Python backend cannot
 register (the call would crash). Storage creation on `tpu` is answered here instead, and restored
@@ -57,21 +57,6 @@ def _untyped_storage_new(cls, *args, device=None, **kwargs):
     return _base_new(cls, *args, device=device, **kwargs)
 
 
-_base_pin_memory = torch.Tensor.pin_memory
-
-
-def _pin_memory(self, device=None):
-    """`Tensor.pin_memory()` pins for the current accelerator, and PyTorch asks that accelerator's C++
-    hooks for a pinned allocator, which a Python backend cannot register: with `tpu` the accelerator,
-    every call raised, and with it `DataLoader(pin_memory=True)` (the Trainer's default). JAX copies
-    host arrays to the device itself and gains nothing from page-locked memory, so pinning for `tpu`
-    returns a copy, as pinning does, which `is_pinned()` reports as not pinned."""
-    target = torch.device(device) if device is not None else torch.accelerator.current_accelerator()
-    if target is not None and target.type == "tpu" and self.device.type == "cpu":
-        return self.clone()
-    return _base_pin_memory(self) if device is None else _base_pin_memory(self, device)
-
-
 def install() -> None:
     # `storage.tpu()` and `storage.is_tpu`, as storages have `cuda()` and `is_cuda` (PyTorch's backend
     # setup makes the tensor and module methods only)
@@ -79,4 +64,3 @@ def install() -> None:
         for_tensor=False, for_module=False, for_packed_sequence=False, for_storage=True)
     torch.serialization.register_package(15, _tag, _restore)
     torch.UntypedStorage.__new__ = _untyped_storage_new
-    torch.Tensor.pin_memory = _pin_memory

@@ -255,7 +255,17 @@ def _along_dim(fn):
     return run
 
 
-@lowering(aten.index_select.default)
+def _indices_into_an_empty_dim(values):
+    """PyTorch's CPU kernel rejects any index into a dim of size 0 (whatever its value), which its meta
+    kernel lets through: a 1-D tensor as out of range, any other as a shape error."""
+    self, dim, index = values[0], values[1], values[2]
+    if self.dim() and self.shape[dim % self.dim()] == 0 and index.numel():
+        if self.dim() == 1:
+            raise IndexError("index out of range in self")
+        raise RuntimeError("index_select(): self indexing axis dim should be positive")
+
+
+@lowering(aten.index_select.default, type_check=_indices_into_an_empty_dim)
 def index_select(self, dim, index):
     if self.ndim == 0:
         return self

@@ -199,22 +199,31 @@ def _var_and_mean(x, dim, correction, keepdim):
     return var_, mean_.reshape(var_.shape)
 
 
-@lowering(aten.var.correction, promote=Promote.INT_TO_FLOAT)
+def _floating_statistics(name: str):
+    """PyTorch's CPU kernels of var and std reject integer and bool inputs, which their meta kernels let
+    through."""
+    def check(values):
+        if not (values[0].is_floating_point() or values[0].is_complex()):
+            raise RuntimeError(f"{name} only support floating point and complex dtypes")
+    return check
+
+
+@lowering(aten.var.correction, promote=Promote.INT_TO_FLOAT, type_check=_floating_statistics("std and var"))
 def var(self, dim=None, *, correction=None, keepdim=False):
     return _var_and_mean(self, dim, correction, keepdim)[0]
 
 
-@lowering(aten.std.correction, promote=Promote.INT_TO_FLOAT)
+@lowering(aten.std.correction, promote=Promote.INT_TO_FLOAT, type_check=_floating_statistics("std and var"))
 def std(self, dim=None, *, correction=None, keepdim=False):
     return jnp.sqrt(_var_and_mean(self, dim, correction, keepdim)[0])
 
 
-@lowering(aten.var_mean.correction, promote=Promote.INT_TO_FLOAT)
+@lowering(aten.var_mean.correction, promote=Promote.INT_TO_FLOAT, type_check=_floating_statistics("var_mean"))
 def var_mean(self, dim=None, *, correction=None, keepdim=False):
     return _var_and_mean(self, dim, correction, keepdim)
 
 
-@lowering(aten.std_mean.correction, promote=Promote.INT_TO_FLOAT)
+@lowering(aten.std_mean.correction, promote=Promote.INT_TO_FLOAT, type_check=_floating_statistics("std_mean"))
 def std_mean(self, dim=None, *, correction=None, keepdim=False):
     var_, mean_ = _var_and_mean(self, dim, correction, keepdim)
     return jnp.sqrt(var_), mean_

@@ -37,13 +37,25 @@ def _take(arrays, position, axis, keepdim):
     return picked if keepdim else tuple(p.squeeze(axis) for p in picked)
 
 
-@lowering(aten.sort.default)
+def _dim_in_range(position: int):
+    """PyTorch's CPU kernel of sort checks `dim`, which its meta kernel lets through (as it does any
+    dim: `torch.sort(x, dim=5)`)."""
+    def check(values):
+        self, dim = values[0], values[position]
+        ndim = max(self.dim(), 1)
+        if not -ndim <= dim < ndim:
+            raise IndexError(
+                f"Dimension out of range (expected to be in range of [{-ndim}, {ndim - 1}], but got {dim})")
+    return check
+
+
+@lowering(aten.sort.default, type_check=_dim_in_range(1))
 @scalar_as_vector
 def sort(self, dim=-1, descending=False):
     return _sort(self, dim, descending)
 
 
-@lowering(aten.sort.stable)
+@lowering(aten.sort.stable, type_check=_dim_in_range(2))
 @scalar_as_vector
 def sort_stable(self, *, stable=None, dim=-1, descending=False):
     return _sort(self, dim, descending)

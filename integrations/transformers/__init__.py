@@ -1,7 +1,8 @@
 """The Transformers adapter: loading onto `tpu` and generation with a static KV cache and compiled decoding,
 one module a job: `from_pretrained` (the wrapper), `loading` (checks, placement, preparation),
 `tensor_parallel`, `cache` (the static cache), `generation` (prompt buckets
-and the on-device decode loop), `trainer`, and `settings` (`configure`).
+and the on-device decode loop), `continuous_batching` (the paged cache's size), `trainer`, and
+`settings` (`configure`).
 
 Installed by `hf_tpu.integrations.activate()` when `transformers.modeling_utils` or
 `transformers.generation.utils` is first imported. What it changes, only for models on `tpu`:
@@ -17,6 +18,8 @@ Installed by `hf_tpu.integrations.activate()` when `transformers.modeling_utils`
   its attention mask) to the next of `prompt_buckets`, so that a new prompt length or `max_new_tokens`
   rarely compiles anew. The padding is removed from the returned sequences. The prefill of a prompt of a
   bucket's length runs compiled too, once per bucket.
+- continuous batching (`generate_batch`): the paged KV cache is sized from the tpu's memory
+  (`continuous_batching`), not from the host's RAM.
 - greedy search and sampling with a static cache: after Transformers' own prefill and first token, the
   other tokens are decoded in one `hf_tpu.while_loop` on the device (forward, logits warpers, token
   choice, end-of-sequence test), with no host round-trip per token.
@@ -31,7 +34,7 @@ from __future__ import annotations
 
 from .. import attention
 from ..output_capturing import install_output_capturing_hooks
-from . import cache, from_pretrained, generation, trainer
+from . import cache, continuous_batching, from_pretrained, generation, trainer
 from .generation import bucketed_length
 from .loading import check_before_loading, prepare_model
 from .settings import DEFAULT_PROMPT_BUCKETS, Settings, configure, settings
@@ -63,6 +66,13 @@ def install(module) -> None:
             if not getattr(getattr(module, name), "_hf_tpu", False):  # functions the Trainer imported
                 setattr(module, name, wrap(getattr(module, name)))
                 getattr(module, name)._hf_tpu = True
+        return
+    if module.__name__ == "transformers.generation.continuous_batching.cache":
+        _patch(module.PagedAttentionCache, "__init__", continuous_batching._wrap_paged_cache_init)
+        _patch(module, "get_device_and_memory_breakdown", continuous_batching._wrap_memory_breakdown)
+        return
+    if module.__name__ == "transformers.generation.continuous_batching.initialization":
+        _patch(module, "resolve_max_memory_percent", continuous_batching._wrap_resolve_max_memory_percent)
         return
     if module.__name__ == "transformers.modeling_utils":
         _patch(module.PreTrainedModel, "from_pretrained", from_pretrained.wrap)

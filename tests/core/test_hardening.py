@@ -1,5 +1,5 @@
-"""Defects a new user hit: environment settings, version checks, dtype errors, seeds, pinned memory,
-index checks. Each test fails on the code before its fix."""
+"""Defects a new user hit: environment settings, version checks, dtype errors, seeds, index checks. Each
+test fails on the code before its fix."""
 
 import os
 import subprocess
@@ -272,17 +272,6 @@ def test_ignored_and_in_range_labels_still_compute_when_checked(how, monkeypatch
             with torch.tpu.use_eager_mode("DEFER_NEVER_AND_LAUNCH_BLOCKING"):
                 actual = fn("tpu").cpu()
         torch.testing.assert_close(actual, expected)
-
-
-# --- 6. pinned host memory: what works (factories with pin_memory=True cannot: README, Troubleshooting)
-
-
-def test_pin_memory_alternatives_in_readme_work():
-    pinned = torch.empty(8).fill_(3.0).pin_memory()
-    assert pinned.device.type == "cpu" and not pinned.is_pinned()
-    assert pinned.to("tpu").cpu().tolist() == [3.0] * 8
-    with open(os.path.join(ROOT, "README.md")) as f:
-        assert "`torch.empty(n, pin_memory=True)`" in f.read()
 
 
 # --- 8. safetensors refuses the string "tpu" in its Rust core: the device index works (README)
