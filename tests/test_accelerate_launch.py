@@ -98,11 +98,11 @@ def test_one_process_drives_every_chip(tmp_path):
 
 @pytest.mark.skipif(not hasattr(_jax, "make_gloo_tcp_collectives"), reason="this jaxlib has no gloo collectives")
 def test_two_processes_on_localhost(tmp_path):
-    # the CPU platform's cross-process collectives (gloo) can hang when several programs with collectives
-    # run at once, so each program waits for its results (docs/design/accelerate-launch.md)
-    reports = launch("multi-process.yaml", tmp_path, "--main_process_port", str(_free_port()),
-                     HF_TPU_EAGER_MODE="DEFER_NEVER_AND_LAUNCH_BLOCKING")
+    # with no HF_TPU_EAGER_MODE: several processes on the CPU platform start launch-blocking
+    # (modes.default_mode), since their cross-process collectives can hang with several programs in flight
+    reports = launch("multi-process.yaml", tmp_path, "--main_process_port", str(_free_port()))
     assert [r["process_index"] for r in reports] == [0, 1]
+    assert {r["eager_mode"] for r in reports} == {"DEFER_NEVER_AND_LAUNCH_BLOCKING"}
     assert all(r["chips_holding_a_weight"] == 4 and r["gathered"] == [0.0, 1.0] for r in reports)
     assert all(r["broadcast"] == 0.0 and r["reduced_sum"] == 1.0 for r in reports)
     check_against_cpu(reports, processes=2)
@@ -164,6 +164,7 @@ def train(out_dir: Path):
         "launcher": "torchrun" if "LOCAL_RANK" in os.environ else "simple",
         "distributed_type": str(accelerator.distributed_type.value), "device": str(accelerator.device),
         "process_index": accelerator.process_index, "losses": losses, "batch_rows_per_chip": rows_per_chip,
+        "eager_mode": __import__("hf_tpu").modes.get_eager_mode().name,
         "chips_holding_a_weight": layout.mesh.size if layout else 1,
         "gathered": accelerator.gather(rank).cpu().tolist(),
         "broadcast": __import__("accelerate").utils.broadcast(rank.clone(), from_process=0).item(),

@@ -7,10 +7,19 @@ import jax
 import torch
 from jax.experimental import multihost_utils
 
-from .. import platform
+from .. import modes, platform
 from ..memory import buffer
 
-initialize = platform.initialize_distributed
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None) -> None:
+    platform.initialize_distributed(coordinator_address, num_processes, process_id)
+    if modes.default_mode() is modes.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
+        modes.set_eager_mode(modes.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING)  # see modes.default_mode
+
+
+initialize.__doc__ = platform.initialize_distributed.__doc__
 
 
 def process_count() -> int:

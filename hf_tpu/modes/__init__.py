@@ -128,13 +128,22 @@ _MODES = {
 }
 
 
-def _initial() -> EagerMode:
+def default_mode() -> EagerMode:
+    """The mode at start: `HF_TPU_EAGER_MODE`, or where it is unset, strict eager; launch-blocking when
+    several processes share the CPU platform's simulated chips. There, XLA:CPU runs the programs it
+    dispatched asynchronously on a few host threads, and a program that waits in a collective for another
+    process can hold one while that process waits for this one's next program: 2-process training loops
+    hung in their second backward. Launches that block keep one program in flight per process."""
     from hf_tpu import settings
 
+    joined = jax.distributed.is_initialized()  # asked first: the other two start JAX's backends
+    if settings.source("HF_TPU_EAGER_MODE") == "default" and joined and jax.process_count() > 1 \
+            and platform.name() == "cpu":
+        return EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
     return EagerMode[settings.get("HF_TPU_EAGER_MODE")]
 
 
-_current = [_MODES[_initial()]]
+_current = [_MODES[default_mode()]]
 
 
 def current():
