@@ -128,13 +128,15 @@ def decode_limit_tokens_per_second(config: dict, batch: int, context: int, hbm_b
     return batch * hbm_bytes_per_second / step_bytes
 
 
-def memory_estimate(config: dict, batch: int, length: int, new_tokens: int | None = None) -> dict:
+def memory_estimate(config: dict, batch: int, length: int, new_tokens: int | None = None,
+                    score_matrix: bool = True) -> dict:
     """Bytes a row needs at its peak, by part: the forward's logits of every position (`new_tokens` None), or a
-    `generate()`'s static KV cache; and the float32 attention scores and weights of one layer, which the XLA
-    lowering of attention materialises (`[batch, heads, length, length]`, twice)."""
-    parts = {"weights": weight_bytes(config),
-             "attention scores": 2 * 4 * batch * config["num_attention_heads"] * length * length,
-             "activations": 16 * 2 * batch * length * config["hidden_size"]}
+    `generate()`'s static KV cache; and with `score_matrix`, the float32 attention scores and weights of one
+    layer, which an XLA lowering of attention materialises (`[batch, heads, length, length]`, twice) and a
+    flash attention kernel does not."""
+    parts = {"weights": weight_bytes(config), "activations": 16 * 2 * batch * length * config["hidden_size"]}
+    if score_matrix:
+        parts["attention scores"] = 2 * 4 * batch * config["num_attention_heads"] * length * length
     if new_tokens is None:
         parts["logits"] = 2 * 2 * batch * length * config["vocab_size"]
     else:
@@ -142,9 +144,10 @@ def memory_estimate(config: dict, batch: int, length: int, new_tokens: int | Non
     return parts
 
 
-def does_not_fit(config: dict, batch: int, length: int, device_bytes: float, new_tokens: int | None = None):
+def does_not_fit(config: dict, batch: int, length: int, device_bytes: float, new_tokens: int | None = None,
+                 score_matrix: bool = True):
     """None when the row fits in the device's memory, else why not."""
-    parts = memory_estimate(config, batch, length, new_tokens)
+    parts = memory_estimate(config, batch, length, new_tokens, score_matrix)
     need = sum(parts.values())
     if need <= _MEMORY_SHARE * device_bytes:
         return None
@@ -196,12 +199,13 @@ class _Rows:
     def skip(self, row: str, reason: str) -> None:
         self.emit("skipped", row=row, reason=reason)
 
-    def fits(self, row: str, config: dict, batch: int, length: int, new_tokens: int | None = None) -> bool:
+    def fits(self, row: str, config: dict, batch: int, length: int, new_tokens: int | None = None,
+             score_matrix: bool = True) -> bool:
         if not self.check_memory:
             return True
         if self._device_bytes is None:
             self._device_bytes = _device_bytes()
-        reason = does_not_fit(config, batch, length, self._device_bytes, new_tokens)
+        reason = does_not_fit(config, batch, length, self._device_bytes, new_tokens, score_matrix)
         if reason:
             self.skip(row, reason)
         return reason is None
@@ -278,6 +282,13 @@ def _compiled_forward(compiled, ids):
     return forward
 
 
+def _flash_attention() -> bool:
+    """Whether hf-tpu's prefill attention runs the Pallas kernel here, which holds no score matrix."""
+    from hf_tpu.kernels import selection
+
+    return selection.pallas_enabled()
+
+
 def _group_forward(spec: dict, rows: _Rows) -> None:
     import torch
 
@@ -287,7 +298,7 @@ def _group_forward(spec: dict, rows: _Rows) -> None:
     compiled = torch.compile(model, backend="tpu")
     for batch, length in _grid(spec):
         row = f"{batch}x{length}"
-        if not rows.fits(row, spec["model"], batch, length):
+        if not rows.fits(row, spec["model"], batch, length, score_matrix=not _flash_attention()):
             continue
         forward = _compiled_forward(compiled, _ids(spec["model"]["vocab_size"], batch, length).to("tpu"))
         try:
@@ -341,7 +352,8 @@ def _group_decode(spec: dict, rows: _Rows) -> None:
     for length in spec["lengths"]:  # the shortest prompt at every batch first
         for batch in spec["batches"]:
             row = f"{batch}x{length}"
-            if not rows.fits(row, spec["model"], batch, length, new_tokens=1 + steps):
+            if not rows.fits(row, spec["model"], batch, length, new_tokens=1 + steps,
+                             score_matrix=not _flash_attention()):
                 continue
             ids = _ids(spec["model"]["vocab_size"], batch, length).to("tpu")
             try:
@@ -363,7 +375,7 @@ def _group_ttft(spec: dict, rows: _Rows) -> None:
     iters = max(2, spec["iters"] // 3)
     for length in spec["lengths"]:
         row = f"1x{length}"
-        if not rows.fits(row, spec["model"], 1, length):
+        if not rows.fits(row, spec["model"], 1, length, score_matrix=not _flash_attention()):
             continue
         ids = _ids(spec["model"]["vocab_size"], 1, length).to("tpu")
         try:

@@ -115,3 +115,10 @@ def test_saved_figures_are_reported_and_plotted(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "0.80x" in proc.stdout and "grouped_mm is 100.0x" in proc.stdout and f"plot: {png}" in proc.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_memory_estimate_leaves_out_the_score_matrix_where_flash_attention_runs():
+    spec, v5e = chip.SIZES["1b"], 16.9e9
+    assert chip.does_not_fit(spec["model"], 8, 4096, v5e) is not None  # torchax's XLA attention: 34 GB of scores
+    assert chip.does_not_fit(spec["model"], 8, 4096, v5e, score_matrix=False) is None
+    assert "attention scores" not in chip.memory_estimate(spec["model"], 8, 4096, score_matrix=False)
