@@ -103,11 +103,16 @@ def functional_counterpart(op):
         packet = getattr(aten, packet_name[:-1], None)
         if packet is None:
             return None
-        overload = op._overloadname
-        cand = getattr(packet, overload, None)
-        if cand is not None and not cand._schema.is_mutable:
-            return cand
-        return None
+        def arguments(overload):
+            return [(a.name, str(a.type)) for a in overload._schema.arguments]
+
+        # the overload of the same name, unless another takes the same arguments: `pow_.Scalar` writes
+        # `pow.Tensor_Scalar(Tensor self, Scalar exponent)`, not `pow.Scalar(Scalar self, Tensor exponent)`
+        named = getattr(packet, op._overloadname, None)
+        candidates = [named] + [getattr(packet, name) for name in packet.overloads()]
+        functional = [c for c in candidates if c is not None and not c._schema.is_mutable]
+        return next((c for c in functional if arguments(c) == arguments(op)), functional[0] if functional
+                    and functional[0] is named else None)
     factory_args = {"dtype", "layout", "device", "pin_memory", "memory_format"}
 
     def signature_of(arguments):
