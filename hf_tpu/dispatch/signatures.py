@@ -111,8 +111,10 @@ def functional_counterpart(op):
         named = getattr(packet, op._overloadname, None)
         candidates = [named] + [getattr(packet, name) for name in packet.overloads()]
         functional = [c for c in candidates if c is not None and not c._schema.is_mutable]
-        return next((c for c in functional if arguments(c) == arguments(op)), functional[0] if functional
-                    and functional[0] is named else None)
+        same_arguments = next((c for c in functional if arguments(c) == arguments(op)), None)
+        if same_arguments is not None:
+            return same_arguments
+        return named if named is not None and named in functional else None
     factory_args = {"dtype", "layout", "device", "pin_memory", "memory_format"}
 
     def signature_of(arguments):

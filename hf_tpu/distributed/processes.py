@@ -11,7 +11,6 @@ from .. import modes, platform
 from ..memory import buffer
 
 
-
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None) -> None:
     platform.initialize_distributed(coordinator_address, num_processes, process_id)

@@ -130,10 +130,10 @@ _MODES = {
 
 def default_mode() -> EagerMode:
     """The mode at start: `HF_TPU_EAGER_MODE`, or where it is unset, strict eager; launch-blocking when
-    several processes share the CPU platform's simulated chips. There, XLA:CPU runs the programs it
-    dispatched asynchronously on a few host threads, and a program that waits in a collective for another
-    process can hold one while that process waits for this one's next program: 2-process training loops
-    hung in their second backward. Launches that block keep one program in flight per process."""
+    several processes share the CPU platform's simulated chips. There, with several programs holding gloo
+    collectives in flight at once, 2-process training loops hung now and then in their second backward;
+    with launches that block (one program in flight per process) they ran to the end
+    (docs/design/accelerate-launch.md)."""
     from hf_tpu import settings
 
     joined = jax.distributed.is_initialized()  # asked first: the other two start JAX's backends
