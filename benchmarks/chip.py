@@ -30,6 +30,7 @@ Run: python -m benchmarks.chip                              (the 1.1B and MoE mo
      python -m benchmarks.chip --figures f.json d.json --plot chip.png   (report and plot saved runs)
      python -m benchmarks.chip --size tiny --plot /tmp/p.png   (tiny models, same work: CI runs one batch and length)
      python -m benchmarks.chip --only forward,torchax --dump-hlo DIR   (XLA's optimized HLO of each side)
+     python -m benchmarks.chip --only forward,torchax --profile DIR    (each side's device time per XLA op)
 """
 
 from __future__ import annotations
@@ -164,6 +165,51 @@ def _median_seconds(fn, iters: int) -> float:
     from benchmarks.common import timeit
 
     return timeit(fn, warmup=1, iters=iters)
+
+
+# the most XLA ops a profile row lists, the longest first
+_PROFILE_TOP = 40
+
+
+def _device_op_times(trace_dir: str, calls: int) -> list:
+    """[(op name, microseconds per call, launches per call, the op's HLO text)] of the device's XLA ops in the
+    `jax.profiler` trace under `trace_dir`, the longest first. A TPU records each op of a program on its device
+    plane's "XLA Ops" line; a CPU records no device plane, and gives an empty list."""
+    import glob
+
+    from jax.profiler import ProfileData
+
+    totals: dict = {}
+    for path in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
+        for plane in ProfileData.from_file(path).planes:
+            if not plane.name.startswith("/device:"):
+                continue
+            for line in plane.lines:
+                if line.name != "XLA Ops":
+                    continue
+                for event in line.events:
+                    stats = dict(event.stats)
+                    entry = totals.setdefault(event.name, [0.0, 0, str(stats.get("long_name", ""))[:300]])
+                    entry[0] += event.duration_ns / 1e3
+                    entry[1] += 1
+    ops = sorted(totals.items(), key=lambda item: -item[1][0])[:_PROFILE_TOP]
+    return [(name, us / calls, count / calls, text) for name, (us, count, text) in ops]
+
+
+def _profile(rows: "_Rows", fn, calls: int = 3, **figures) -> None:
+    """With `--profile DIR`: `fn` (already compiled) run `calls` times under `jax.profiler.trace`, and a row of
+    its device time per XLA op, to compare the programs of both sides op by op."""
+    directory = os.environ.get("HF_TPU_BENCH_PROFILE")
+    if not directory:
+        return
+    import jax
+
+    trace_dir = os.path.join(directory, rows.group, "x".join(str(figures.get(k, "")) for k in ("batch", "length")))
+    with jax.profiler.trace(trace_dir):
+        for _ in range(calls):
+            fn()
+    ops = _device_op_times(trace_dir, calls)
+    rows.emit("profile", device_us=sum(us for _, us, _, _ in ops), ops=ops, **figures)
 
 
 def _first_call(fn) -> float:
@@ -305,6 +351,7 @@ def _group_forward(spec: dict, rows: _Rows) -> None:
             first = _first_call(forward)
             rows.emit("forward", side="hf-tpu", batch=batch, length=length,
                       seconds=_median_seconds(forward, spec["iters"]), first_call=first)
+            _profile(rows, forward, side="hf-tpu", batch=batch, length=length)
         except torch.OutOfMemoryError as e:
             rows.out_of_memory(row, e)
         del forward
@@ -425,6 +472,7 @@ def _group_torchax(spec: dict, rows: _Rows) -> None:
                 first = _first_call(forward)
                 rows.emit("forward", side="torchax", batch=batch, length=length,
                           seconds=_median_seconds(forward, spec["iters"]), first_call=first)
+                _profile(rows, forward, side="torchax", batch=batch, length=length)
             except Exception as e:  # noqa: BLE001  (torchax raises JAX's own error for memory)
                 if "RESOURCE_EXHAUSTED" not in str(e):
                     raise
@@ -486,6 +534,8 @@ def _worker_command(group: str, args) -> list:
 def _run_group(group: str, args, timeout: float, on_row) -> None:
     """Runs one group's process, handing each figure to `on_row` as it arrives; stops it after `timeout`."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if args.profile:
+        env["HF_TPU_BENCH_PROFILE"] = args.profile
     if args.dump_hlo:
         path = os.path.join(args.dump_hlo, group)
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={path} --xla_dump_hlo_as_text"
@@ -551,6 +601,10 @@ def describe(row: dict, spec: dict, limits: dict | None = None) -> str:
                 f"{row['step_seconds'] * 1e3:.2f} ms/step, {tokens:.0f} tokens/s"
                 f"{f' ({100 * tokens / limit:.0f}% of the HBM limit)' if limit else ''}, "
                 f"first call {row['first_call']:.1f} s")
+    if section == "profile":
+        ops = "".join(f"\n    {us:9.1f} us  x{count:<4.0f} {name}  {text[:120]}" for name, us, count, text in row["ops"][:15])
+        return (f"[{row['group']}] {row['side']} profile {shape}: {row['device_us'] / 1e3:.2f} ms on the device "
+                f"in its {len(row['ops'])} longest ops{ops}")
     if section == "ttft":
         return (f"[ttft] prompt {row['length']}: generate(1 token) {row['seconds'] * 1e3:.1f} ms, compiled forward "
                 f"{row['forward_seconds'] * 1e3:.1f} ms ({row['seconds'] / row['forward_seconds']:.2f}x)")
@@ -753,6 +807,8 @@ def main(argv=None) -> None:
                         "different groups, e.g. one device call each) instead of running")
     parser.add_argument("--plot", help="write a PNG of decode tokens/s and prefill MFU here (needs matplotlib)")
     parser.add_argument("--dump-hlo", help="write each group's optimized HLO under this folder")
+    parser.add_argument("--profile", help="trace 3 calls of each forward row under this folder (jax.profiler) and "
+                        "report each side's device time per XLA op")
     parser.add_argument("--worker", choices=sorted(GROUPS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     unknown = set(args.only.split(",")) - set(GROUPS)

@@ -20,7 +20,8 @@ def _chip(*args, timeout=600):
 def test_tiny_run_reports_every_group(tmp_path):
     """One row a group (batch 2, prompt 16) keeps the run short; the grid's loops are the same."""
     out, png = tmp_path / "figures.json", tmp_path / "chip.png"
-    proc = _chip("--size", "tiny", "--batches", "2", "--lengths", "16", "--json", str(out), "--plot", str(png))
+    proc = _chip("--size", "tiny", "--batches", "2", "--lengths", "16", "--json", str(out), "--plot", str(png),
+                 "--profile", str(tmp_path / "profile"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     figures = json.loads(out.read_text())
     by_section = {}
@@ -32,6 +33,9 @@ def test_tiny_run_reports_every_group(tmp_path):
     assert {f["implementation"] for f in by_section["moe"]} == {"grouped_mm", "eager"}
     assert all(f["seconds"] > 0 for f in by_section["forward"] + by_section["eager"] + by_section["ttft"])
     assert all(f["reason"] for f in by_section.get("skipped", []))  # torchax, where it is not installed
+    # the CPU records no device plane: the profile row is there, with no ops
+    assert [(f["side"], f["ops"]) for f in by_section["profile"]] == [("hf-tpu", [])]
+    assert list((tmp_path / "profile" / "forward" / "2x16").rglob("*.xplane.pb"))
     printed = proc.stdout.splitlines()
     assert any(line.startswith("[forward] hf-tpu forward 2x16:") for line in printed)
     assert any(line.startswith("[moe] eager decode batch 2") for line in printed)
@@ -122,3 +126,29 @@ def test_the_memory_estimate_leaves_out_the_score_matrix_where_flash_attention_r
     assert chip.does_not_fit(spec["model"], 8, 4096, v5e) is not None  # torchax's XLA attention: 34 GB of scores
     assert chip.does_not_fit(spec["model"], 8, 4096, v5e, score_matrix=False) is None
     assert "attention scores" not in chip.memory_estimate(spec["model"], 8, 4096, score_matrix=False)
+
+
+def test_device_op_times_sum_each_op_of_the_device_plane_per_call(tmp_path):
+    """`--profile`'s table, from a trace holding what a TPU records: each XLA op on the device plane's
+    "XLA Ops" line, and lines (whole programs) and planes (the host's) that are not ops."""
+    from jax.profiler import ProfileData
+
+    from benchmarks.chip import _device_op_times
+
+    def event(metadata, start_us, length_us):
+        return f"events {{ metadata_id: {metadata} offset_ps: {start_us * 10**6} duration_ps: {length_us * 10**6} }}"
+
+    ops = " ".join([event(1, 0, 30), event(2, 40, 10), event(1, 60, 30), event(2, 100, 12)])
+    trace = f"""
+    planes {{ id: 1 name: "/device:TPU:0"
+      lines {{ id: 1 name: "XLA Ops" {ops} }}
+      lines {{ id: 2 name: "XLA Modules" {event(3, 0, 120)} }}
+      event_metadata {{ key: 1 value {{ id: 1 name: "fusion.1" }} }}
+      event_metadata {{ key: 2 value {{ id: 2 name: "copy.2" }} }}
+      event_metadata {{ key: 3 value {{ id: 3 name: "jit_forward" }} }} }}
+    planes {{ id: 2 name: "/host:CPU" lines {{ id: 1 name: "python" {event(3, 0, 500)} }}
+      event_metadata {{ key: 3 value {{ id: 3 name: "forward" }} }} }}
+    """
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "host.xplane.pb").write_bytes(ProfileData.text_proto_to_serialized_xspace(trace))
+    assert _device_op_times(str(tmp_path), calls=2) == [("fusion.1", 30.0, 1.0, ""), ("copy.2", 11.0, 1.0, "")]
