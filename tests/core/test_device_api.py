@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hf_tpu
-from tests.util import cpu_process_env
+from tests.util import cpu_process_env, on_tpu
 
 # the CPU platform simulates HF_TPU_NUM_DEVICES chips (two under tests/conftest.py); a GPU or TPU has its own
 PLATFORM = os.environ["HF_TPU_PLATFORM"]
@@ -94,9 +94,12 @@ def test_moving_a_module_keeps_its_parameter_objects_like_cuda():
     model.to("tpu")
     assert model.head.weight is model.embed.weight is weight
     assert weight.device.type == "tpu" and weight.note == "set by a library"
+    # a real TPU's float32 exp, log and rsqrt differ from the CPU's in the last bits, and three AdamW
+    # steps at lr 0.1 carry that to about 1e-5 (seen there: 1.2e-5 in the third loss)
+    rtol, atol = (1e-4, 1e-5) if on_tpu() else (1e-5, 1e-6)
     for _ in range(3):
-        assert _train_step(model, opt, ids.to("tpu")) == pytest.approx(_train_step(cpu_model, cpu_opt, ids), rel=1e-5)
-    torch.testing.assert_close(weight.cpu(), cpu_model.embed.weight.detach(), rtol=1e-5, atol=1e-6)
+        assert _train_step(model, opt, ids.to("tpu")) == pytest.approx(_train_step(cpu_model, cpu_opt, ids), rel=rtol)
+    torch.testing.assert_close(weight.cpu(), cpu_model.embed.weight.detach(), rtol=rtol, atol=atol)
     model.cpu()
     assert weight.device.type == "cpu" and weight.grad.device.type == "cpu" and model.head.weight is weight
     model.to_empty(device="tpu")
