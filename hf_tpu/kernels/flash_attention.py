@@ -10,11 +10,16 @@ with dq and dkv kernels). This module adapts the call to it:
   `FullMask`), whose block structure is worked out once at trace time. `query_offset` is the position
   of the first query among the keys: `k_len - q_len` for queries aligned to the last keys (hf_tpu's op,
   a chunk of prefill after a cache), 0 for SDPA's top-left `is_causal`.
-- A boolean mask (padding, or any pattern a model builds) becomes a dynamic splash mask per batch
-  element (the kernel is `vmap`ped over the batch), with the position pattern folded into it; splash
-  still skips the blocks it hides entirely. Rows the mask hides entirely give 0, as the XLA lowerings
-  do: the kernel sees them unmasked (so that no softmax is taken over nothing) and they are zeroed
-  after, their gradients with them.
+- A boolean mask shared by the heads is first tried, on the device, against the form the models'
+  masks take: a position pattern and hidden keys per sequence (`causal & padding`, a padded encoder's
+  `padding`). In that form the pattern is a static splash mask and the hidden keys are splash's key
+  segment ids (0 hidden, 1 seen; every query in segment 1), blocked inputs that `vmap` turns into one
+  more grid axis: one kernel call for the whole batch. Any other mask becomes a dynamic splash mask per
+  batch element; its block map lives in scalar memory, which `vmap` cannot batch into the grid, so
+  that kernel runs once per batch element (a loop). Both skip the blocks the mask hides entirely (the
+  first the blocks its pattern hides). Rows the mask hides entirely give 0, as the XLA lowerings do:
+  the kernel computes them over hidden keys or unmasked, never a softmax over nothing, and they are
+  zeroed after, their gradients with them.
 - The scale multiplies the query before the kernel: splash soft-caps and masks the logits q.k as given.
 
 What the kernel cannot take (`unsupported` says why) stays on the XLA lowering: lengths that are not
@@ -118,6 +123,74 @@ def _without_dynamic_flag(kernel):
     return kernel
 
 
+def _with_hidden_keys(query, key, value, keys_seen, pattern, options):
+    """Attention under a static position `pattern` (is_causal, sliding_window, query_offset) and hidden
+    keys per sequence (`keys_seen`, (batch, k_len) bool) as splash's key segment ids: one kernel call
+    for the whole batch."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    heads, q_len, k_len = query.shape[1], query.shape[2], key.shape[2]
+    kernel = splash.make_splash_mha(_static_mask(heads, q_len, k_len, *pattern), **options)
+    segments = splash.SegmentIds(q=jnp.ones((q_len,), jnp.int32), kv=keys_seen.astype(jnp.int32))
+    return jax.vmap(kernel, in_axes=(0, 0, 0, splash.SegmentIds(q=None, kv=0)))(query, key, value, segments)
+
+
+def _with_any_mask(query, key, value, mask, options):
+    """Attention under any (batch, 1 or heads, q_len, k_len) mask that hides no whole row: a dynamic
+    splash mask per batch element, one kernel call each."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    def one_element(mask, query, key, value):
+        return _without_dynamic_flag(splash.make_splash_mha(mask, **options))(query, key, value)
+
+    return jax.vmap(one_element)(mask, query, key, value)
+
+
+def patterns_to_try(is_causal, sliding_window, query_offset):
+    """The position patterns a mask is checked against, in order: the call's own, or for a bare mask
+    the two that models' masks take, SDPA's causal (a prefill: queries at the first keys) and full (an
+    encoder)."""
+    if is_causal or sliding_window > 0:
+        return ((is_causal, sliding_window, query_offset),)
+    return ((True, 0, 0), (False, 0, 0))
+
+
+def matching_pattern(mask, patterns):
+    """On the device: the index of the first of `patterns` that `mask` ((batch, 1, q_len, k_len) bool)
+    equals once hidden keys are added (`pattern & keys_seen`, the keys some query sees), len(patterns)
+    when none does; and those keys_seen, (batch, k_len)."""
+    q_len, k_len = mask.shape[-2:]
+    keys_seen = mask.any(-2)
+    matches = [jnp.all(mask == (_positions_visible(q_len, k_len, *pattern) & keys_seen[:, :, None, :]))
+               for pattern in patterns]
+    return jnp.argmax(jnp.stack([*matches, jnp.array(True)])), keys_seen[:, 0]
+
+
+def _masked(query, key, value, attn_mask, mask, row_seen, pattern, options):
+    """The kernel's result under `mask` ((batch, 1 or heads, q_len, k_len), the call's position
+    `pattern` folded in). A mask constant along the queries (padding, (batch, 1, 1, k_len)) is the
+    pattern with hidden keys by its shape; another shared by the heads is checked against
+    `patterns_to_try` on the device, one `lax.switch` branch per pattern and one for any other mask,
+    the dynamic mask that hidden rows see whole (they are zeroed after)."""
+    def any_mask(query, key, value, mask, keys_seen):
+        del keys_seen
+        return _with_any_mask(query, key, value, mask | ~row_seen[..., None], options)
+
+    if mask.shape[1] != 1:  # per-head masks: segment ids are shared by the heads
+        return any_mask(query, key, value, mask, None)
+    if attn_mask.ndim < 2 or attn_mask.shape[-2] == 1:
+        keys_seen = _batched_mask(attn_mask, mask.shape[0], 1, 1, mask.shape[-1])[:, 0, 0]
+        return _with_hidden_keys(query, key, value, keys_seen, pattern, options)
+
+    def hidden_keys(pattern):
+        return lambda query, key, value, mask, keys_seen: _with_hidden_keys(
+            query, key, value, keys_seen, pattern, options)
+
+    patterns = patterns_to_try(*pattern)
+    chosen, keys_seen = matching_pattern(mask, patterns)
+    return jax.lax.switch(chosen, [*map(hidden_keys, patterns), any_mask], query, key, value, mask, keys_seen)
+
+
 @selection.in_32_bit_mode
 def flash_attention(query, key, value, attn_mask=None, *, scale, is_causal=False, sliding_window=0, softcap=0.0,
                     query_offset=0, with_logsumexp=False, block=None, interpret=None):
@@ -147,12 +220,8 @@ def flash_attention(query, key, value, attn_mask=None, *, scale, is_causal=False
         if is_causal or sliding_window > 0:
             mask = mask & _positions_visible(q_len, k_len, is_causal, sliding_window, query_offset)
         row_seen = mask.any(-1)  # (batch, 1 or heads, q_len)
-        mask = mask | ~row_seen[..., None]  # a hidden row attends everywhere, then is zeroed below
-
-        def one_element(mask, query, key, value):
-            return _without_dynamic_flag(splash.make_splash_mha(mask, **options))(query, key, value)
-
-        result = jax.vmap(one_element)(mask, query, key, value)
+        result = _masked(query, key, value, attn_mask, mask, row_seen, (is_causal, sliding_window, query_offset),
+                         options)
 
     out, logsumexp = (result[0], result[1][0]) if with_logsumexp else (result, None)
     if row_seen is not None:

@@ -71,6 +71,9 @@ ATTENTION_CASES = {
     "sliding_window_softcap": (2, 1, 256, 256, dict(is_causal=True, sliding_window=96, softcap=5.0), None),
     "no_mask": (1, 1, 128, 256, dict(), None),
     "padding_mask_with_hidden_rows": (1, 1, 128, 128, dict(is_causal=True), "left_padding"),
+    # SDPA's form of the same: Transformers' (batch, 1, q, k) mask, causality in it, no pattern named
+    "causal_and_padding_in_a_full_mask": (2, 1, 128, 128, dict(), "causal_and_padding"),
+    "any_other_mask": (2, 1, 128, 128, dict(), "random"),
 }
 
 
@@ -79,6 +82,14 @@ def _padding_mask(batch, k_len):
     causal pattern its first 40 queries see nothing."""
     starts = jnp.array([0, 40])[:batch]
     return (jnp.arange(k_len)[None, :] >= starts[:, None])[:, None, None, :]
+
+
+def _mask(kind, batch, q_len, k_len):
+    if kind == "left_padding":
+        return _padding_mask(batch, k_len)
+    if kind == "causal_and_padding":
+        return _padding_mask(batch, k_len) & jnp.tril(jnp.ones((q_len, k_len), jnp.bool_))
+    return jax.random.bernoulli(jax.random.key(4), 0.7, (batch, 1, q_len, k_len))
 
 
 # interpret mode takes 5-15 s a case here; the op-level tests below cover window and soft-cap too
@@ -93,7 +104,7 @@ def test_flash_attention_kernel_matches_reference_forward_and_backward(case):
     q = _normal(0, (batch, heads, q_len, 64))
     k = _normal(1, (batch, kv_heads, k_len, 64))
     v = _normal(2, (batch, kv_heads, k_len, 64))
-    mask = _padding_mask(batch, k_len) if mask else None
+    mask = _mask(mask, batch, q_len, k_len) if mask else None
     options = dict(scale=0.125, **options)
     assert flash.unsupported(q, k, v, mask, is_causal=options.get("is_causal", False),
                              query_offset=options.get("query_offset", 0)) is None
@@ -101,7 +112,7 @@ def test_flash_attention_kernel_matches_reference_forward_and_backward(case):
     want, want_logsumexp = flash.reference(q, k, v, mask, with_logsumexp=True, **options)
     np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
     np.testing.assert_allclose(logsumexp, want_logsumexp, atol=2e-5, rtol=2e-5)
-    if mask is not None:
+    if case == "padding_mask_with_hidden_rows":
         assert not np.asarray(out[1, :, :40]).any()  # fully hidden rows give 0, as the XLA lowerings do
 
     grad_out = _normal(3, q.shape)
@@ -109,6 +120,65 @@ def test_flash_attention_kernel_matches_reference_forward_and_backward(case):
     _, pullback = jax.vjp(lambda q, k, v: flash.reference(q, k, v, mask, **options), q, k, v)
     for got, expected in zip(grads, pullback(grad_out)):
         np.testing.assert_allclose(got, expected, atol=5e-5, rtol=5e-5)
+
+
+def test_masks_are_matched_to_a_pattern_with_hidden_keys_or_left_to_the_dynamic_mask():
+    causal = jnp.tril(jnp.ones((128, 128), jnp.bool_))
+    padding = _padding_mask(2, 128)
+    every_key = jnp.ones((2, 128), jnp.bool_)
+    bare = flash.patterns_to_try(False, 0, 0)  # SDPA's causal, then full
+    for mask, patterns, expected, keys in [
+        (causal & padding, bare, 0, padding[:, 0, 0]),
+        (jnp.broadcast_to(causal, (2, 1, 128, 128)), bare, 0, every_key),
+        (jnp.broadcast_to(padding, (2, 1, 128, 128)), bare, 1, padding[:, 0, 0]),  # a padded encoder
+        ((causal & padding).at[0, 0, 100, 3].set(False), bare, 2, None),  # one more hidden pair
+        (jnp.broadcast_to(~causal | jnp.eye(128, dtype=jnp.bool_), (2, 1, 128, 128)), bare, 2, None),
+        (padding & flash._positions_visible(128, 128, True, 96, 0), flash.patterns_to_try(True, 96, 0), 0,
+         padding[:, 0, 0]),
+    ]:
+        chosen, keys_seen = flash.matching_pattern(mask, patterns)
+        assert int(chosen) == expected
+        if keys is not None:
+            np.testing.assert_array_equal(keys_seen, keys)
+
+
+def _kernels_and_their_loops(jaxpr, enclosing=()):
+    """(grid, enclosing primitives) of each pallas_call in `jaxpr`; a cond's branch is named by its index."""
+    from jax.extend.core import jaxprs_in_params
+
+    found = []
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "pallas_call":
+            found.append((eqn.params["grid_mapping"].grid, enclosing))
+        elif name == "cond":
+            for index, branch in enumerate(eqn.params["branches"]):
+                found += _kernels_and_their_loops(branch.jaxpr, enclosing + (f"cond branch {index}",))
+        else:
+            for inner in jaxprs_in_params(eqn.params):
+                found += _kernels_and_their_loops(inner, enclosing + (name,))
+    return found
+
+
+@pytest.mark.parametrize("mask_shape, options", [((8, 1, 256, 256), {}), ((8, 1, 256, 256), dict(is_causal=True)),
+                                                 ((8, 1, 1, 256), dict(is_causal=True)), ((8, 1, 1, 256), {})])
+def test_a_batch_under_a_models_mask_is_one_kernel_call_on_the_tpu(mask_shape, options):
+    """The TPU (non-interpret) path, traced on the CPU: a mask of the models' form runs one kernel whose
+    grid holds the batch; only the fallback for other masks loops over the batch elements."""
+    query = jax.ShapeDtypeStruct((8, 4, 256, 64), jnp.bfloat16)
+    key = jax.ShapeDtypeStruct((8, 2, 256, 64), jnp.bfloat16)
+    mask = jax.ShapeDtypeStruct(mask_shape, jnp.bool_)
+    with jax.enable_x64(False):
+        traced = jax.make_jaxpr(lambda q, k, v, m: flash.flash_attention(
+            q, k, v, m, scale=0.125, with_logsumexp=True, interpret=False, **options))(query, key, key, mask)
+    kernels = _kernels_and_their_loops(traced.jaxpr)
+    patterns = 0 if mask_shape[2] == 1 else len(flash.patterns_to_try(options.get("is_causal", False), 0, 0))
+    fallback = f"cond branch {patterns}"
+    one_call = [grid for grid, enclosing in kernels if fallback not in enclosing]
+    assert one_call and all(grid[0] == 8 for grid in one_call)  # the batch is the grid's first axis
+    assert all({"scan", "while"}.isdisjoint(enclosing) for grid, enclosing in kernels if fallback not in enclosing)
+    if patterns:  # the fallback: one call per batch element
+        assert all("scan" in enclosing for grid, enclosing in kernels if fallback in enclosing)
 
 
 @pytest.mark.parametrize("reason, call", [
