@@ -17,10 +17,12 @@ once launched runs to its end, and Python handles a signal only between two host
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 import types
 
+import numpy as np
 import torch
 
 log = logging.getLogger("hf_tpu.loops")
@@ -70,6 +72,37 @@ class ChunkSizes:
         per_step = max((now - self._since) / steps, 1e-7)
         self._since = now
         self.steps = max(1, min(int(self.seconds / per_step), self.steps * self.GROWTH))
+
+
+def run_in_chunks(launch, state: tuple, started, interrupted) -> tuple:
+    """Run a device loop as chunks of iterations until one ends it; return its last state.
+
+    `launch(state, steps)` launches one chunk of at most `steps` iterations from `state`, (overwritten
+    arrays, carried arrays, whether to go on), plus the iteration count, which starts at 0, and returns
+    the state after it without waiting for it. The next chunk is queued before a chunk's condition is read,
+    so the device never waits for the host. `started()` runs once the first chunk is launched (its launch
+    traced and compiled the loop); on Ctrl-C, `interrupted(state)` gets the state of the last chunk
+    launched before the interrupt is raised again."""
+    state = (*state, np.uint32(0))
+    chunks = ChunkSizes()
+    queued = collections.deque()  # (condition, iterations) of the chunks launched and not yet read
+    try:
+        while True:
+            state = launch(state, np.uint32(chunks.steps))
+            if chunks.launched == 0:
+                chunks.start()  # the first launch compiled the loop: its chunks are timed from here
+                started()
+            chunks.launched += 1
+            queued.append((state[2], chunks.steps))
+            if len(queued) < 2:
+                continue  # the next chunk is queued before this one's condition is read
+            condition, steps = queued.popleft()
+            if not np.asarray(condition).item():  # waits for that chunk: Ctrl-C is handled here
+                return state  # the chunk queued behind it ran no iteration: its results are the loop's
+            chunks.finished(steps)
+    except KeyboardInterrupt:
+        interrupted(state)
+        raise
 
 
 # the request for the next compiled graph call; set only around the call of `_step` below
