@@ -143,13 +143,27 @@ def _on_device(carried: tuple) -> bool:
         for t in carried)
 
 
-def while_loop(cond_fn, body_fn, carried_inputs):
+def while_loop(cond_fn, body_fn, carried_inputs, state=None):
     """Run `carried = body_fn(*carried)` while `cond_fn(*carried)` is true; return `carried` (a tuple).
 
     `cond_fn` returns a one-element bool tensor; `body_fn` returns tensors of the same shapes and
     dtypes as `carried_inputs`. No gradient flows through the loop.
+
+    With `state` (a tuple of objects, as `hf_tpu.jit` takes it: modules, a KV cache), the step is traced
+    straight from Python (`hf_tpu.direct`), without Dynamo: the state's tensors, and those the two
+    functions' closures hold, are the loop's inputs, and those written in place are carried through it.
+    Where that trace cannot be made, the loop compiles its step with `torch.compile` as without `state`.
     """
     carried = tuple(carried_inputs)
+    if _on_device(carried) and state is not None:
+        from . import direct
+
+        keep_going = cond_fn(*carried)
+        try:
+            with torch.no_grad():
+                return direct.while_loop(cond_fn, body_fn, carried, keep_going, tuple(state))
+        except NotLoopable as e:
+            log.warning("hf_tpu: while_loop compiles its step with torch.compile instead (%s)", e)
     if _on_device(carried):
         import torch._dynamo.exc as dynamo_errors
 
