@@ -77,6 +77,13 @@ _programs: dict = {}  # (site, key) -> _Program or _NOT_TRACEABLE
 _site_counts: dict = {}  # site -> programs traced for it
 
 
+def reset() -> None:
+    """Forget every traced program (and which calls could not be traced), as `torch.compiler.reset()` makes
+    Dynamo forget its graphs."""
+    _programs.clear()
+    _site_counts.clear()
+
+
 def _plain_object(x) -> bool:
     """An object whose attributes are searched for state tensors."""
     return hasattr(x, "__dict__") and not isinstance(

@@ -424,15 +424,16 @@ def _compiled_prefill(model, compile_config):
     and the Python attributes of its modules; changing them between calls needs a new model object. What the
     traced program does key is listed in `hf_tpu.direct`."""
     compile_config = compile_config or model._default_compile_config()
+    key = (compile_config, _traces_directly(compile_config))
     cached = model.__dict__.get(_COMPILED_PREFILL)
-    if cached is None or cached[0] != compile_config:
+    if cached is None or cached[0] != key:
         compiled = functools.partial(_compiled_forward, functools.cache(
             lambda: torch.compile(_prefill_forward, **compile_config.to_dict())))
-        if _traces_directly(compile_config):
+        if key[1]:
             import hf_tpu
 
             compiled = hf_tpu.jit(_prefill_forward, state=_prefill_state, fallback=compiled)
-        cached = (compile_config, compiled)
+        cached = (key, compiled)
         model.__dict__[_COMPILED_PREFILL] = cached
     return cached[1]
 
