@@ -6,7 +6,8 @@ it makes); one that runs longer than `HF_TPU_SLOW_COMPILE_SECONDS` (default 5; 0
 
 - while it runs, once it has run that long, a line saying what is compiling;
 - when it ends, a line naming it, its inputs, how long it took and where the time went (capture: Dynamo
-  and AOT autograd turning Python into an ATen graph; trace: running that graph into a JAX program;
+  and AOT autograd turning Python into an ATen graph, or for `hf_tpu.jit` the Python trace, the function
+  run on tracers; trace: running that graph, or the jaxpr the Python trace made, into a JAX program;
   lowering to XLA; the XLA compile itself, or its load from the disk cache).
 
 Once a compile of one kind (a `torch.compile` graph) has taken that long in this process, the next of that
