@@ -120,16 +120,19 @@ class _Inputs:
         self.users = []  # per buffer: how many input tensors read it
         self.tensors = []  # (tensor, its buffer's slot) of every input tensor, in the order met
         self.tensor_index = {}  # id(tensor) -> its first position in `tensors`
-        self.containers = []  # lists and dicts met: their contents are Python state the call must not change
-        self.objects = []  # state objects and modules met: their attributes too
+        # Python state the call must not change, copied only when a trace runs (`snapshot`): the lists and
+        # dicts met, and the attributes of the state objects and modules met
+        self.containers = []
+        self.objects = []
         self.seen = {}  # id(object) -> its index in `objects`
         self.buffer_keys = []
         self.device_index = None
+        self.grad_enabled = torch.is_grad_enabled()
 
     def tensor(self, t: torch.Tensor):
         if t.device.type != "tpu":
             raise _Unkeyable(f"it is given a {t.device.type} tensor (hf_tpu.jit takes tpu tensors)")
-        if t.requires_grad and torch.is_grad_enabled():
+        if t.requires_grad and self.grad_enabled:
             raise _Unkeyable("an input requires gradients and gradients are enabled (hf_tpu.jit runs without autograd)")
         buf = buffer.buffer_of(t)
         slot = self.slots.get(id(buf))
@@ -166,10 +169,10 @@ class _Inputs:
         if type(x) is tuple or (isinstance(x, tuple) and hasattr(x, "_fields")):
             return (type(x), tuple(self.argument(v, depth + 1) for v in x))
         if isinstance(x, list):
-            self.containers.append((x, list(x)))
+            self.containers.append(x)
             return (type(x), tuple(self.argument(v, depth + 1) for v in x))
         if isinstance(x, dict):
-            self.containers.append((x, dict(x)))
+            self.containers.append(x)
             return (type(x), tuple((k, self.argument(v, depth + 1)) for k, v in x.items()))
         if isinstance(x, _VALUE_TYPES):
             return (type(x), x)
@@ -191,15 +194,15 @@ class _Inputs:
             return ("module", tuple(self._module(m) for m in x.modules()))
         if isinstance(x, (list, tuple)):
             if isinstance(x, list):
-                self.containers.append((x, list(x)))
+                self.containers.append(x)
             return (type(x), tuple(self.state_object(v, depth + 1) for v in x))
         if isinstance(x, dict):
-            self.containers.append((x, dict(x)))
+            self.containers.append(x)
             return (type(x), tuple((k, self.state_object(v, depth + 1)) for k, v in x.items()))
         if not _plain_object(x):
             return (type(x), x) if isinstance(x, _VALUE_TYPES) else None
         self.seen[id(x)] = len(self.objects)
-        self.objects.append((x, dict(vars(x))))
+        self.objects.append(x)
         items = []
         for name, value in vars(x).items():
             if isinstance(value, (torch.Tensor, torch.nn.Module, list, tuple, dict)) or _plain_object(value):
@@ -212,25 +215,27 @@ class _Inputs:
         if id(m) in self.seen:
             return ("seen", self.seen[id(m)])
         self.seen[id(m)] = len(self.objects)
-        self.objects.append((m, dict(vars(m))))
-        self.containers.extend(((m._parameters, dict(m._parameters)), (m._buffers, dict(m._buffers)),
-                                (m._modules, dict(m._modules))))
-        tensors = [(name, self.tensor(t)) for name, t in (*m._parameters.items(), *m._buffers.items())
-                   if t is not None]
-        tensors += [(name, self.tensor(v)) for name, v in vars(m).items()
-                    if isinstance(v, torch.Tensor) and not name.startswith("_")]
-        return (type(m), m.training, tuple(tensors))
+        self.objects.append(m)
+        attributes = m.__dict__
+        parameters, buffers = attributes["_parameters"], attributes["_buffers"]
+        self.containers += (parameters, buffers, attributes["_modules"])
+        tensors = [(name, self.tensor(t)) for name, t in parameters.items() if t is not None]
+        if buffers:
+            tensors += [(name, self.tensor(t)) for name, t in buffers.items() if t is not None]
+        # tensors held as plain attributes (not registered as buffers): inputs too
+        tensors += [(name, self.tensor(v)) for name, v in attributes.items()
+                    if type(v) is torch.Tensor and name[0] != "_"]
+        return (type(m), attributes["training"], tuple(tensors))
 
-    def python_state_changes(self) -> list:
-        """What the call changed in the Python state it can see (attributes, list and dict contents)."""
-        changed = []
-        for obj, before in self.objects:
-            if not _same_contents(vars(obj), before):
-                changed.append((vars(obj), before, f"an attribute of a {type(obj).__name__}"))
-        for container, before in self.containers:
-            if not _same_contents(container, before):
-                changed.append((container, before, f"the contents of a {type(container).__name__}"))
-        return changed
+    def snapshot(self) -> list:
+        """A copy of the Python state met, to compare with after a trace (`python_state_changes`)."""
+        return ([(vars(obj), dict(vars(obj)), f"an attribute of a {type(obj).__name__}") for obj in self.objects]
+                + [(c, c.copy(), f"the contents of a {type(c).__name__}") for c in self.containers])
+
+
+def _python_state_changes(snapshot: list) -> list:
+    """What a trace changed in the Python state it could see (attributes, list and dict contents)."""
+    return [entry for entry in snapshot if not _same_contents(entry[0], entry[1])]
 
 
 def _same_contents(now, before) -> bool:
@@ -318,15 +323,18 @@ def _name_of(fn) -> str:
     return name.rsplit("<locals>.", 1)[-1]
 
 
-def _arguments_text(args, kwargs, most: int = 6) -> str:
-    """The tensors among the arguments, as `input_ids int64[1, 128]`, for the compile log."""
+def _arguments_text(args, kwargs, state, positional: str = "argument", most: int = 6) -> str:
+    """The tensors among the arguments, as `input_ids int64[1, 128]`, then the state's types, for the compile
+    log; a positional argument is named `positional` and its position."""
     shown = []
     for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
         if isinstance(leaf, torch.Tensor):
-            name = str(getattr(path[-1], "key", getattr(path[-1], "idx", "input"))) if path else "input"
+            last = path[-1]
+            name = str(last.key) if hasattr(last, "key") else f"{positional} {path[1].idx}"
             shown.append(f"{name} {str(leaf.dtype).removeprefix('torch.')}{list(leaf.shape)}")
     more = f" and {len(shown) - most} more" if len(shown) > most else ""
-    return ", ".join(shown[:most]) + more
+    kinds = ", ".join(dict.fromkeys(type(o).__name__ for o in state))
+    return ", ".join(shown[:most]) + more + (f", with the state of {kinds}" if kinds else "")
 
 
 def _trace(name: str, run, inputs: _Inputs, arrays: list) -> _Program:
@@ -335,6 +343,7 @@ def _trace(name: str, run, inputs: _Inputs, arrays: list) -> _Program:
     before = {address: buf._array for address, buf in list(live.items())}
     first_new_address = buffer.allocator.next_address
     inputs_by_id = {id(buf) for buf in inputs.buffers}
+    python_state = inputs.snapshot()
     found = {}
 
     def traced(input_arrays, rng_base):
@@ -364,7 +373,7 @@ def _trace(name: str, run, inputs: _Inputs, arrays: list) -> _Program:
             modes.replace_current(saved_mode)
             for buf, array in zip(inputs.buffers, arrays):
                 buf.array = array
-            changes = inputs.python_state_changes()
+            changes = _python_state_changes(python_state)
             if changes:
                 _restore(changes)
                 if not failed:
@@ -423,7 +432,7 @@ def _prepare(site, functions, args, kwargs, state) -> tuple:
     return inputs, key
 
 
-def _traced_program(key, name: str, run, inputs: _Inputs, arrays: list, description: str, args, kwargs,
+def _traced_program(key, name: str, run, inputs: _Inputs, arrays: list, description: str, inputs_text,
                     function: str):
     """The program cached for `key`, traced now if there is none; raises what a failed trace raised (and every
     later call with this key gets `_Untraceable` at once)."""
@@ -437,7 +446,7 @@ def _traced_program(key, name: str, run, inputs: _Inputs, arrays: list, descript
         raise _Untraceable(f"{_PROGRAMS_PER_SITE} programs were traced for it already")
     pending = compile_log.begin(description, "hf_tpu.jit", function, time.perf_counter(), captured=True,
                                 capture="Python trace")
-    compile_log.describe(description, "hf_tpu.jit", lambda: _arguments_text(args, kwargs))
+    compile_log.describe(description, "hf_tpu.jit", inputs_text)
     try:
         program = _trace(name, run, inputs, arrays)
     except UNTRACEABLE:
@@ -472,8 +481,8 @@ def call(fn, args: tuple, kwargs: dict, state=(), fallback=None):
     if inputs.device_index is None:  # no tpu tensor at all: nothing to trace for
         return fallback(*args, **kwargs)
     try:
-        program = _traced_program(key, name, lambda: fn(*args, **kwargs), inputs, arrays, description, args,
-                                  kwargs, f"traced_{name}")
+        program = _traced_program(key, name, lambda: fn(*args, **kwargs), inputs, arrays, description,
+                                  lambda: _arguments_text(args, kwargs, inputs.state), f"traced_{name}")
         mutated, others = donation.split(arrays, program.mutated)
         with launching(inputs.device_index, description):
             new, checked = program.jitted[donatable(mutated)](mutated, others, rng.current_key(inputs.device_index))
@@ -548,10 +557,11 @@ def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state
             raise loops.NotLoopable("a carried tensor shares its storage with another input")
     arrays = _arrays(inputs)
     try:
-        program = _traced_program(key, name, lambda: step(*carried), inputs, arrays, description, carried, {},
-                                  f"loop_{name}")
+        program = _traced_program(key, name, lambda: step(*carried), inputs, arrays, description,
+                                  lambda: _arguments_text(carried, {}, inputs.state, "carried"), f"loop_{name}")
         _check_loopable(program, carried, carried_slots)
     except UNTRACEABLE as e:
+        compile_log.end(finished=False)
         _programs[key] = _NOT_TRACEABLE
         raise loops.NotLoopable(f"{type(e).__name__}: {e}") from e
     mutated, others = donation.split(arrays, program.mutated)
