@@ -298,12 +298,15 @@ def test_the_prefill_and_the_decode_loop_are_traced_without_dynamo_with_the_cpu_
     with torch.compile instead, with the same tokens."""
     import torch._dynamo.utils
 
+    from hf_tpu import direct
+
     saved = adapter.settings.prompt_buckets
     torch.manual_seed(5)
     prompts = [torch.randint(3, 128, (1, length)) for length in (20, 22)]
     outputs = []
     try:
         adapter.configure(prompt_buckets=(24,))  # a bucket no other test compiles
+        direct.reset()  # the decode loop's program too
         torch._dynamo.utils.counters.clear()
         compiles = []
         for prompt in prompts:
