@@ -27,7 +27,8 @@ Installed by `hf_tpu.integrations.activate()` when `transformers.modeling_utils`
 
 `configure(...)` or the environment variables `HF_TPU_PROMPT_BUCKETS` ("32,64,128"; "" turns bucketing
 off), `HF_TPU_CACHE_LENGTH_MULTIPLE`, `HF_TPU_STATIC_CACHE` (off keeps Transformers' dynamic cache) and
-`HF_TPU_DEVICE_LOOP` (off decodes token by token from Python) change these defaults; they are parsed by
+`HF_TPU_DEVICE_LOOP` (off decodes token by token from Python) and `HF_TPU_DIRECT_TRACE` (off compiles the
+prefill and the loop's step with `torch.compile`) change these defaults; they are parsed by
 `hf_tpu.settings` like every other variable.
 """
 
