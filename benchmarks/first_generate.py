@@ -4,9 +4,13 @@ A Llama-shaped model (by default hidden 512, 8 layers, random weights) generates
 twice: with an empty `HF_TPU_CACHE_DIR`, then with the one the first filled. Each reports its first
 `generate()`'s seconds, split per JAX program into trace, lowering and XLA compile (JAX times these), and
 the rest, which for a `torch.compile` graph is Dynamo and AOT autograd's capture; then its time to first
-token once warm against a compiled forward of the same prompt.
+token once warm against a compiled forward of the same prompt. `generate()` traces its prefill and decode
+loop straight from Python (`hf_tpu.jit`: `trace_*` is that Python trace, `traced_*` and `loop_*` the
+programs made of it); `--compare` runs the pair of processes again with `HF_TPU_DIRECT_TRACE=0`, where
+`generate()` compiles them with `torch.compile` (`_trace`, `_loop`), alternating the two so that both see
+the same machine load.
 
-Run: python -m benchmarks.first_generate [--hidden 512 --layers 8 --prompt 128 --lengths 128,1024]
+Run: python -m benchmarks.first_generate [--hidden 512 --layers 8 --prompt 128 --lengths 128,1024] [--compare]
 """
 
 from __future__ import annotations
@@ -79,12 +83,13 @@ def _worker(args) -> None:
                                   "phases": first_call_phases, "ttft": ttft}), flush=True)
 
 
-def _run(args, cache: str) -> dict:
+def _run(args, cache: str, direct: bool = True, lengths=None) -> dict:
+    lengths = args.lengths if lengths is None else lengths
     command = [sys.executable, "-m", "benchmarks.first_generate", "--worker", "--hidden", str(args.hidden),
                "--layers", str(args.layers), "--vocab", str(args.vocab), "--prompt", str(args.prompt),
-               "--lengths", ",".join(map(str, args.lengths))]
-    proc = subprocess.run(command, env={**os.environ, "HF_TPU_CACHE_DIR": cache}, stdout=subprocess.PIPE, text=True,
-                          check=True)
+               "--lengths", ",".join(map(str, lengths))]
+    env = {**os.environ, "HF_TPU_CACHE_DIR": cache, "HF_TPU_DIRECT_TRACE": "1" if direct else "0"}
+    proc = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, check=True)
     return json.loads(next(line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")))
 
 
@@ -94,23 +99,36 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--prompt", type=int, default=128)
-    parser.add_argument("--lengths", type=lambda text: [int(x) for x in text.split(",")], default=[128, 1024])
+    parser.add_argument("--lengths", type=lambda text: [int(x) for x in text.split(",") if x], default=[128, 1024])
+    parser.add_argument("--compare", action="store_true",
+                        help="also run generate() with torch.compile (HF_TPU_DIRECT_TRACE=0)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         return _worker(args)
     from benchmarks.common import table
 
-    with tempfile.TemporaryDirectory() as cache:
-        cold, warm = _run(args, cache), _run(args, cache)
+    paths = {"hf_tpu.jit": True, "torch.compile": False} if args.compare else {"hf_tpu.jit": True}
+    runs = {path: [] for path in paths}
+    with tempfile.TemporaryDirectory() as root:
+        for process in range(2):  # first processes, then second ones: each path with its own cache folder
+            for path, direct in paths.items():
+                # the warm time to first token is the same program either way: measured once
+                lengths = args.lengths if direct else []
+                runs[path].append(_run(args, os.path.join(root, path), direct, lengths))
     print(f"Llama hidden {args.hidden}, {args.layers} layers, prompt {args.prompt}")
-    print(table(["process", "first token s", "first 9-token decode s", "XLA compiles", "disk cache hits"],
-                [[name, f"{r['first_token']:.2f}", f"{r['decode_first']:.2f}", r["xla_compiles"], r["disk_cache_hits"]]
+    print(table(["generate() traced by", "process", "first token s", "first 9-token decode s", "XLA compiles",
+                 "disk cache hits"],
+                [[path, name, f"{r['first_token']:.2f}", f"{r['decode_first']:.2f}", r["xla_compiles"],
+                  r["disk_cache_hits"]]
+                 for path, (cold, warm) in runs.items()
                  for name, r in (("first (cache empty)", cold), ("second (disk cache)", warm))]) + "\n")
-    rows = sorted(cold["phases"].items(), key=lambda item: -sum(item[1].values()))
-    print(table(["JAX program (first process, first calls)", "trace s", "lowering s", "XLA s"],
-                [[name, f"{p.get('trace', 0):.2f}", f"{p.get('lowering', 0):.2f}", f"{p.get('XLA', 0):.2f}"]
-                 for name, p in rows]) + "\n")
+    for path, (cold, _) in runs.items():
+        rows = sorted(cold["phases"].items(), key=lambda item: -sum(item[1].values()))
+        print(table([f"JAX program ({path}, first process, first calls)", "trace s", "lowering s", "XLA s"],
+                    [[name, f"{p.get('trace', 0):.2f}", f"{p.get('lowering', 0):.2f}", f"{p.get('XLA', 0):.2f}"]
+                     for name, p in rows]) + "\n")
+    cold = runs["hf_tpu.jit"][0]
     print(table(["prompt", "generate(1 token) ms", "compiled forward ms", "ratio"],
                 [[length, f"{g * 1e3:.1f}", f"{f * 1e3:.1f}", f"{g / f:.2f}x"] for length, g, f in cold["ttft"]]))
 

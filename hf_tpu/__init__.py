@@ -73,11 +73,16 @@ backend.register()
 
 
 def __getattr__(name: str):
-    """`hf_tpu.distributed` loads on first use, so single-chip programs never import it."""
+    """`hf_tpu.distributed` loads on first use, so single-chip programs never import it; so does `hf_tpu.jit`
+    (`hf_tpu.direct`), with the tracing machinery it shares with `torch.compile`'s backend."""
     if name == "distributed":
         import importlib
 
         return importlib.import_module(".distributed", __name__)
+    if name == "jit":
+        from .direct import jit
+
+        return jit
     raise AttributeError(f"module 'hf_tpu' has no attribute {name!r}")
 
 

@@ -11,13 +11,12 @@ cannot be traced (an op without a lowering, a host read) runs in the eager mode 
 
 from __future__ import annotations
 
-import collections
+import contextlib
 import logging
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import torch
 
 from . import compile_log, counters, loops, modes, platform
@@ -66,6 +65,73 @@ class _Untraceable(Exception):
     pass
 
 
+# what a trace that cannot be made raises: a host read or an unreplayable effect (`_Untraceable`), an op
+# without a lowering, a tracer where a concrete value is needed
+UNTRACEABLE = (_Untraceable, NotImplementedError, jax.errors.JAXTypeError, TypeError)
+
+
+def count_trace() -> None:
+    """One more program traced by `torch.compile` or `hf_tpu.jit` (`hf_tpu.metrics()["compiles"]`)."""
+    _counters["compiles"] += 1
+    _counters["compiles_by_mode"]["COMPILE"] += 1
+
+
+def finish_call(device_index: int, draws: int, checks: list, checked: list) -> None:
+    """After a traced program ran: the device's random stream moves past the offsets its random ops took,
+    and the values it checks (a linalg `info`, an assert's condition; `checks` holds each one's dtype and
+    `raise_if_bad`) are checked as eager ops check them."""
+    rng.advance(device_index, draws)
+    for (dtype, raise_if_bad), array in zip(checks, checked):
+        modes.check_on_device(buffer.new_tensor(array.shape, dtype, device_index, array), raise_if_bad)
+
+
+@contextlib.contextmanager
+def launching(device_index: int, what: str):
+    """XLA's out-of-memory error of a traced program, as `torch.OutOfMemoryError` naming `what` ran."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as e:
+        modes.raise_out_of_memory(e, device_index, what)
+        raise
+
+
+def donatable(arrays) -> bool:
+    """Whether arrays a program overwrites can be donated: each held by its own buffer only (a donated array
+    is gone after the call), and none passed twice."""
+    return bool(arrays) and all(buffer.allocator.holders(a) == 1 for a in arrays) \
+        and len({id(a) for a in arrays}) == len(arrays)
+
+
+def loop_chunk(step, overwritten_arrays, other_arrays, rng_base, slots, carried, keep_going, count, steps):
+    """One chunk of a device loop (`hf_tpu.while_loop`): at most `steps` iterations from iteration `count` on.
+
+    `step(overwritten, others, key)` is one traced iteration: it returns ([the overwritten inputs' new
+    values, the new carried values, whether to go on], the values it checks); `slots` says where each
+    carried value sits among `others` (None: the step does not read it)."""
+    limit = count + steps
+
+    def go_on(state):
+        return jnp.reshape(state[2], ()).astype(bool) & (state[3] < limit)
+
+    def iteration(state):
+        overwritten, carried, _, count = state
+        others = list(other_arrays)
+        for slot, array in zip(slots, carried):
+            if slot is not None:
+                others[slot] = array
+        # each iteration draws its random numbers from its own keys
+        results, checked = step(list(overwritten), others, rng_base.at[3].add(count))
+        if checked:
+            raise TypeError("a while_loop step cannot check device values (a linalg error, an assert)")
+        k, n = len(overwritten), len(carried)
+        if len(results) != k + n + 1 or any(r is None for r in results):
+            raise TypeError("a while_loop step must return as many tensors as it carries")
+        return results[:k], results[k:k + n], results[k + n], count + jnp.uint32(1)
+
+    state = (list(overwritten_arrays), list(carried), keep_going, count)
+    return jax.lax.while_loop(go_on, iteration, state)
+
+
 class _CompiledGraph:
     """One ATen graph as one jitted JAX function over its tensor inputs."""
 
@@ -100,8 +166,7 @@ class _CompiledGraph:
         self.out_meta = {}
 
     def _trace(self, overwritten_arrays, other_arrays, values, rng_base):
-        _counters["compiles"] += 1
-        _counters["compiles_by_mode"]["COMPILE"] += 1
+        count_trace()
         arrays = donation.join(self.overwritten, overwritten_arrays, other_arrays)
         compile_log.describe(self.description, "torch.compile", lambda: _inputs_text(self.input_names, arrays))
         inputs = []
@@ -147,19 +212,15 @@ class _CompiledGraph:
         try:
             # the graph's random ops take the device's next offsets, the ones eager ops would take;
             # how many is known once it is traced (a graph without random ops takes none, as in PyTorch)
-            results, checked = jitted(overwritten, others, values, rng.current_key(device_index))
-        except (_Untraceable, NotImplementedError, jax.errors.JAXTypeError, TypeError) as e:
+            with launching(device_index, f"a compiled graph of {len(self.gm.graph.nodes)} nodes"):
+                results, checked = jitted(overwritten, others, values, rng.current_key(device_index))
+        except UNTRACEABLE as e:
             compile_log.end()
             self.eager = True
             log.warning("hf_tpu: a compiled graph runs in the eager mode instead (%s: %s)", type(e).__name__, e)
             return self.gm(*args)
-        except jax.errors.JaxRuntimeError as e:
-            modes.raise_out_of_memory(e, device_index, f"a compiled graph of {len(self.gm.graph.nodes)} nodes")
-            raise
         metas, checks, draws = self._meta(arrays, values)
-        rng.advance(device_index, draws)
-        for (dtype, raise_if_bad), array in zip(checks, checked):
-            modes.check_on_device(buffer.new_tensor(array.shape, dtype, device_index, array), raise_if_bad)
+        finish_call(device_index, draws, checks, checked)
         return self._outputs(metas, results)
 
     def _read_inputs(self, args) -> tuple:
@@ -242,35 +303,20 @@ class _CompiledGraph:
         if self.pending_compile is not None:  # the first call is a loop's: `_loop` compiles, not `_trace`
             self.pending_compile.function, self.pending_compile = "_loop", None
         key = rng.current_key(device_index)
-        state = (overwritten, carried, keep_going, np.uint32(0))
-        chunks = loops.ChunkSizes()
-        queued = collections.deque()  # (condition, iterations) of the chunks launched and not yet read
+
+        def launch(state, steps):
+            return jitted(state[0], others, values, key, tuple(slots), state[1], state[2], state[3], steps)
+
+        def started():  # the first chunk is traced: iteration j draws from offsets + j * 2**32
+            rng.advance(device_index, self._meta(arrays, values)[2])
+
         try:
-            while True:
-                state = jitted(state[0], others, values, key, tuple(slots), state[1], state[2], state[3],
-                               np.uint32(chunks.steps))
-                if chunks.launched == 0:
-                    chunks.start()  # the first launch compiled the loop: its chunks are timed from here
-                chunks.launched += 1
-                queued.append((state[2], chunks.steps))
-                if len(queued) < 2:
-                    continue  # the next chunk is queued before this one's condition is read
-                condition, steps = queued.popleft()
-                if not np.asarray(condition).item():  # waits for that chunk: Ctrl-C is handled here
-                    break  # the chunk queued behind it ran no iteration: its results are the loop's
-                chunks.finished(steps)
-        except (_Untraceable, NotImplementedError, jax.errors.JAXTypeError, TypeError, ValueError) as e:
+            with launching(device_index, f"a compiled loop of {len(self.gm.graph.nodes)} nodes"):
+                state = loops.run_in_chunks(launch, (overwritten, carried, keep_going), started,
+                                            lambda state: self._keep_interrupted_state(args, state[0]))
+        except (*UNTRACEABLE, ValueError) as e:
             compile_log.end()
             raise loops.NotLoopable(f"{type(e).__name__}: {e}") from e
-        except jax.errors.JaxRuntimeError as e:
-            modes.raise_out_of_memory(e, device_index, f"a compiled loop of {len(self.gm.graph.nodes)} nodes")
-            raise
-        except KeyboardInterrupt:
-            self._keep_interrupted_state(args, state[0])
-            raise
-        finally:
-            if chunks.launched:
-                rng.advance(device_index, self._meta(arrays, values)[2])  # iteration j: offsets + j * 2**32
         overwritten, carried, keep_going, _ = state
         metas, _, _ = self._meta(arrays, values)
         return self._outputs(metas, [*overwritten, *carried, keep_going])
@@ -284,40 +330,17 @@ class _CompiledGraph:
                 buf.array = array
 
     def _loop(self, overwritten_arrays, other_arrays, values, rng_base, slots, carried, keep_going, count, steps):
-        """One chunk of the loop: at most `steps` iterations from iteration `count` on."""
-        limit = count + steps
+        """One chunk of the loop, with this graph as its step."""
+        def step(overwritten, others, key):
+            return self._trace(overwritten, others, values, key)
 
-        def go_on(state):
-            return jnp.reshape(state[2], ()).astype(bool) & (state[3] < limit)
-
-        def iteration(state):
-            overwritten, carried, _, count = state
-            others = list(other_arrays)
-            for slot, array in zip(slots, carried):
-                if slot is not None:
-                    others[slot] = array
-            # each iteration draws its random numbers from its own keys
-            results, checked = self._trace(list(overwritten), others, values, rng_base.at[3].add(count))
-            if checked:
-                raise TypeError("a while_loop step cannot check device values (a linalg error, an assert)")
-            k, n = len(overwritten), len(carried)
-            if len(results) != k + n + 1 or any(r is None for r in results):
-                raise TypeError("a while_loop step must return as many tensors as it carries")
-            return results[:k], results[k:k + n], results[k + n], count + jnp.uint32(1)
-
-        state = (list(overwritten_arrays), list(carried), keep_going, count)
-        return jax.lax.while_loop(go_on, iteration, state)
+        return loop_chunk(step, overwritten_arrays, other_arrays, rng_base, slots, carried, keep_going, count, steps)
 
     def _donatable(self, args, overwritten_arrays) -> bool:
         """A donated array is gone after the call: only whole buffers that no other live buffer
         shares and that are passed once may be given to XLA."""
-        if not overwritten_arrays:
-            return False
-        for i, array in zip(self.overwritten, overwritten_arrays):
-            t = args[i]
-            if buffer.view_of(t, buffer.buffer_of(t)) is not None or buffer.allocator.holders(array) != 1:
-                return False
-        return len({id(a) for a in overwritten_arrays}) == len(overwritten_arrays)
+        return donatable(overwritten_arrays) and all(
+            buffer.view_of(args[i], buffer.buffer_of(args[i])) is None for i in self.overwritten)
 
 
 def _meta_key(arrays, values) -> tuple:

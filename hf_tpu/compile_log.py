@@ -6,7 +6,8 @@ it makes); one that runs longer than `HF_TPU_SLOW_COMPILE_SECONDS` (default 5; 0
 
 - while it runs, once it has run that long, a line saying what is compiling;
 - when it ends, a line naming it, its inputs, how long it took and where the time went (capture: Dynamo
-  and AOT autograd turning Python into an ATen graph; trace: running that graph into a JAX program;
+  and AOT autograd turning Python into an ATen graph, or for `hf_tpu.jit` the Python trace, the function
+  run on tracers; trace: running that graph, or the jaxpr the Python trace made, into a JAX program;
   lowering to XLA; the XLA compile itself, or its load from the disk cache).
 
 Once a compile of one kind (a `torch.compile` graph) has taken that long in this process, the next of that
@@ -49,6 +50,7 @@ class Compile:
     function: str  # the JAX function whose trace and XLA compile it is (its name, as JAX reports it)
     depth: int = 0  # JAX traces under way: a function traced inside another one is part of its trace
     captured: bool = False  # begun before JAX's trace (Dynamo and AOT autograd capture the graph first)
+    capture: str = "capture"  # what ran before JAX's trace, as the log names it
     idle: bool = False  # between JAX's phases: a trace that nothing followed (`jax.eval_shape`) stays so
     inputs: str = ""  # the inputs' shapes and dtypes, once known
     phases: dict = dataclasses.field(default_factory=dict)  # phase name -> seconds
@@ -73,16 +75,16 @@ def threshold() -> float:
 
 
 def begin(what: str, kind: str | None, function: str, started: float | None = None,
-          captured: bool = False) -> Compile:
+          captured: bool = False, capture: str = "capture") -> Compile:
     """Open the compile of `what`, which the XLA compile of the JAX function named `function` ends; `captured`
-    when it began before JAX's trace, at `started`. A compile under way stays the one; one idle since its
+    when it began before JAX's trace, at `started` (the log names that part `capture`). A compile under way stays the one; one idle since its
     trace (a function only traced) is dropped."""
     limit = threshold()
     with _lock:
         if _current[0] is not None and not _current[0].idle:
             return _current[0]
         compile_ = _current[0] = Compile(what, kind, time.perf_counter() if started is None else started,
-                                         function, captured=captured)
+                                         function, captured=captured, capture=capture)
         announce = limit > 0 and kind is not None and kind in _slow_kinds
         last = _slow_kinds.get(kind)
         if announce:
@@ -122,7 +124,7 @@ def end(compile_: Compile | None = None, finished: bool = True) -> None:
     parts = dict(done.phases)
     accounted = sum(parts.values())
     if done.captured:  # what JAX does not time
-        parts = {"capture": max(seconds - accounted, 0.0), **parts}
+        parts = {done.capture: max(seconds - accounted, 0.0), **parts}
     if done.from_disk and "XLA" in parts:
         parts["XLA (loaded from the disk cache)"] = parts.pop("XLA")
     log.warning("hf_tpu: compiled %s in %.1fs (%s)", done.name(), seconds,

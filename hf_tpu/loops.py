@@ -17,10 +17,12 @@ once launched runs to its end, and Python handles a signal only between two host
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 import types
 
+import numpy as np
 import torch
 
 log = logging.getLogger("hf_tpu.loops")
@@ -72,6 +74,37 @@ class ChunkSizes:
         self.steps = max(1, min(int(self.seconds / per_step), self.steps * self.GROWTH))
 
 
+def run_in_chunks(launch, state: tuple, started, interrupted) -> tuple:
+    """Run a device loop as chunks of iterations until one ends it; return its last state.
+
+    `launch(state, steps)` launches one chunk of at most `steps` iterations from `state`, (overwritten
+    arrays, carried arrays, whether to go on), plus the iteration count, which starts at 0, and returns
+    the state after it without waiting for it. The next chunk is queued before a chunk's condition is read,
+    so the device never waits for the host. `started()` runs once the first chunk is launched (its launch
+    traced and compiled the loop); on Ctrl-C, `interrupted(state)` gets the state of the last chunk
+    launched before the interrupt is raised again."""
+    state = (*state, np.uint32(0))
+    chunks = ChunkSizes()
+    queued = collections.deque()  # (condition, iterations) of the chunks launched and not yet read
+    try:
+        while True:
+            state = launch(state, np.uint32(chunks.steps))
+            if chunks.launched == 0:
+                chunks.start()  # the first launch compiled the loop: its chunks are timed from here
+                started()
+            chunks.launched += 1
+            queued.append((state[2], chunks.steps))
+            if len(queued) < 2:
+                continue  # the next chunk is queued before this one's condition is read
+            condition, steps = queued.popleft()
+            if not np.asarray(condition).item():  # waits for that chunk: Ctrl-C is handled here
+                return state  # the chunk queued behind it ran no iteration: its results are the loop's
+            chunks.finished(steps)
+    except KeyboardInterrupt:
+        interrupted(state)
+        raise
+
+
 # the request for the next compiled graph call; set only around the call of `_step` below
 pending: list = [None]
 
@@ -110,13 +143,27 @@ def _on_device(carried: tuple) -> bool:
         for t in carried)
 
 
-def while_loop(cond_fn, body_fn, carried_inputs):
+def while_loop(cond_fn, body_fn, carried_inputs, state=None):
     """Run `carried = body_fn(*carried)` while `cond_fn(*carried)` is true; return `carried` (a tuple).
 
     `cond_fn` returns a one-element bool tensor; `body_fn` returns tensors of the same shapes and
     dtypes as `carried_inputs`. No gradient flows through the loop.
+
+    With `state` (a tuple of objects, as `hf_tpu.jit` takes it: modules, a KV cache), the step is traced
+    straight from Python (`hf_tpu.direct`), without Dynamo: the state's tensors, and those the two
+    functions' closures hold, are the loop's inputs, and those written in place are carried through it.
+    Where that trace cannot be made, the loop compiles its step with `torch.compile` as without `state`.
     """
     carried = tuple(carried_inputs)
+    if _on_device(carried) and state is not None:
+        from . import direct
+
+        keep_going = cond_fn(*carried)
+        try:
+            with torch.no_grad():
+                return direct.while_loop(cond_fn, body_fn, carried, keep_going, tuple(state))
+        except NotLoopable as e:
+            log.warning("hf_tpu: while_loop compiles its step with torch.compile instead (%s)", e)
     if _on_device(carried):
         import torch._dynamo.exc as dynamo_errors
 

@@ -292,6 +292,40 @@ def test_the_prefill_compiles_once_per_bucket_with_the_cpu_tokens(models):
         adapter.configure(prompt_buckets=saved[0], static_cache=saved[1])
 
 
+def test_the_prefill_and_the_decode_loop_are_traced_without_dynamo_with_the_cpu_tokens(models):
+    """The prefill and the decode loop's step are traced straight from Python (`hf_tpu.jit`): two programs for
+    a new bucket, none for the next prompt in it, no frame given to Dynamo; `direct_trace=False` compiles them
+    with torch.compile instead, with the same tokens."""
+    import torch._dynamo.utils
+
+    from hf_tpu import direct
+
+    saved = adapter.settings.prompt_buckets
+    torch.manual_seed(5)
+    prompts = [torch.randint(3, 128, (1, length)) for length in (20, 22)]
+    outputs = []
+    try:
+        adapter.configure(prompt_buckets=(24,))  # a bucket no other test compiles
+        direct.reset()  # the decode loop's program too
+        torch._dynamo.utils.counters.clear()
+        compiles = []
+        for prompt in prompts:
+            hf_tpu.reset_metrics()
+            expected, actual = _both(models, prompt=prompt, max_new_tokens=8, do_sample=False, eos_token_id=None)
+            compiles.append(hf_tpu.metrics()["compiles_by_mode"].get("COMPILE", 0))
+            assert torch.equal(actual, expected)
+            outputs.append(actual)
+        assert compiles == [2, 0]
+        assert not torch._dynamo.utils.counters["frames"], dict(torch._dynamo.utils.counters["frames"])
+        adapter.configure(direct_trace=False)
+        for prompt, traced in zip(prompts, outputs):
+            assert torch.equal(_both(models, prompt=prompt, max_new_tokens=8, do_sample=False, eos_token_id=None)[1],
+                               traced)
+        assert torch._dynamo.utils.counters["frames"]["total"] > 0
+    finally:
+        adapter.configure(prompt_buckets=saved, direct_trace=True)
+
+
 def test_prompt_lengths_pad_to_buckets(models):
     assert adapter.bucketed_length(5) == 16 and adapter.bucketed_length(16) == 16
     assert adapter.bucketed_length(17) == 32
@@ -573,12 +607,15 @@ def test_a_second_process_loads_every_program_of_generate_from_the_disk_cache(ch
         hf_tpu.reset_metrics()
         tokens = model.generate(torch.tensor([[3, 14, 15, 92, 65]]).to("tpu"), max_new_tokens=6, do_sample=False)
         metrics = hf_tpu.metrics()
-        print(json.dumps([tokens.cpu().tolist(), metrics["xla_compiles"], metrics["disk_cache_hits"]]))
+        import torch._dynamo.utils
+        print(json.dumps([tokens.cpu().tolist(), metrics["xla_compiles"], metrics["disk_cache_hits"],
+                          sum(torch._dynamo.utils.counters["frames"].values())]))
     """
     first = json.loads(_run(code, HF_TPU_CACHE_DIR=str(tmp_path)).splitlines()[-1])
     second = json.loads(_run(code, HF_TPU_CACHE_DIR=str(tmp_path)).splitlines()[-1])
     assert first[1] > 0 and first[2] == 0
     assert second[1] == 0 and second[2] == first[1] and second[0] == first[0]
+    assert first[3] == second[3] == 0  # traced straight from Python: no frame for Dynamo to capture
 
 
 # --- continuous batching (generate_batch): the paged cache is sized from the tpu's memory

@@ -17,7 +17,8 @@ Installed by `hf_tpu.integrations.activate()` when `transformers.modeling_utils`
   the cache length rounded up to a multiple of `cache_length_multiple` and the prompt left-padded (with
   its attention mask) to the next of `prompt_buckets`, so that a new prompt length or `max_new_tokens`
   rarely compiles anew. The padding is removed from the returned sequences. The prefill of a prompt of a
-  bucket's length runs compiled too, once per bucket.
+  bucket's length runs compiled too, once per bucket. The prefill and the device loop below are traced
+  straight from Python with `hf_tpu.jit` (no Dynamo), with `torch.compile` where that trace cannot be made.
 - continuous batching (`generate_batch`): the paged KV cache is sized from the tpu's memory
   (`continuous_batching`), not from the host's RAM.
 - greedy search and sampling with a static cache: after Transformers' own prefill and first token, the
@@ -26,7 +27,8 @@ Installed by `hf_tpu.integrations.activate()` when `transformers.modeling_utils`
 
 `configure(...)` or the environment variables `HF_TPU_PROMPT_BUCKETS` ("32,64,128"; "" turns bucketing
 off), `HF_TPU_CACHE_LENGTH_MULTIPLE`, `HF_TPU_STATIC_CACHE` (off keeps Transformers' dynamic cache) and
-`HF_TPU_DEVICE_LOOP` (off decodes token by token from Python) change these defaults; they are parsed by
+`HF_TPU_DEVICE_LOOP` (off decodes token by token from Python) and `HF_TPU_DIRECT_TRACE` (off compiles the
+prefill and the loop's step with `torch.compile`) change these defaults; they are parsed by
 `hf_tpu.settings` like every other variable.
 """
 

@@ -375,7 +375,10 @@ def _decode_loop(model, input_ids, finished, steps: int, eos, logits_processor, 
     carried = (input_ids[:, -1], position_ids, mask, unfinished, generated, torch.zeros(1, dtype=torch.long))
     from hf_tpu import while_loop
 
-    *_, generated, index = while_loop(cond, body, tuple(t.to(device) for t in carried))
+    # traced straight from Python with the model, the cache and the warpers as the loop's state, unless the
+    # compile config asks for what only torch.compile does
+    state = (model, cache, logits_processor) if _traces_directly(generation_config.compile_config) else None
+    *_, generated, index = while_loop(cond, body, tuple(t.to(device) for t in carried), state=state)
     return generated[:, :int(index)]
 
 
@@ -393,15 +396,51 @@ def _prefill_forward(model, inputs: dict):
     return model(**inputs, return_dict=True)
 
 
+def _traces_directly(compile_config) -> bool:
+    """Whether the prefill and the decode loop are traced straight from Python (`hf_tpu.jit`,
+    `hf_tpu.while_loop(state=...)`) rather than compiled with `torch.compile`: unless turned off
+    (`configure(direct_trace=False)`), for Transformers' default compile config on tpu and any other with the
+    `tpu` backend and static shapes, whose other settings (`fullgraph`, `mode`, `options`) change nothing the
+    trace makes. A config asking for dynamic shapes or another backend gets `torch.compile` with that config,
+    as in Transformers."""
+    return settings.direct_trace and (compile_config is None or (
+        compile_config.backend == "tpu" and not compile_config.dynamic))
+
+
+def _prefill_state(model, inputs: dict) -> tuple:
+    """What the prefill reads and writes besides its inputs: the model's weights and the static cache."""
+    from transformers.cache_utils import Cache
+
+    return (model, *(value for value in inputs.values() if isinstance(value, Cache)))
+
+
 def _compiled_prefill(model, compile_config):
-    """`_prefill_forward` compiled as Transformers compiles the decode forward (`generation_config.compile_config`,
-    by default `backend="tpu"`, `dynamic=False`), one per model and config."""
+    """`_prefill_forward` traced directly (`hf_tpu.jit`, see `_traces_directly`), or compiled as Transformers
+    compiles the decode forward (`generation_config.compile_config`, by default `backend="tpu"`,
+    `dynamic=False`), one per model and config; the traced one falls back to the compiled one for a call it
+    cannot trace.
+
+    Not guarded, as in Transformers' compiled decode: the model's config (its attention implementation, say)
+    and the Python attributes of its modules; changing them between calls needs a new model object. What the
+    traced program does key is listed in `hf_tpu.direct`."""
     compile_config = compile_config or model._default_compile_config()
+    key = (compile_config, _traces_directly(compile_config))
     cached = model.__dict__.get(_COMPILED_PREFILL)
-    if cached is None or cached[0] != compile_config:
-        cached = (compile_config, torch.compile(_prefill_forward, **compile_config.to_dict()))
+    if cached is None or cached[0] != key:
+        compiled = functools.partial(_compiled_forward, functools.cache(
+            lambda: torch.compile(_prefill_forward, **compile_config.to_dict())))
+        if key[1]:
+            import hf_tpu
+
+            compiled = hf_tpu.jit(_prefill_forward, state=_prefill_state, fallback=compiled)
+        cached = (key, compiled)
         model.__dict__[_COMPILED_PREFILL] = cached
     return cached[1]
+
+
+def _compiled_forward(compiled, model, inputs: dict):
+    with torch._dynamo.config.patch(recompile_limit=_PREFILL_RECOMPILE_LIMIT):
+        return compiled()(model, inputs)
 
 
 def _compiles_the_prefill(model, input_ids, generation_config, model_kwargs) -> bool:
@@ -432,9 +471,9 @@ def _compiles_the_prefill(model, input_ids, generation_config, model_kwargs) -> 
 def _wrap_prefill(original):
     @functools.wraps(original)
     def _prefill(self, input_ids, generation_config, model_kwargs, is_first_iteration=True):
-        """On tpu, the prefill runs as a compiled forward (`torch.compile(backend="tpu")`, configured as
-        Transformers compiles its decode steps) with the static cache as its mutated input: one compile per
-        prompt bucket, instead of every op over the whole prompt dispatched one by one."""
+        """On tpu, the prefill runs as one program (traced by `hf_tpu.jit`, or `torch.compile(backend="tpu")`
+        configured as Transformers compiles its decode steps) with the static cache as its mutated input: one
+        compile per prompt bucket, instead of every op over the whole prompt dispatched one by one."""
         if not (is_first_iteration and _compiles_the_prefill(self, input_ids, generation_config, model_kwargs)):
             return original(self, input_ids, generation_config, model_kwargs, is_first_iteration)
         # The keys and values are allocated before the traced forward writes into them, as Transformers does
@@ -455,8 +494,6 @@ def _wrap_prefill(original):
         # allocated layer holds on tpu (a host read to build the mask on the host)
         model_kwargs["cache"].early_initialization(batch_size=input_ids.shape[0], num_heads=shape[0],
                                                    head_dim=shape[1], dtype=self.dtype, device=self.device)
-        forward = _compiled_prefill(self, generation_config.compile_config)
-        with torch._dynamo.config.patch(recompile_limit=_PREFILL_RECOMPILE_LIMIT):
-            return forward(self, model_inputs)
+        return _compiled_prefill(self, generation_config.compile_config)(self, model_inputs)
 
     return _prefill

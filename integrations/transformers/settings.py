@@ -1,6 +1,6 @@
 """How `generate()` runs on `tpu`: `configure(...)` and the settings it changes, with defaults from the
 environment (`HF_TPU_PROMPT_BUCKETS`, `HF_TPU_CACHE_LENGTH_MULTIPLE`, `HF_TPU_STATIC_CACHE`,
-`HF_TPU_DEVICE_LOOP`)."""
+`HF_TPU_DEVICE_LOOP`, `HF_TPU_DIRECT_TRACE`)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ _environment.register(
                          "Transformers generate: static cache length rounding"),
     _environment.Setting("HF_TPU_STATIC_CACHE", "bool", True, "Transformers generate: use a static KV cache"),
     _environment.Setting("HF_TPU_DEVICE_LOOP", "bool", True, "Transformers generate: decode in one compiled loop"),
+    _environment.Setting("HF_TPU_DIRECT_TRACE", "bool", True, "Transformers generate: trace the prefill and the "
+                         "decode loop with hf_tpu.jit (off: torch.compile)"),
 )
 
 
@@ -46,13 +48,14 @@ class Settings:
         default_factory=lambda: _environment.get("HF_TPU_CACHE_LENGTH_MULTIPLE"))
     static_cache: bool = dataclasses.field(default_factory=lambda: _environment.get("HF_TPU_STATIC_CACHE"))
     device_loop: bool = dataclasses.field(default_factory=lambda: _environment.get("HF_TPU_DEVICE_LOOP"))
+    direct_trace: bool = dataclasses.field(default_factory=lambda: _environment.get("HF_TPU_DIRECT_TRACE"))
 
 
 settings = Settings()
 
 
 def configure(*, prompt_buckets=None, cache_length_multiple: int | None = None, static_cache: bool | None = None,
-              device_loop: bool | None = None):
+              device_loop: bool | None = None, direct_trace: bool | None = None):
     """Change how `generate()` runs on `tpu`.
 
     prompt_buckets: prompt lengths to left-pad to (a longer prompt goes to a multiple of the largest);
@@ -61,6 +64,8 @@ def configure(*, prompt_buckets=None, cache_length_multiple: int | None = None, 
     static_cache: False keeps Transformers' default dynamic cache (eager decoding, no compilation).
     device_loop: False decodes a static cache token by token from Python, one compiled forward per token,
         instead of all tokens after the first in one device loop.
+    direct_trace: False compiles the prefill and the device loop's step with `torch.compile(backend="tpu")`
+        (Dynamo and AOT autograd) instead of tracing them straight from Python with `hf_tpu.jit`.
     """
     if prompt_buckets is not None:
         settings.prompt_buckets = _valid_buckets(prompt_buckets)
@@ -72,3 +77,5 @@ def configure(*, prompt_buckets=None, cache_length_multiple: int | None = None, 
         settings.static_cache = bool(static_cache)
     if device_loop is not None:
         settings.device_loop = bool(device_loop)
+    if direct_trace is not None:
+        settings.direct_trace = bool(direct_trace)

@@ -1,0 +1,611 @@
+"""`hf_tpu.jit`: a Python function traced straight into one XLA program, without Dynamo or AOT autograd.
+
+`torch.compile(backend="tpu")` pays Dynamo's bytecode analysis and AOT autograd's functionalization before
+`hf_tpu.compile` traces the ATen graph they produce; for a model's forward that capture costs several times
+the trace itself, and no disk cache keeps it. Here the Python function runs once, as it is, on `tpu`
+tensors whose buffers hold JAX tracers, under the mode `hf_tpu.compile._Tracing` (every op goes through the
+same dispatch and lowering table as eager execution and `torch.compile`'s graphs), and what it computed
+becomes one `jax.jit` program. The function's inputs are every `tpu` tensor it is given or declared to use:
+
+- its arguments (nested in tuples, lists and dicts) and the tensors its closure holds;
+- the tensors of its *state*: objects the caller names (`state=`), and every module among the arguments.
+  A module's state is its parameters, buffers and tensor attributes (of every submodule); another object's
+  is the tensors among its attributes, found through lists, tuples, dicts and the objects held there (a
+  static KV cache: its layers' `keys`, `values`, `cumulative_length`).
+
+The unit of input is the buffer (a storage): views of one buffer are one input, read through their view
+inside the program. A buffer the function writes in place (a KV cache's `index_copy_`) is an output of the
+program too: its array is donated (XLA writes the update in place) and the buffer holds the new array
+after the call, so every view of it sees the update, as after the eager call.
+
+A call that cannot be traced runs the `fallback` instead (by default the function itself, eagerly), with a
+log line saying why, and every later call with the same key does too: a host read (`.item()`, `bool(t)`),
+an op without a lowering, a tensor outside the inputs written in place, a tensor made in the trace kept
+outside it, an output that is neither a new tensor, an input tensor itself, a state object nor a plain
+value, or a change to Python state (an attribute of a state object, a module or an argument's list or dict
+set, added or removed: the trace would not replay it). Autograd is off inside the trace
+(`torch.no_grad()`); a call made with gradients enabled and an input that requires them falls back.
+Inside the trace `torch.compiler.is_compiling()` is True (as under non-strict `torch.export`), so code
+written for compilation takes its traceable branches.
+
+Programs are cached per function code and key: the argument tensors' shapes, dtypes, devices and views,
+the values of non-tensor arguments and closure contents (hashable ones: a number, a string, a tuple; an
+object with identity hashing is keyed by identity; an unhashable one makes the call fall back), the state
+tensors' shapes, dtypes and views, each module's type and `training` flag, a non-module state object's
+type and its attributes of plain value types (numbers, strings, devices, dtypes), the default dtype and
+autocast's state. NOT guarded, as with `jax.jit`: globals the function reads, attributes of modules other
+than `training` and their tensors (a `config` object's fields, a module's Python-number attributes), the
+objects such attributes hold, and the content of a tensor that is not an input (a `tpu` tensor reached
+only through a global or an unlisted object is read as a constant of the program). Change such a thing
+and the next call runs the program traced before it.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import gc
+import logging
+import time
+import types
+
+import jax
+import torch
+from jax.extend import core as jax_core
+from torch.utils import _pytree as pytree
+
+from . import compile_log, loops, modes
+from .compile import UNTRACEABLE, _Tracing, _Untraceable, count_trace, donatable, finish_call, launching, loop_chunk
+from .device import rng
+from .memory import buffer, donation
+
+log = logging.getLogger("hf_tpu.compile")
+
+# values keyed by value; every other non-tensor argument by its hash (identity, unless its type says otherwise)
+_VALUE_TYPES = (bool, int, float, complex, str, bytes, type(None), torch.device, torch.dtype, torch.Size,
+                torch.memory_format, torch.layout, enum.Enum)
+_DEPTH = 12  # how deep arguments and state are searched (a deeper structure makes the call fall back)
+_PROGRAMS_PER_SITE = 64  # programs one function code may trace; then new keys fall back, as Dynamo's limit does
+
+
+class _Unkeyable(Exception):
+    """A call whose inputs cannot be keyed (an unhashable argument, a CPU tensor): it runs the fallback."""
+
+
+_NOT_TRACEABLE = object()  # the cache's entry for a key whose trace failed
+_programs: dict = {}  # (site, key) -> _Program or _NOT_TRACEABLE
+_site_counts: dict = {}  # site -> programs traced for it
+
+
+def reset() -> None:
+    """Forget every traced program (and which calls could not be traced), as `torch.compiler.reset()` makes
+    Dynamo forget its graphs."""
+    _programs.clear()
+    _site_counts.clear()
+
+
+def _plain_object(x) -> bool:
+    """An object whose attributes are searched for state tensors."""
+    return hasattr(x, "__dict__") and not isinstance(
+        x, (type, types.ModuleType, types.FunctionType, types.MethodType, functools.partial, enum.Enum))
+
+
+def _function_parts(fn) -> tuple:
+    """(what identifies `fn`'s code, the values it carries besides its arguments: closure, defaults, self)."""
+    if isinstance(fn, types.MethodType):
+        code, parts = _function_parts(fn.__func__)
+        return code, (fn.__self__, parts)
+    if isinstance(fn, functools.partial):
+        code, parts = _function_parts(fn.func)
+        return code, (parts, fn.args, fn.keywords)
+    if isinstance(fn, types.FunctionType):
+        cells = []
+        for cell in fn.__closure__ or ():
+            try:
+                cells.append(cell.cell_contents)
+            except ValueError:  # a cell not filled yet
+                cells.append(None)
+        return fn.__code__, (tuple(cells), fn.__defaults__, fn.__kwdefaults__)
+    return type(fn), (fn,)  # a callable object (a module): an argument of its own
+
+
+class _Inputs:
+    """The tensors, buffers and key of one call, found by walking its arguments and its state."""
+
+    def __init__(self, state: tuple):
+        self.state_index = {id(o): k for k, o in enumerate(state)}
+        self.state = list(state)
+        self.buffers = []  # distinct buffers, in the order met: the program's inputs
+        self.slots = {}  # id(buffer) -> its position in `buffers`
+        self.users = []  # per buffer: how many input tensors read it
+        self.tensors = []  # (tensor, its buffer's slot) of every input tensor, in the order met
+        self.tensor_index = {}  # id(tensor) -> its first position in `tensors`
+        # Python state the call must not change, copied only when a trace runs (`snapshot`): the lists and
+        # dicts met, and the attributes of the state objects and modules met
+        self.containers = []
+        self.objects = []
+        self.seen = {}  # id(object) -> its index in `objects`
+        self.buffer_keys = []
+        self.device_index = None
+        self.grad_enabled = torch.is_grad_enabled()
+
+    def tensor(self, t: torch.Tensor):
+        if t.device.type != "tpu":
+            raise _Unkeyable(f"it is given a {t.device.type} tensor (hf_tpu.jit takes tpu tensors)")
+        if t.requires_grad and self.grad_enabled:
+            raise _Unkeyable("an input requires gradients and gradients are enabled (hf_tpu.jit runs without autograd)")
+        buf = buffer.buffer_of(t)
+        slot = self.slots.get(id(buf))
+        if slot is None:
+            if self.device_index is None:
+                self.device_index = buf.device_index
+            elif buf.device_index != self.device_index:
+                raise _Unkeyable("its tensors are on several tpu devices")
+            slot = self.slots[id(buf)] = len(self.buffers)
+            self.buffers.append(buf)
+            self.users.append(0)
+            self.buffer_keys.append((buf.shape, buf.dtype, buf.device_index))
+        self.users[slot] += 1
+        self.tensor_index.setdefault(id(t), len(self.tensors))
+        self.tensors.append((t, slot))
+        return slot, buffer.view_of(t, buf)
+
+    def argument(self, x, depth: int = 0):
+        """The key of an argument (or a value a closure holds); its tensors become inputs."""
+        if depth > _DEPTH:
+            raise _Unkeyable("its arguments nest too deep")
+        if isinstance(x, torch.Tensor):
+            return self.tensor(x)
+        k = self.state_index.get(id(x))
+        if k is not None:
+            return ("state", k)
+        if isinstance(x, torch.nn.Module):  # a module given as an argument is state: its weights are inputs
+            self.state_index[id(x)] = len(self.state)
+            self.state.append(x)
+            return ("state", len(self.state) - 1, self.state_object(x))
+        if isinstance(x, (types.FunctionType, types.MethodType, functools.partial)):
+            code, parts = _function_parts(x)
+            return ("function", code, self.argument(parts, depth + 1))
+        if type(x) is tuple or (isinstance(x, tuple) and hasattr(x, "_fields")):
+            return (type(x), tuple(self.argument(v, depth + 1) for v in x))
+        if isinstance(x, list):
+            self.containers.append(x)
+            return (type(x), tuple(self.argument(v, depth + 1) for v in x))
+        if isinstance(x, dict):
+            self.containers.append(x)
+            return (type(x), tuple((k, self.argument(v, depth + 1)) for k, v in x.items()))
+        if isinstance(x, _VALUE_TYPES):
+            return (type(x), x)
+        try:
+            hash(x)
+        except TypeError:
+            raise _Unkeyable(f"it is given an unhashable {type(x).__name__} that is not declared as state") from None
+        return ("object", x)
+
+    def state_object(self, x, depth: int = 0):
+        """The key of a state object: its tensors become inputs, its plain-valued attributes are keyed."""
+        if isinstance(x, torch.Tensor):
+            return self.tensor(x)
+        if id(x) in self.seen:
+            return ("seen", self.seen[id(x)])
+        if depth > _DEPTH:
+            raise _Unkeyable("its state nests too deep")
+        if isinstance(x, torch.nn.Module):
+            return ("module", tuple(self._module(m) for m in x.modules()))
+        if isinstance(x, (list, tuple)):
+            if isinstance(x, list):
+                self.containers.append(x)
+            return (type(x), tuple(self.state_object(v, depth + 1) for v in x))
+        if isinstance(x, dict):
+            self.containers.append(x)
+            return (type(x), tuple((k, self.state_object(v, depth + 1)) for k, v in x.items()))
+        if not _plain_object(x):
+            return (type(x), x) if isinstance(x, _VALUE_TYPES) else None
+        self.seen[id(x)] = len(self.objects)
+        self.objects.append(x)
+        items = []
+        for name, value in vars(x).items():
+            if isinstance(value, (torch.Tensor, torch.nn.Module, list, tuple, dict)) or _plain_object(value):
+                items.append((name, self.state_object(value, depth + 1)))
+            elif isinstance(value, _VALUE_TYPES):
+                items.append((name, type(value), value))
+        return (type(x), tuple(items))
+
+    def _module(self, m: torch.nn.Module):
+        if id(m) in self.seen:
+            return ("seen", self.seen[id(m)])
+        self.seen[id(m)] = len(self.objects)
+        self.objects.append(m)
+        attributes = m.__dict__
+        parameters, buffers = attributes["_parameters"], attributes["_buffers"]
+        self.containers += (parameters, buffers, attributes["_modules"])
+        tensors = [(name, self.tensor(t)) for name, t in parameters.items() if t is not None]
+        if buffers:
+            tensors += [(name, self.tensor(t)) for name, t in buffers.items() if t is not None]
+        # tensors held as plain attributes (not registered as buffers): inputs too
+        tensors += [(name, self.tensor(v)) for name, v in attributes.items()
+                    if type(v) is torch.Tensor and name[0] != "_"]
+        return (type(m), attributes["training"], tuple(tensors))
+
+    def snapshot(self) -> list:
+        """A copy of the Python state met, to compare with after a trace (`python_state_changes`)."""
+        return ([(vars(obj), dict(vars(obj)), f"an attribute of a {type(obj).__name__}") for obj in self.objects]
+                + [(c, c.copy(), f"the contents of a {type(c).__name__}") for c in self.containers])
+
+
+def _python_state_changes(snapshot: list) -> list:
+    """What a trace changed in the Python state it could see (attributes, list and dict contents)."""
+    return [entry for entry in snapshot if not _same_contents(entry[0], entry[1])]
+
+
+def _same_contents(now, before) -> bool:
+    if len(now) != len(before):
+        return False
+    if isinstance(now, dict):
+        return all(k in now and _same(now[k], v) for k, v in before.items())
+    return all(_same(a, b) for a, b in zip(now, before))
+
+
+def _same(a, b) -> bool:
+    return a is b or (type(a) is type(b) and isinstance(a, _VALUE_TYPES) and a == b)
+
+
+def _restore(changes: list) -> None:
+    for container, before, _ in changes:
+        if isinstance(container, dict):
+            container.clear()
+            container.update(before)
+        else:
+            container[:] = before
+
+
+def _call_key(inputs: _Inputs, functions, args, kwargs) -> tuple:
+    """The key of one call, besides its site; fills `inputs`."""
+    # state first: a module found among the arguments then keys by its place among the state objects
+    state = tuple(inputs.state_object(o) for o in tuple(inputs.state))
+    arguments = inputs.argument((tuple(_function_parts(f)[1] for f in functions), args, kwargs))
+    return (state, arguments, tuple(inputs.buffer_keys), torch.get_default_dtype(),
+            torch.is_autocast_enabled("tpu"), torch.get_autocast_dtype("tpu"))
+
+
+class _Program:
+    """One traced call: its jaxpr over (every input buffer's array, the rng key), the buffers it overwrites,
+    what it returns, and its jitted forms."""
+
+    def __init__(self, name: str, jaxpr, mutated: tuple, outputs: list, treedef, checks: list, draws: int):
+        self.name = name
+        self.jaxpr = jaxpr
+        self.mutated = mutated  # slots of the buffers written in place, ascending
+        # per output leaf: ("new", dtype) | ("input", position among the input tensors) | ("state", k) | ("value", v)
+        self.outputs = outputs
+        self.treedef = treedef
+        self.checks = checks
+        self.draws = draws
+        self.new_outputs = sum(kind == "new" for kind, _ in outputs)
+        self.run = jax_core.jaxpr_as_fun(jaxpr)
+        call = _named(f"traced_{name}", self.step)
+        self.jitted = {True: jax.jit(call, donate_argnums=(0,)), False: jax.jit(call)}
+        self.loop_jitted = None
+
+    def step(self, mutated_arrays, other_arrays, rng_base):
+        """([the overwritten buffers' new arrays, the new output arrays], the checked values)."""
+        flat = self.run(*donation.join(self.mutated, mutated_arrays, other_arrays), rng_base)
+        n = len(self.mutated) + self.new_outputs
+        return list(flat[:n]), list(flat[n:])
+
+    def results(self, arrays, inputs: _Inputs):
+        leaves, new = [], iter(arrays)
+        for kind, value in self.outputs:
+            if kind == "new":
+                array = next(new)
+                leaves.append(buffer.new_tensor(array.shape, value, inputs.device_index, array))
+            elif kind == "input":
+                leaves.append(inputs.tensors[value][0])
+            elif kind == "state":
+                leaves.append(inputs.state[value])
+            else:
+                leaves.append(value)
+        return pytree.tree_unflatten(leaves, self.treedef)
+
+
+def _named(name: str, fn):
+    def named(*args):
+        return fn(*args)
+
+    named.__name__ = named.__qualname__ = name
+    return named
+
+
+def _name_of(fn) -> str:
+    fn = getattr(fn, "__func__", fn)
+    fn = getattr(fn, "func", fn)
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return name.rsplit("<locals>.", 1)[-1]
+
+
+def _arguments_text(args, kwargs, state, positional: str = "argument", most: int = 6) -> str:
+    """The tensors among the arguments, as `input_ids int64[1, 128]`, then the state's types, for the compile
+    log; a positional argument is named `positional` and its position."""
+    shown = []
+    for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        if isinstance(leaf, torch.Tensor):
+            last = path[-1]
+            name = str(last.key) if hasattr(last, "key") else f"{positional} {path[1].idx}"
+            shown.append(f"{name} {str(leaf.dtype).removeprefix('torch.')}{list(leaf.shape)}")
+    more = f" and {len(shown) - most} more" if len(shown) > most else ""
+    kinds = ", ".join(dict.fromkeys(type(o).__name__ for o in state))
+    return ", ".join(shown[:most]) + more + (f", with the state of {kinds}" if kinds else "")
+
+
+def _trace(name: str, run, inputs: _Inputs, arrays: list) -> _Program:
+    """Run `run()` once with every input buffer holding a tracer; the program it makes."""
+    live = buffer.allocator.live
+    before = {address: buf._array for address, buf in list(live.items())}
+    first_new_address = buffer.allocator.next_address
+    inputs_by_id = {id(buf) for buf in inputs.buffers}
+    python_state = inputs.snapshot()
+    found = {}
+
+    def traced(input_arrays, rng_base):
+        count_trace()
+        mode = _Tracing(rng_base)
+        saved_mode = modes.replace_current(mode)
+        compiling, torch.compiler._is_compiling_flag = torch.compiler._is_compiling_flag, True
+        for buf, array in zip(inputs.buffers, input_arrays):
+            buf.array = array
+        failed = True
+        try:
+            with torch.no_grad():
+                out = run()
+            leaves, treedef = pytree.tree_flatten(out)
+            outputs, new_arrays = [], []
+            for leaf in leaves:
+                outputs.append(_output(leaf, inputs, first_new_address, new_arrays))
+            finals = [buf._array for buf in inputs.buffers]
+            mutated = tuple(i for i, (final, array) in enumerate(zip(finals, input_arrays)) if final is not array)
+            _check_nothing_else_written(live, before, inputs_by_id)
+            found.update(mutated=mutated, outputs=outputs, treedef=treedef, draws=mode.draws,
+                         checks=[(value.dtype, raise_if_bad) for value, raise_if_bad in mode.checks])
+            failed = False
+            return ([finals[i] for i in mutated], new_arrays, [buffer.array_of(value) for value, _ in mode.checks])
+        finally:
+            torch.compiler._is_compiling_flag = compiling
+            modes.replace_current(saved_mode)
+            for buf, array in zip(inputs.buffers, arrays):
+                buf.array = array
+            changes = _python_state_changes(python_state)
+            if changes:
+                _restore(changes)
+                if not failed:
+                    raise _Untraceable(f"it changes Python state the program cannot replay ({changes[0][2]})")
+
+    traced.__name__ = traced.__qualname__ = f"trace_{name}"
+    jaxpr = jax.jit(traced).trace(arrays, rng.example_key()).jaxpr
+    _check_no_tensor_escaped(live, first_new_address)
+    return _Program(name, jaxpr, found["mutated"], found["outputs"], found["treedef"], found["checks"], found["draws"])
+
+
+def _output(leaf, inputs: _Inputs, first_new_address: int, new_arrays: list) -> tuple:
+    if isinstance(leaf, torch.Tensor):
+        if id(leaf) in inputs.tensor_index:
+            return ("input", inputs.tensor_index[id(leaf)])
+        if leaf.device.type == "tpu":
+            buf = buffer.buffer_of(leaf)
+            if buf.address >= first_new_address:
+                new_arrays.append(buffer.array_of(leaf, buf))
+                return ("new", leaf.dtype)
+        raise _Untraceable("it returns a view of an input tensor, or a CPU tensor")
+    if id(leaf) in inputs.state_index:
+        return ("state", inputs.state_index[id(leaf)])
+    if isinstance(leaf, _VALUE_TYPES):
+        return ("value", leaf)
+    raise _Untraceable(f"it returns a {type(leaf).__name__}, which may hold tensors of the trace")
+
+
+def _check_nothing_else_written(live: dict, before: dict, inputs_by_id: set) -> None:
+    """A tensor that is not an input, written in place in the trace, would keep a tracer: put back, and the
+    call falls back."""
+    written = [buf for address, buf in list(live.items())
+               if address in before and isinstance(buf._array, jax.core.Tracer) and id(buf) not in inputs_by_id]
+    for buf in written:
+        buf.array = before[buf.address]
+    if written:
+        raise _Untraceable(f"it writes a tpu tensor that is not among its inputs ({tuple(written[0].shape)} "
+                           f"{written[0].dtype}): pass it as an argument or hold it in a state object")
+
+
+def _check_no_tensor_escaped(live: dict, first_new_address: int) -> None:
+    """A tensor made in the trace and still alive after it (kept in an object that is not state) holds a tracer."""
+    def escaped():
+        return [buf for address, buf in list(live.items())
+                if address >= first_new_address and isinstance(buf._array, jax.core.Tracer)]
+
+    if escaped() and (gc.collect() or True) and escaped():
+        raise _Untraceable("a tensor made in the trace is kept outside it (in an object that is not declared state)")
+
+
+def _prepare(site, functions, args, kwargs, state) -> tuple:
+    """(inputs, key) of a call, or raises `_Unkeyable`."""
+    inputs = _Inputs(tuple(state))
+    key = (site, _call_key(inputs, functions, args, kwargs))
+    hash(key)
+    return inputs, key
+
+
+def _traced_program(key, name: str, run, inputs: _Inputs, arrays: list, description: str, inputs_text,
+                    function: str):
+    """The program cached for `key`, traced now if there is none; raises what a failed trace raised (and every
+    later call with this key gets `_Untraceable` at once)."""
+    program = _programs.get(key)
+    if program is _NOT_TRACEABLE:
+        raise _Untraceable("an earlier call with these inputs could not be traced")
+    if program is not None:
+        return program
+    site = key[0]
+    if _site_counts.get(site, 0) >= _PROGRAMS_PER_SITE:
+        raise _Untraceable(f"{_PROGRAMS_PER_SITE} programs were traced for it already")
+    pending = compile_log.begin(description, "hf_tpu.jit", function, time.perf_counter(), captured=True,
+                                capture="Python trace")
+    compile_log.describe(description, "hf_tpu.jit", inputs_text)
+    try:
+        program = _trace(name, run, inputs, arrays)
+    except UNTRACEABLE:
+        compile_log.end(pending, finished=False)
+        _programs[key] = _NOT_TRACEABLE
+        raise
+    _programs[key] = program
+    _site_counts[site] = _site_counts.get(site, 0) + 1
+    return program
+
+
+def _arrays(inputs: _Inputs) -> list:
+    modes.current().sync("a traced function runs")
+    arrays = [buf.value() for buf in inputs.buffers]
+    return buffer.place_together(arrays) if buffer.sharded_arrays_exist else arrays
+
+
+def call(fn, args: tuple, kwargs: dict, state=(), fallback=None):
+    """`fn(*args, **kwargs)` as one traced program (see the module's docstring); `fallback(*args, **kwargs)`
+    where it cannot be."""
+    fallback = fn if fallback is None else fallback
+    name = _name_of(fn)
+    description = f"the direct trace of `{name}`"
+    try:
+        inputs, key = _prepare(_function_parts(fn)[0], (fn,), args, kwargs, state)
+    except (_Unkeyable, TypeError) as e:
+        _log_fallback(name, e)
+        return fallback(*args, **kwargs)
+    if _programs.get(key) is _NOT_TRACEABLE:
+        return fallback(*args, **kwargs)
+    arrays = _arrays(inputs)
+    if inputs.device_index is None:  # no tpu tensor at all: nothing to trace for
+        return fallback(*args, **kwargs)
+    try:
+        program = _traced_program(key, name, lambda: fn(*args, **kwargs), inputs, arrays, description,
+                                  lambda: _arguments_text(args, kwargs, inputs.state), f"traced_{name}")
+        mutated, others = donation.split(arrays, program.mutated)
+        with launching(inputs.device_index, description):
+            new, checked = program.jitted[donatable(mutated)](mutated, others, rng.current_key(inputs.device_index))
+    except UNTRACEABLE as e:
+        compile_log.end()
+        _programs[key] = _NOT_TRACEABLE
+        _log_fallback(name, e)
+        return fallback(*args, **kwargs)
+    for slot, array in zip(program.mutated, new):
+        inputs.buffers[slot].array = array
+    finish_call(inputs.device_index, program.draws, program.checks, checked)
+    return program.results(new[len(program.mutated):], inputs)
+
+
+def _log_fallback(name: str, error: Exception) -> None:
+    log.warning("hf_tpu: `%s` runs without hf_tpu.jit's trace (%s: %s)", name, type(error).__name__, error)
+
+
+class Jitted:
+    """What `hf_tpu.jit` returns: the function, called as one traced program."""
+
+    def __init__(self, fn, state, fallback):
+        self.fn = fn
+        self.state = state
+        self.fallback = fallback
+        functools.update_wrapper(self, fn, updated=())
+
+    def __call__(self, *args, **kwargs):
+        state = self.state(*args, **kwargs) if callable(self.state) else self.state
+        return call(self.fn, args, kwargs, state, self.fallback)
+
+
+def jit(fn, *, state=(), fallback=None) -> Jitted:
+    """`fn` run as one XLA program over its `tpu` tensors, traced from Python without Dynamo.
+
+    `state` names the objects whose tensors the function reads or writes besides its arguments (a tuple,
+    or a function of the call's arguments that returns one): a module's parameters and buffers, a KV
+    cache's tensors. Tensors written in place become outputs of the program, donated to XLA and rebound
+    after the call. `fallback` (by default `fn`, run eagerly) runs any call that cannot be traced. See
+    `hf_tpu.direct` for what is keyed and what is not guarded."""
+    return Jitted(fn, state, fallback)
+
+
+# --- hf_tpu.while_loop(..., state=...): the step traced directly, its iterations in one XLA while loop
+
+
+def _loop_step(cond_fn, body_fn):
+    def step(*carried):
+        new = body_fn(*carried)
+        new = tuple(new) if isinstance(new, (tuple, list)) else (new,)
+        # each carried value an output of its own, even one returned unchanged; XLA drops the copy
+        new = tuple(t.clone() for t in new)
+        return (*new, cond_fn(*new))
+
+    return step
+
+
+def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state) -> tuple:
+    """`hf_tpu.while_loop` with its step traced straight into a program; raises `loops.NotLoopable` where it
+    cannot be (before any iteration ran)."""
+    name = _name_of(body_fn)
+    description = f"the direct trace of the while_loop step `{name}`"
+    site = ("while_loop", _function_parts(body_fn)[0], _function_parts(cond_fn)[0])
+    step = _loop_step(cond_fn, body_fn)
+    try:
+        inputs, key = _prepare(site, (body_fn, cond_fn), carried, {}, state)
+    except (_Unkeyable, TypeError) as e:
+        raise loops.NotLoopable(f"{type(e).__name__}: {e}") from e
+    carried_slots = [inputs.tensors[inputs.tensor_index[id(t)]][1] for t in carried]
+    for t, slot in zip(carried, carried_slots):
+        if inputs.users[slot] != 1 or buffer.view_of(t, inputs.buffers[slot]) is not None:
+            raise loops.NotLoopable("a carried tensor shares its storage with another input")
+    arrays = _arrays(inputs)
+    try:
+        program = _traced_program(key, name, lambda: step(*carried), inputs, arrays, description,
+                                  lambda: _arguments_text(carried, {}, inputs.state, "carried"), f"loop_{name}")
+        _check_loopable(program, carried, carried_slots)
+    except UNTRACEABLE as e:
+        compile_log.end(finished=False)
+        _programs[key] = _NOT_TRACEABLE
+        raise loops.NotLoopable(f"{type(e).__name__}: {e}") from e
+    mutated, others = donation.split(arrays, program.mutated)
+    slots = tuple(slot - sum(m < slot for m in program.mutated) for slot in carried_slots)
+    keep_going = buffer.array_of(keep_going)
+    carried_arrays = [buffer.array_of(t) for t in carried]
+    if buffer.sharded_arrays_exist:  # a sharded model's loop carries single-chip tokens
+        *carried_arrays, keep_going = buffer.place_together([*arrays, *carried_arrays, keep_going])[len(arrays):]
+    if program.loop_jitted is None:
+        chunk = _named(f"loop_{name}", functools.partial(loop_chunk, program.step))
+        program.loop_jitted = {True: jax.jit(chunk, donate_argnums=(0,), static_argnums=(3,)),
+                               False: jax.jit(chunk, static_argnums=(3,))}
+    jitted = program.loop_jitted[donatable(mutated)]
+    key_data = rng.current_key(inputs.device_index)
+
+    def launch(loop_state, steps):
+        return jitted(loop_state[0], others, key_data, slots, *loop_state[1:], steps)
+
+    def interrupted(loop_state):  # the arrays the buffers held were donated to the chunks
+        for slot, array in zip(program.mutated, loop_state[0]):
+            if not array.is_deleted():
+                inputs.buffers[slot].array = array
+
+    try:
+        with launching(inputs.device_index, description):
+            final = loops.run_in_chunks(launch, (mutated, carried_arrays, keep_going),
+                                        lambda: rng.advance(inputs.device_index, program.draws), interrupted)
+    except (*UNTRACEABLE, ValueError) as e:
+        compile_log.end()
+        _programs[key] = _NOT_TRACEABLE
+        raise loops.NotLoopable(f"{type(e).__name__}: {e}") from e
+    for slot, array in zip(program.mutated, final[0]):
+        inputs.buffers[slot].array = array
+    return tuple(buffer.new_tensor(a.shape, t.dtype, inputs.device_index, a) for t, a in zip(carried, final[1]))
+
+
+def _check_loopable(program: _Program, carried: tuple, carried_slots: list) -> None:
+    if set(carried_slots) & set(program.mutated):
+        raise _Untraceable("the step updates a carried tensor in place")
+    if program.checks:
+        raise _Untraceable("a while_loop step cannot check device values (a linalg error, an assert)")
+    kinds = [kind for kind, _ in program.outputs]
+    if len(kinds) != len(carried) + 1 or any(kind != "new" for kind in kinds):
+        raise _Untraceable("a while_loop step must return as many tensors as it carries")
+    for t, (_, dtype) in zip(carried, program.outputs):
+        if dtype != t.dtype:
+            raise _Untraceable("a while_loop step must return tensors of the carried dtypes")

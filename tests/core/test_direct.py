@@ -1,0 +1,268 @@
+"""`hf_tpu.jit` and `hf_tpu.while_loop(state=...)`: a Python function traced straight into one program, against
+the same function run eagerly: state tensors as inputs, in-place writes rebound and donated, the cache of
+programs and its key, and the eager fallback wherever the trace would not mean the same."""
+
+import logging
+
+import pytest
+import torch
+
+import hf_tpu
+from hf_tpu import direct
+from hf_tpu.memory import buffer
+
+
+@pytest.fixture(autouse=True)
+def fresh_programs():
+    direct.reset()  # the programs are cached per code: each mode's run of a test traces its own
+    yield
+
+
+class Layer:
+    def __init__(self, batch, length, width):
+        self.keys = torch.zeros(batch, length, width, device="tpu")
+        self.length = torch.zeros((), dtype=torch.long, device="tpu")
+
+
+class KVCache:
+    """A static cache as Transformers keeps one: tensors among an object's attributes, in a list of layers."""
+
+    def __init__(self, batch=2, length=8, width=4, layers=2):
+        self.layers = [Layer(batch, length, width) for _ in range(layers)]
+
+
+def _decoder(model, cache):
+    def step(x, position):
+        for layer, linear in zip(cache.layers, model):
+            x = torch.tanh(linear(x))
+            layer.keys.index_copy_(1, position, x[:, None])
+            layer.length.add_(1)
+        return x.sum(-1), cache.layers[0].keys
+
+    return step
+
+
+def _traced() -> int:
+    """Programs traced since the metrics were reset (defer-and-fuse compiles its flushes besides)."""
+    return hf_tpu.metrics()["compiles_by_mode"].get("COMPILE", 0)
+
+
+@pytest.fixture
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)).to("tpu")
+
+
+@pytest.fixture
+def fallbacks(caplog):
+    caplog.set_level(logging.WARNING, logger="hf_tpu.compile")
+    return lambda: [r.getMessage() for r in caplog.records if "runs without hf_tpu.jit's trace" in r.getMessage()]
+
+
+def test_state_tensors_are_inputs_and_in_place_writes_are_rebound_and_donated(model, fallbacks):
+    cache, expected_cache = KVCache(), KVCache()
+    traced = hf_tpu.jit(_decoder(model, cache), state=(model, cache))
+    eager = _decoder(model, expected_cache)
+    with torch.no_grad():
+        for position in range(3):
+            x = torch.randn(2, 4, device="tpu")
+            donated = buffer.buffer_of(cache.layers[1].keys).array
+            hf_tpu.reset_metrics()
+            total, keys = traced(x, torch.tensor([position], device="tpu"))
+            assert _traced() == (1 if position == 0 else 0)
+            expected_total, _ = eager(x, torch.tensor([position], device="tpu"))
+            torch.testing.assert_close(total.cpu(), expected_total.cpu())
+            assert keys is cache.layers[0].keys  # an input tensor returned is that tensor, holding its new value
+            if position:  # the first call runs undonated, its arrays still held by the eager comparison
+                assert donated.is_deleted()  # XLA wrote the cache in place
+    for layer, expected in zip(cache.layers, expected_cache.layers):
+        torch.testing.assert_close(layer.keys.cpu(), expected.keys.cpu())
+        assert layer.length.item() == 3
+    assert fallbacks() == []
+
+
+def test_new_weights_or_a_new_cache_of_the_same_shapes_reuse_the_program(model):
+    with torch.no_grad():
+        x = torch.randn(2, 4, device="tpu")
+        first = KVCache()
+        hf_tpu.jit(_decoder(model, first), state=(first,))(x, torch.tensor([0], device="tpu"))
+        model[0].weight.mul_(2)
+        cache = KVCache()
+        hf_tpu.reset_metrics()
+        # the closure holds the model (a module is state by itself) and the cache (declared)
+        total, _ = hf_tpu.jit(_decoder(model, cache), state=(cache,))(x, torch.tensor([0], device="tpu"))
+        assert _traced() == 0
+        expected_cache = KVCache()
+        expected, _ = _decoder(model, expected_cache)(x, torch.tensor([0], device="tpu"))
+    torch.testing.assert_close(total.cpu(), expected.cpu())
+    torch.testing.assert_close(cache.layers[1].keys.cpu(), expected_cache.layers[1].keys.cpu())
+
+
+def test_a_new_shape_or_value_traces_anew_and_the_same_does_not():
+    def scaled(x, scale: float):
+        return x * scale
+
+    traced = hf_tpu.jit(scaled)
+    compiles = []
+    for shape, scale in (((3,), 2.0), ((3,), 2.0), ((5,), 2.0), ((3,), 3.0), ((5,), 2.0)):
+        hf_tpu.reset_metrics()
+        out = traced(torch.ones(shape, device="tpu"), scale)
+        compiles.append(_traced())
+        assert torch.equal(out.cpu(), torch.full(shape, scale))
+    assert compiles == [1, 0, 1, 1, 0]
+
+
+def test_a_modules_training_flag_is_keyed():
+    dropout = torch.nn.Dropout(0.5).to("tpu")
+    traced = hf_tpu.jit(lambda x: dropout(x), state=(dropout,))
+    x = torch.ones(1000, device="tpu")
+    with torch.no_grad():
+        dropout.eval()
+        assert torch.equal(traced(x).cpu(), x.cpu())
+        dropout.train()
+        dropped = traced(x).cpu()
+        assert 300 < int((dropped == 0).sum()) < 700
+        assert not torch.equal(traced(x).cpu(), dropped)  # each call draws new random numbers
+
+
+def test_inside_the_trace_torch_compiler_is_compiling():
+    hf_tpu.reset_metrics()
+    def f(x):
+        return x + 1 if torch.compiler.is_compiling() else x - 1
+
+    assert torch.equal(hf_tpu.jit(f)(torch.zeros(2, device="tpu")).cpu(), torch.ones(2))
+    assert _traced() == 1 and not torch.compiler.is_compiling()
+
+
+def test_a_host_read_falls_back_to_the_eager_function_with_its_result(fallbacks):
+    def clipped(x):
+        return x * 2 if x.sum().item() > 0 else -x  # a branch on a device value
+
+    traced = hf_tpu.jit(clipped)
+    for sign in (1, -1, 1):
+        x = torch.full((3,), float(sign), device="tpu")
+        assert torch.equal(traced(x).cpu(), clipped(x).cpu())
+    assert len(fallbacks()) == 1 and "_Untraceable" in fallbacks()[0]  # later calls know without tracing
+
+
+def test_a_fallback_given_runs_instead():
+    calls = []
+
+    def fallback(x):
+        calls.append(x)
+        return x - 1
+
+    traced = hf_tpu.jit(lambda x: x + x.sum().item(), fallback=fallback)
+    assert torch.equal(traced(torch.ones(2, device="tpu")).cpu(), torch.zeros(2)) and len(calls) == 1
+
+
+def test_a_python_state_change_falls_back_and_happens_once(model, fallbacks):
+    class Counter:
+        def __init__(self):
+            self.calls = 0
+            self.scale = torch.ones(4, device="tpu")
+
+    counter = Counter()
+
+    def counted(x):
+        counter.calls += 1  # a Python side effect a program cannot replay
+        return model(x) * counter.scale
+
+    traced = hf_tpu.jit(counted, state=(model, counter))
+    x = torch.randn(2, 4, device="tpu")
+    with torch.no_grad():
+        out = traced(x)
+        torch.testing.assert_close(out.cpu(), model(x).cpu())
+    assert counter.calls == 1  # the trace's change was undone, then the eager call made it
+    assert len(fallbacks()) == 1 and "Python state" in fallbacks()[0]
+
+
+def test_a_tensor_attribute_rebound_falls_back(fallbacks):
+    state = type("State", (), {})()
+    state.total = torch.zeros(3, device="tpu")
+
+    def accumulate(x):
+        state.total = state.total + x  # a new tensor object, not an in-place write
+        return state.total
+
+    traced = hf_tpu.jit(accumulate, state=(state,))
+    for _ in range(2):
+        out = traced(torch.ones(3, device="tpu"))
+    assert torch.equal(out.cpu(), torch.full((3,), 2.0)) and out is state.total
+    assert len(fallbacks()) == 1
+
+
+def test_a_tensor_written_that_is_not_an_input_falls_back(fallbacks):
+    hidden = {"total": torch.zeros(3, device="tpu")}
+    hidden_object = type("Hidden", (), {})()
+    hidden_object.dict = hidden
+
+    def accumulate(x, holder):
+        holder.dict["total"].add_(x)  # reached through an object that is not declared state
+        return x * 2
+
+    traced = hf_tpu.jit(accumulate)
+    for _ in range(2):
+        out = traced(torch.ones(3, device="tpu"), hidden_object)
+    assert torch.equal(out.cpu(), torch.full((3,), 2.0)) and torch.equal(hidden["total"].cpu(), torch.full((3,), 2.0))
+    assert len(fallbacks()) == 1 and "not among its inputs" in fallbacks()[0]
+
+
+def test_unhashable_arguments_and_gradients_fall_back(model, fallbacks):
+    def f(x, options):
+        return model(x) * options["scale"]
+
+    x = torch.randn(2, 4, device="tpu")
+    with torch.no_grad():
+        hf_tpu.jit(f)(x, {"scale": 2.0, "more": {1, 2}})
+    assert "unhashable set" in fallbacks()[-1]
+    out = hf_tpu.jit(f)(x, {"scale": 2.0})
+    out.sum().backward()  # with gradients on, the eager function runs: its result has a graph
+    assert model[0].weight.grad is not None and "requires gradients" in fallbacks()[-1]
+
+
+# --- hf_tpu.while_loop(state=...)
+
+
+def test_a_loop_with_state_runs_as_one_program_without_dynamo(model):
+    import torch._dynamo.utils
+
+    cache, expected_cache = KVCache(length=6), KVCache(length=6)
+
+    def loop(cache, state):
+        def body(x, i):
+            for layer, linear in zip(cache.layers, model):
+                x = torch.tanh(linear(x))
+                layer.keys.index_copy_(1, i, x[:, None])
+            return x, i + 1
+
+        return hf_tpu.while_loop(lambda x, i: i < 6, body, (torch.ones(2, 4, device="tpu"),
+                                                             torch.tensor([0], device="tpu")), state=state)
+
+    with torch.no_grad():
+        expected, _ = loop(expected_cache, state=None)
+        torch._dynamo.utils.counters.clear()
+        for attempt in range(2):
+            hf_tpu.reset_metrics()
+            x, i = loop(cache, state=(model, cache))
+            assert hf_tpu.metrics()["host_syncs"] == 0
+        assert _traced() == 0  # a second loop with a new closure compiles nothing
+    assert not torch._dynamo.utils.counters["frames"]
+    assert int(i) == 6
+    torch.testing.assert_close(x.cpu(), expected.cpu())
+    for layer, expected_layer in zip(cache.layers, expected_cache.layers):
+        torch.testing.assert_close(layer.keys.cpu(), expected_layer.keys.cpu())
+
+
+def test_a_loop_with_state_that_cannot_be_traced_still_computes_the_python_loop(caplog):
+    caplog.set_level(logging.WARNING, logger="hf_tpu.loops")
+    seen = {"host reads": 0}
+
+    def body(x, i):
+        seen["host reads"] += int(x.sum().item() > 0)  # a host read and a Python side effect
+        return x * 3, i + 1
+
+    x, i = hf_tpu.while_loop(lambda x, i: i < 4, body, (torch.ones(2, device="tpu"), torch.tensor(0, device="tpu")),
+                             state=())
+    assert torch.equal(x.cpu(), torch.full((2,), 81.0)) and int(i) == 4 and seen["host reads"] == 4
+    assert any("compiles its step with torch.compile instead" in r.getMessage() for r in caplog.records)
