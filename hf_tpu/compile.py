@@ -280,16 +280,24 @@ class _CompiledGraph:
     # --- hf_tpu.while_loop: this graph is one iteration, returning the mutated inputs' new values, then
     # the new carried tensors, then whether to go on
 
+    def _refuse_loop(self, reason: str):
+        """The step runs as the Python loop: the compile begun for this graph, still open when this is its
+        first call, ends unfinished (left open, it would stand for every compile after it)."""
+        if self.pending_compile is not None:
+            compile_log.end(self.pending_compile, finished=False)
+            self.pending_compile = None
+        raise loops.NotLoopable(reason)
+
     def _run_loop(self, args, request):
         if self.eager or not self.loopable:
-            raise loops.NotLoopable("the step's graph cannot be traced, or it mutates an input that it cannot carry")
+            self._refuse_loop("the step's graph cannot be traced, or it mutates an input that it cannot carry")
         if any(isinstance(a, torch.Tensor) and a.device.type != "tpu" for a in args):
-            raise loops.NotLoopable("the step reads a tensor that is not on tpu")
+            self._refuse_loop("the step reads a tensor that is not on tpu")
         slots = []  # each carried tensor's position among the non-overwritten inputs (None: not an input)
         for t in request.carried:
             position = next((i for i, a in enumerate(args) if a is t), None)
             if position in self.overwritten:
-                raise loops.NotLoopable("the step updates a carried tensor in place")
+                self._refuse_loop("the step updates a carried tensor in place")
             slots.append(None if position is None else position - sum(p < position for p in self.overwritten))
         modes.current().sync("a compiled loop runs")
         arrays, values, device_index = self._read_inputs(args)
