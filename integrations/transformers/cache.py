@@ -9,6 +9,8 @@ import dataclasses
 import functools
 import warnings
 
+import torch
+
 from .loading import _on_tpu
 from .settings import settings
 
@@ -169,3 +171,54 @@ def _wrap_static_layer_allocation(original):
             _shard_by_heads(self, *tensor_parallel)
 
     return lazy_initialization
+
+
+# --- A fresh static cache allocated in one program
+
+_META = torch.device("meta")
+
+
+def _wrap_early_initialization(original):
+    @functools.wraps(original)
+    def early_initialization(self, batch_size, num_heads, head_dim, dtype, device):
+        """On tpu, a static cache's layers are allocated together: Transformers' own
+        `lazy_initialization` runs for each layer on a meta-device stand-in (so it sets every attribute it
+        sets, without allocating), and the tensors it left on the meta device are then made on tpu and
+        zeroed in one program. Layer by layer, each layer's keys and values cost a zeros op and its length
+        a host-to-device copy: 48 launches for a 16-layer model, ahead of each compiled prefill.
+        A tensor-parallel model's layers, which are sharded as they are allocated, keep the original."""
+        from transformers.cache_utils import StaticLayer
+
+        device = torch.device(device)
+        layers = [layer for layer in self.layers if layer.supports_early_init and not layer.is_initialized]
+        if (device.type != "tpu" or not isinstance(num_heads, int) or not isinstance(head_dim, int)
+                or any(type(layer) is not StaticLayer or hasattr(layer, _CACHE_MESH) for layer in layers)):
+            return original(self, batch_size, num_heads, head_dim, dtype, device)
+        stand_in = torch.empty((batch_size, num_heads, 0, head_dim), dtype=dtype, device=_META)
+        zeroed = []
+        for layer in layers:
+            before = dict(vars(layer))
+            layer.lazy_initialization(stand_in, stand_in)
+            for name, value in vars(layer).items():
+                if isinstance(value, torch.device) and value == _META:
+                    setattr(layer, name, device)
+                elif isinstance(value, torch.Tensor) and value.device == _META:
+                    setattr(layer, name, _on_device(value, before.get(name), device, zeroed))
+        if zeroed:
+            torch._foreach_zero_(zeroed)
+    return early_initialization
+
+
+def _on_device(stand_in, moved, device, zeroed: list):
+    """The tpu tensor for a tensor that `lazy_initialization` made on the meta device: an empty one, listed in
+    `zeroed` to be zeroed with the others, for a tensor it made or moved from a host tensor of zeros (a
+    layer's length); else the moved tensor's copy. It keeps the stand-in's static-address mark."""
+    if moved is None or (moved.is_cpu and not moved.any()):
+        tensor = torch.empty(stand_in.shape, dtype=stand_in.dtype, device=device)
+        zeroed.append(tensor)
+    else:
+        tensor = moved.to(device)
+    static = getattr(stand_in, "_dynamo_static_input_type", None)
+    if static is not None:
+        torch._dynamo.mark_static_address(tensor, guard=static == "guarded")
+    return tensor
