@@ -17,7 +17,8 @@ Installed by `hf_tpu.integrations.activate()` when `transformers.modeling_utils`
   the cache length rounded up to a multiple of `cache_length_multiple` and the prompt left-padded (with
   its attention mask) to the next of `prompt_buckets`, so that a new prompt length or `max_new_tokens`
   rarely compiles anew. The padding is removed from the returned sequences. The prefill of a prompt of a
-  bucket's length runs compiled too, once per bucket.
+  bucket's length runs compiled too, once per bucket, into a static cache whose layers are all zeroed by one
+  program.
 - continuous batching (`generate_batch`): the paged KV cache is sized from the tpu's memory
   (`continuous_batching`), not from the host's RAM.
 - greedy search and sampling with a static cache: after Transformers' own prefill and first token, the
