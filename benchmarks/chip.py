@@ -29,6 +29,7 @@ Run: python -m benchmarks.chip                              (the 1.1B and MoE mo
      python -m benchmarks.chip --only forward,torchax --timeout 300 --json f.json
      python -m benchmarks.chip --figures f.json d.json --plot chip.png   (report and plot saved runs)
      python -m benchmarks.chip --size tiny --plot /tmp/p.png   (tiny models, same work: CI runs one batch and length)
+     python -m benchmarks.chip --size small --only ttft         (a 512-wide, 8-layer Llama at 128 and 1024 tokens)
      python -m benchmarks.chip --only forward,torchax --dump-hlo DIR   (XLA's optimized HLO of each side)
      python -m benchmarks.chip --only forward,torchax --profile DIR    (each side's device time per XLA op)
 """
@@ -66,6 +67,12 @@ SIZES = {
                  batches=[1, 2], lengths=[16, 32], eager=(1, 16), decode_steps=32, moe_batch=2, moe_prompt=16,
                  moe_steps=8, matmul=256, hbm_bytes=16 << 20, iters=3),
 }
+# a Llama small enough for the CPU at the lengths that matter on the chip, where the fixed costs of a call
+# show beside real work (`--only ttft`)
+SIZES["small"] = dict(SIZES["tiny"], model=dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                                                num_key_value_heads=4, intermediate_size=1408, vocab_size=32000,
+                                                max_position_embeddings=4096),
+                      lengths=[128, 1024], iters=15)
 
 # published bf16 peak FLOP/s and HBM bytes/s by JAX device kind
 PEAK_BF16 = {"TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v4": 275e12, "TPU v5p": 459e12, "TPU v6 lite": 918e12}

@@ -264,6 +264,53 @@ def test_a_cache_the_user_chose_is_kept(models):
     assert torch.equal(out.sequences.cpu(), expected)
 
 
+def test_a_warm_generate_of_one_token_costs_a_fixed_number_of_device_ops(models, monkeypatch):
+    """The fixed cost of generate()'s first token on tpu, counted rather than timed, for a 2-layer model: besides
+    the compiled prefill, one program (every layer's cache zeroed at once), the host reads of the ids and of the
+    first token's logits, and the uploads of the padded ids, their mask and positions and of the result. An op
+    or a transfer more per layer (Transformers' own cache allocation: 3 ops and an upload a layer) or per call
+    shows here."""
+    from hf_tpu.memory import buffer
+
+    _, tpu = models
+    prompt = PROMPT.to("tpu")
+    tpu.generate(prompt, max_new_tokens=1, do_sample=False)  # compiles the prefill
+    uploads = []
+    from_host = buffer.from_host
+    monkeypatch.setattr(buffer, "from_host", lambda *args: uploads.append(args) or from_host(*args))
+    hf_tpu.reset_metrics()
+    tpu.generate(prompt, max_new_tokens=1, do_sample=False)
+    metrics = hf_tpu.metrics()
+    assert metrics["compiles"] == 0
+    assert (metrics["ops_dispatched"], metrics["host_syncs"], len(uploads)) <= (1, 2, 4)
+
+
+def test_a_static_cache_allocated_at_once_holds_what_transformers_allocates(models):
+    """On tpu, `early_initialization` makes every layer's keys, values and length empty and zeroes them in one
+    program; each layer then holds what Transformers' own allocation gives it (the same attributes, tensors
+    of the same shapes, values, devices and static-address marks)."""
+    from transformers import StaticCache
+    from transformers.cache_utils import Cache
+
+    _, tpu = models
+    arguments = dict(batch_size=2, num_heads=2, head_dim=16, dtype=torch.bfloat16, device=tpu.device)
+    theirs, ours = (StaticCache(config=tpu.config, max_cache_len=32) for _ in range(2))
+    Cache.early_initialization._hf_tpu_original(theirs, **arguments)
+    hf_tpu.reset_metrics()
+    ours.early_initialization(**arguments)
+    assert hf_tpu.metrics()["ops_dispatched"] == 1
+    for mine, expected in zip(ours.layers, theirs.layers, strict=True):
+        assert vars(mine).keys() == vars(expected).keys()
+        for name, value in vars(expected).items():
+            if not isinstance(value, torch.Tensor):
+                assert getattr(mine, name) == value, name
+                continue
+            tensor = getattr(mine, name)
+            assert (tensor.shape, tensor.dtype, tensor.device) == (value.shape, value.dtype, value.device), name
+            assert torch.equal(tensor.cpu(), value.cpu()), name
+            assert tensor._dynamo_static_input_type == value._dynamo_static_input_type, name
+
+
 def test_the_prefill_compiles_once_per_bucket_with_the_cpu_tokens(models):
     """The prefill is the compiled forward: a prompt in a new bucket compiles one program (a single new
     token: no decode loop), another length in the same bucket compiles nothing, and the tokens are CPU's."""

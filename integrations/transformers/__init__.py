@@ -17,8 +17,9 @@ Installed by `hf_tpu.integrations.activate()` when `transformers.modeling_utils`
   the cache length rounded up to a multiple of `cache_length_multiple` and the prompt left-padded (with
   its attention mask) to the next of `prompt_buckets`, so that a new prompt length or `max_new_tokens`
   rarely compiles anew. The padding is removed from the returned sequences. The prefill of a prompt of a
-  bucket's length runs compiled too, once per bucket. The prefill and the device loop below are traced
-  straight from Python with `hf_tpu.jit` (no Dynamo), with `torch.compile` where that trace cannot be made.
+  bucket's length runs compiled too, once per bucket, into a static cache whose layers are all zeroed by one
+  program. The prefill and the device loop below are traced straight from Python with `hf_tpu.jit` (no
+  Dynamo), with `torch.compile` where that trace cannot be made.
 - continuous batching (`generate_batch`): the paged KV cache is sized from the tpu's memory
   (`continuous_batching`), not from the host's RAM.
 - greedy search and sampling with a static cache: after Transformers' own prefill and first token, the
@@ -88,6 +89,7 @@ def install(module) -> None:
         _patch(mixin, "_prefill", generation._wrap_prefill)
         _patch(mixin, "_prepare_generation_config", cache._wrap_prepare_generation_config)
         _patch(mixin, "_prepare_cache_for_generation", cache._wrap_prepare_cache_for_generation)
-        from transformers.cache_utils import StaticLayer  # imported by generation.utils already
+        from transformers.cache_utils import Cache, StaticLayer  # imported by generation.utils already
 
         _patch(StaticLayer, "lazy_initialization", cache._wrap_static_layer_allocation)
+        _patch(Cache, "early_initialization", cache._wrap_early_initialization)

@@ -9,6 +9,8 @@ import dataclasses
 import functools
 import warnings
 
+import torch
+
 from .loading import _on_tpu
 from .settings import settings
 
@@ -169,3 +171,47 @@ def _wrap_static_layer_allocation(original):
             _shard_by_heads(self, *tensor_parallel)
 
     return lazy_initialization
+
+
+# --- A fresh static cache allocated in one program
+
+
+def _wrap_early_initialization(original):
+    @functools.wraps(original)
+    def early_initialization(self, batch_size, num_heads, head_dim, dtype, device):
+        """On tpu, a fresh static cache's keys, values and lengths are zeroed in one program. Layer by layer,
+        Transformers runs three zeros ops (a stand-in, the keys, the values) and copies the length from the
+        host: 48 launches and 16 transfers for a 16-layer model ahead of each compiled prefill, 6 ms of an
+        8-layer model's 14 ms `generate()` of one token on a TPU v5e. A tensor-parallel model's layers, sharded
+        as they are allocated, and other kinds of layer keep Transformers' own allocation."""
+        from transformers.cache_utils import StaticLayer
+
+        device = torch.device(device)
+        layers = [layer for layer in self.layers if layer.supports_early_init and not layer.is_initialized]
+        if (device.type != "tpu" or not isinstance(num_heads, int) or not isinstance(head_dim, int)
+                or any(type(layer) is not StaticLayer or hasattr(layer, _CACHE_MESH) for layer in layers)):
+            return original(self, batch_size, num_heads, head_dim, dtype, device)
+        zeroed = []
+        for layer in layers:
+            _allocate_static_layer(layer, (batch_size, num_heads, layer.max_cache_len, head_dim), dtype, device,
+                                   zeroed)
+        if zeroed:
+            torch._foreach_zero_(zeroed)
+
+    return early_initialization
+
+
+def _allocate_static_layer(layer, shape: tuple, dtype, device, zeroed: list) -> None:
+    """What Transformers' `StaticLayer.lazy_initialization` sets (tests/test_transformers_generation.py compares
+    the two), with the keys, values and length left empty, listed in `zeroed`. The length is zero, as it
+    is in a layer not yet initialized (`__init__` and `reset()` set it so)."""
+    layer.device = device
+    layer.batch_size, layer.num_heads, _, layer.k_head_dim = shape
+    layer.v_head_dim = layer.k_head_dim
+    layer.keys = torch.empty(shape, dtype=dtype, device=device)
+    layer.values = torch.empty_like(layer.keys)
+    layer.cumulative_length = torch.empty((), dtype=layer.cumulative_length.dtype, device=device)
+    for tensor in (layer.keys, layer.values, layer.cumulative_length):
+        torch._dynamo.mark_static_address(tensor)  # as Transformers marks them, for the compiled decode step
+        zeroed.append(tensor)
+    layer.is_initialized = True

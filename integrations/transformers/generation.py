@@ -286,14 +286,16 @@ def _wrap_sample(original):
     @functools.wraps(original)
     def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                 streamer=None, **model_kwargs):
-        """Transformers' own loop makes the prefill and the first token; the rest is one device loop."""
-        if not _decodes_on_device(self, logits_processor, stopping_criteria, generation_config, synced_gpus,
-                                  streamer, model_kwargs):
-            return original(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
-                            streamer, **model_kwargs)
+        """Transformers' own loop makes the prefill and the first token; the rest is one device loop. A call
+        that makes one token at most (the time to first token) is Transformers' loop alone."""
         from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
 
-        max_length = next(c.max_length for c in stopping_criteria if type(c) is MaxLengthCriteria)
+        max_length = next((c.max_length for c in stopping_criteria if type(c) is MaxLengthCriteria), None)
+        if (max_length is None or max_length <= input_ids.shape[1] + 1
+                or not _decodes_on_device(self, logits_processor, stopping_criteria, generation_config, synced_gpus,
+                                          streamer, model_kwargs)):
+            return original(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
+                            streamer, **model_kwargs)
         eos = next((c.eos_token_id for c in stopping_criteria if type(c) is not MaxLengthCriteria), None)
         first_token_only = StoppingCriteriaList(
             [MaxLengthCriteria(input_ids.shape[1] + 1) if type(c) is MaxLengthCriteria else c for c in stopping_criteria])
