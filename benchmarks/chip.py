@@ -31,7 +31,7 @@ Run: python -m benchmarks.chip                              (the 1.1B and MoE mo
      python -m benchmarks.chip --size tiny --plot /tmp/p.png   (tiny models, same work: CI runs one batch and length)
      python -m benchmarks.chip --size small --only ttft         (a 512-wide, 8-layer Llama at 128 and 1024 tokens)
      python -m benchmarks.chip --only forward,torchax --dump-hlo DIR   (XLA's optimized HLO of each side)
-     python -m benchmarks.chip --only forward,torchax --profile DIR    (each side's device time per XLA op)
+     python -m benchmarks.chip --only forward,torchax,decode --profile DIR   (device time per XLA op)
 """
 
 from __future__ import annotations
@@ -414,6 +414,8 @@ def _group_decode(spec: dict, rows: _Rows) -> None:
                 step, first = _step_seconds(generate, ids, steps, max(2, spec["iters"] // 3))
                 rows.emit("decode", side="hf-tpu", batch=batch, length=length, step_seconds=step, first_call=first,
                           context=length + steps // 2)
+                _profile(rows, lambda: generate(ids, 1 + steps), calls=1, side="hf-tpu decode", batch=batch,
+                         length=length)
             except torch.OutOfMemoryError as e:
                 rows.out_of_memory(row, e)
 
@@ -814,8 +816,8 @@ def main(argv=None) -> None:
                         "different groups, e.g. one device call each) instead of running")
     parser.add_argument("--plot", help="write a PNG of decode tokens/s and prefill MFU here (needs matplotlib)")
     parser.add_argument("--dump-hlo", help="write each group's optimized HLO under this folder")
-    parser.add_argument("--profile", help="trace 3 calls of each forward row under this folder (jax.profiler) and "
-                        "report each side's device time per XLA op")
+    parser.add_argument("--profile", help="trace 3 calls of each forward row (one generate() of each decode row) under "
+                        "this folder (jax.profiler) and report the device time per XLA op")
     parser.add_argument("--worker", choices=sorted(GROUPS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     unknown = set(args.only.split(",")) - set(GROUPS)

@@ -34,7 +34,7 @@ def test_tiny_run_reports_every_group(tmp_path):
     assert all(f["seconds"] > 0 for f in by_section["forward"] + by_section["eager"] + by_section["ttft"])
     assert all(f["reason"] for f in by_section.get("skipped", []))  # torchax, where it is not installed
     # the CPU records no device plane: the profile row is there, with no ops
-    assert [(f["side"], f["ops"]) for f in by_section["profile"]] == [("hf-tpu", [])]
+    assert sorted((f["side"], f["ops"]) for f in by_section["profile"]) == [("hf-tpu", []), ("hf-tpu decode", [])]
     assert list((tmp_path / "profile" / "forward" / "2x16").rglob("*.xplane.pb"))
     printed = proc.stdout.splitlines()
     assert any(line.startswith("[forward] hf-tpu forward 2x16:") for line in printed)
