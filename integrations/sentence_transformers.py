@@ -1,4 +1,5 @@
-"""Sentence Transformers on `tpu`: each batch of text padded to a bucket length.
+"""Sentence Transformers on `tpu`: each batch of text padded to a bucket length, and the encoder run as one
+program per shape.
 
 `SentenceTransformer.encode` sorts its inputs by length and pads each batch to its longest text, so every
 batch has a sequence length of its own; on `tpu` each new shape compiles every op of the encoder again (100
@@ -11,14 +12,20 @@ the tokenizer pads: pad tokens on the tokenizer's padding side, zeros in the att
 types. The encoder masks those positions out of attention, pooling reads the mask, and token embeddings
 are cut at the mask, so the results are the unpadded batch's. A batch is left as it is when it is not text
 with an attention mask, holds another per-token input, or would outgrow the model's positions.
+
+Without gradients, the encoder's forward runs as one program per batch shape, traced straight from Python
+(`hf_tpu.jit`), instead of op by op: a first pass then compiles a program per bucket and batch size, not every
+op of the encoder for each of them, and a later pass launches one program per batch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 
+import hf_tpu
 from hf_tpu import settings as _environment
 
 # powers of two and the halfway points between them (16, 32, 48, 64, 96, 128, 192, ... 8192): a batch grows by
@@ -107,7 +114,42 @@ def _wrap_preprocess(original):
     return preprocess
 
 
+def _encoder_forward(model, args, kwargs):
+    # the class's forward, not `model.forward` (the traced one, for the call)
+    return type(model).forward(model, *args, **kwargs)
+
+
+# one traced function for every encoder: its programs are keyed by the call, the model's type among it
+_traced_encoder_forward = hf_tpu.jit(_encoder_forward)
+
+
+@contextlib.contextmanager
+def _encoder_traced(model):
+    """For the call, `model.forward` (what Sentence Transformers calls) runs the traced forward."""
+    model.__dict__["forward"] = lambda *args, **kwargs: _traced_encoder_forward(model, args, kwargs)
+    try:
+        yield
+    finally:
+        model.__dict__.pop("forward", None)
+
+
+def _wrap_forward(original):
+    @functools.wraps(original)
+    def forward(self, features, **kwargs):
+        model = getattr(self, "model", None)
+        if (not isinstance(model, torch.nn.Module) or "forward" in model.__dict__ or not _on_tpu(self)
+                or torch.is_grad_enabled()):
+            return original(self, features, **kwargs)  # training, or another device: as it is
+        with _encoder_traced(model):
+            return original(self, features, **kwargs)
+
+    forward._hf_tpu = True
+    return forward
+
+
 def install(module) -> None:
     transformer = module.Transformer
     if not getattr(transformer.preprocess, "_hf_tpu", False):
         transformer.preprocess = _wrap_preprocess(transformer.preprocess)
+    if not getattr(transformer.forward, "_hf_tpu", False):
+        transformer.forward = _wrap_forward(transformer.forward)

@@ -75,3 +75,20 @@ def test_buckets_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("HF_TPU_ENCODE_BUCKETS", "8,-1")
     with pytest.raises(ValueError, match="HF_TPU_ENCODE_BUCKETS"):
         adapter.bucketed_length(5, None)
+
+
+def test_the_encoder_runs_as_one_program_per_batch_shape(checkpoint, monkeypatch):
+    """Without gradients the encoder's forward is traced into one program (`hf_tpu.jit`): a warm batch
+    dispatches only the ops around it (pooling, normalisation), not every op of every layer."""
+    tpu = _model(checkpoint, "tpu")
+    sentences = _sentences([3, 9, 5, 12])
+
+    def ops_of_a_warm_encode():
+        tpu.encode(sentences, batch_size=4)
+        hf_tpu.reset_metrics()
+        tpu.encode(sentences, batch_size=4)
+        return hf_tpu.metrics()["ops_dispatched"]
+
+    traced = ops_of_a_warm_encode()
+    monkeypatch.setattr(adapter, "_traced_encoder_forward", adapter._encoder_forward)  # op by op
+    assert traced < 20 < ops_of_a_warm_encode(), traced
