@@ -8,18 +8,20 @@ dispatch key, its wiring, which results are outputs, the input shapes and dtypes
 graph overwrote in place are donated to it when a result of the same shape and dtype can take their memory.
 
 A graph also runs early, without waiting for its results, at content-defined cut points (as rsync cuts
-files into chunks): after an op whose last `_WINDOW` ops hash into one value in 2**`_CUT_BITS`, once it
-has `_MIN_CUT_OPS` ops. The device then computes the first part while Python records the rest, as
-strict eager overlaps them op by op. Because a cut depends on the ops before it and not on a count
+files into chunks): after an op whose last `_WINDOW` ops hash into one value in 2**`CutPolicy.bits`, once
+it has `CutPolicy.min_ops` ops. The device then computes the first part while Python records the rest,
+as strict eager overlaps them op by op. Because a cut depends on the ops before it and not on a count
 since the last sync, a loop is cut at the same ops every iteration, synced or not, and its pieces
-compile once. (Where cut points lie closer than `_MIN_CUT_OPS`, which of them cuts depends on the
-previous cut, and the pieces settle after a few iterations.) `HF_TPU_EARLY_FLUSH=0` turns the cuts off.
+compile once. (Where cut points lie closer than `min_ops`, which of them cuts depends on the previous
+cut, and the pieces settle after a few iterations.) How long a piece must be depends on what a launch
+costs on the platform (`cut_policy`); `HF_TPU_EARLY_FLUSH=0` turns the cuts off.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -37,10 +39,51 @@ from hf_tpu import settings as _settings  # noqa: E402
 MAX_GRAPH_OPS = _settings.get("HF_TPU_MAX_GRAPH_OPS")
 EARLY_FLUSH = _settings.get("HF_TPU_EARLY_FLUSH")
 _WINDOW = 4  # ops whose content decides a cut
-_CUT_BITS = 4  # one window in 16 is a cut: a tiny Llama's decoder layer (47 ops) is cut once
-_MIN_CUT_OPS = 8  # no piece shorter: a launch of its own costs more than a few ops' fusion saves
 # each op's 32-bit hash enters at the bottom and the older ones move 8 bits up: the mask drops the oldest
 _WINDOW_MASK = (1 << (8 * (_WINDOW - 1) + 32)) - 1
+
+
+class CutPolicy(typing.NamedTuple):
+    """Where early flushes cut a graph: no piece shorter than `min_ops` ops, and after that at an op
+    whose window hashes into one value in 2**`bits`."""
+
+    min_ops: int
+    bits: int
+
+
+# The shortest piece per platform, where it is not the default's 8 (docs/design/execution-modes.md).
+# A cut buys overlap (the device computes a piece while Python records the next) and costs a launch.
+# On the CPU a fused launch takes 0.1-0.2 ms of host time and a small model's ops take about as long
+# to compute as to record (60-110 us), so short pieces pay. On a TPU v5e a fused launch takes
+# 0.3-0.6 ms of host time while a small model's ops compute in microseconds: a piece must be long for
+# its launch to be a small share of the host's work (128 ops take about 9 ms to record there).
+_MIN_CUT_OPS = {"tpu": 128}
+_DEFAULT_MIN_CUT_OPS = 8
+
+
+def policy_for(min_ops: int) -> CutPolicy:
+    """Cut points one window in 16, or for long pieces one in min_ops / 2: candidates stay sparse
+    beyond the minimum, so where a piece ends still depends on its content more than on where the
+    previous piece ended (a tiny Llama's decoder layer of 47 ops is cut once on the CPU)."""
+    return CutPolicy(min_ops, max(4, min_ops.bit_length() - 2))
+
+
+def cut_policy() -> CutPolicy:
+    """The policy in force: `HF_TPU_EARLY_FLUSH_MIN_OPS`, else the platform's; read at the first
+    deferred op of the process (a policy that changed meanwhile would cut known work anew)."""
+    global _cut
+    if _cut is None:
+        min_ops = _settings.get("HF_TPU_EARLY_FLUSH_MIN_OPS") \
+            or _MIN_CUT_OPS.get(platform.name(), _DEFAULT_MIN_CUT_OPS)
+        _cut = policy_for(min_ops)
+    return _cut
+
+
+_cut: CutPolicy | None = None
+
+# the reasons of the flushes a graph makes itself, as `metrics()["flushes_by_reason"]` counts them
+CUT_POINT = "a cut point"
+GRAPH_SIZE_CAP = "the graph reached HF_TPU_MAX_GRAPH_OPS"
 
 
 class _Graph:
@@ -53,6 +96,8 @@ class _Graph:
         self.input_ids = {}  # id(array) -> input position
         self.window = 0  # the last _WINDOW ops' content hashes, overlapping
         self.cut_due = False
+        cut = _cut or cut_policy()
+        self.min_cut_ops, self.cut_shift = cut.min_ops, 32 - cut.bits
 
     def wire(self, array):
         if array is None:  # an uninitialised buffer: the program makes it
@@ -113,8 +158,7 @@ class Deferred:
         if graph is None:
             graph = self.graphs[device_index] = _Graph(device_index)
         elif graph.cut_due or len(graph.nodes) >= MAX_GRAPH_OPS:
-            self.sync(f"a cut point after {len(graph.nodes)} ops" if graph.cut_due
-                      else f"the graph reached HF_TPU_MAX_GRAPH_OPS={MAX_GRAPH_OPS} ops")
+            self.sync(CUT_POINT if graph.cut_due else GRAPH_SIZE_CAP)
             graph = self.graphs[device_index] = _Graph(device_index)
         wiring = tuple(graph.wire(a) for a in arrays)
         n = len(graph.nodes)
@@ -123,7 +167,7 @@ class Deferred:
             graph.window = ((graph.window << 8) ^ program.content_hash) & _WINDOW_MASK
             # Knuth's multiplicative hash spreads the window over the top bits, which decide the cut
             spread = (graph.window * 0x9E3779B1) & 0xFFFFFFFF
-            graph.cut_due = n + 1 >= _MIN_CUT_OPS and spread >> (32 - _CUT_BITS) == 0
+            graph.cut_due = n + 1 >= graph.min_cut_ops and spread >> graph.cut_shift == 0
         results = []
         for j, spec in enumerate(program.out_specs):
             if spec[0] == "mutated":
@@ -151,6 +195,8 @@ class Deferred:
                 self._run(graph, mine, reason)
 
     def _run(self, graph: _Graph, holders, reason: str):
+        # counted without what a reason names in parentheses (a value's shape), so that reasons add up
+        _counters["flushes_by_reason"][reason.split(" (", 1)[0]] += 1
         outputs = tuple((value.node, value.index) for value, _ in holders)
         donated = self._donatable(graph, [value for value, _ in holders])
         structure = (tuple((node[1], node[2]) for node in graph.nodes), outputs, donated)
