@@ -4,7 +4,7 @@ Each op arrives as the same `Program` strict eager would jit; here it becomes a 
 edges are `buffer.Lazy` values. A flush replays the nodes inside one `jax.jit`, returning only the
 results some live buffer still holds: an intermediate nobody references is never an output, so it
 never occupies device memory. The fused program is cached by the graph's structure (each node's
-dispatch key, its wiring, which results are outputs, the input shapes and dtypes), and the arrays a
+program, one per dispatch key, and its wiring; which results are outputs; the input shapes and dtypes), and the arrays a
 graph overwrote in place are donated to it when a result of the same shape and dtype can take their memory.
 
 A graph also runs early, without waiting for its results, at content-defined cut points (as rsync cuts
@@ -26,10 +26,12 @@ import typing
 import jax
 import jax.numpy as jnp
 
-from .. import counters, dtypes, platform
+from .. import counters, platform
 from ..memory import buffer, donation
 from ..memory.out_of_memory import raise_out_of_memory
 from .kinds import ModeKind
+
+Lazy = buffer.Lazy
 
 _counters = counters.counters
 log = logging.getLogger("hf_tpu.compile")
@@ -81,6 +83,12 @@ def cut_policy() -> CutPolicy:
 
 _cut: CutPolicy | None = None
 
+# A number for each (program, wiring) a node has had: a graph's structure is the tuple of its nodes'
+# numbers, cheap to hash and compare at every flush. A program is built once per call key and compares
+# as itself, so equal numbers mean the same op on the same operands. It grows as the programs and the
+# fused graphs do, with the distinct work a process runs.
+_NODE_CONTENTS: dict = {}
+
 # the reasons of the flushes a graph makes itself, as `metrics()["flushes_by_reason"]` counts them
 CUT_POINT = "a cut point"
 GRAPH_SIZE_CAP = "the graph reached HF_TPU_MAX_GRAPH_OPS"
@@ -91,7 +99,8 @@ class _Graph:
 
     def __init__(self, device_index: int):
         self.device_index = device_index
-        self.nodes = []  # (program, key, wiring, scalars, rng)
+        self.nodes = []  # (program, wiring, scalars, rng)
+        self.contents = []  # each node's number in `_NODE_CONTENTS`
         self.inputs = []  # concrete arrays read by the graph
         self.input_ids = {}  # id(array) -> input position
         self.window = 0  # the last _WINDOW ops' content hashes, overlapping
@@ -100,15 +109,17 @@ class _Graph:
         self.min_cut_ops, self.cut_shift = cut.min_ops, 32 - cut.bits
 
     def wire(self, array):
-        if array is None:  # an uninitialised buffer: the program makes it
-            return ("u",)
+        """Where an op's operand comes from: ("n", node, index) for a result of this graph's node,
+        ("i", position) for an input, ("u",) for an uninitialised buffer."""
         if type(array) is buffer.Lazy:
             if array.graph is self:
-                return ("n", array.node, array.index)
+                return array.edge
             if array.concrete is None:  # a result pending on another device's graph
                 buffer.flush("an op used a result pending on another device")
             # computed by a flush since the op read its operands (another device's, or the size cap's)
             array = array.concrete
+        elif array is None:  # an uninitialised buffer: the program makes it
+            return ("u",)
         position = self.input_ids.get(id(array))
         if position is None:
             position = self.input_ids[id(array)] = len(self.inputs)
@@ -121,7 +132,7 @@ class _Fused:
 
     def __init__(self, nodes, outputs, donated):
         self.programs = [node[0] for node in nodes]
-        self.wirings = [node[2] for node in nodes]
+        self.wirings = [node[1] for node in nodes]
         self.outputs = outputs
         self.donated = donated
         self.jitted = jax.jit(self._run, donate_argnums=(0,) if donated else ())
@@ -160,33 +171,35 @@ class Deferred:
         elif graph.cut_due or len(graph.nodes) >= MAX_GRAPH_OPS:
             self.sync(CUT_POINT if graph.cut_due else GRAPH_SIZE_CAP)
             graph = self.graphs[device_index] = _Graph(device_index)
-        wiring = tuple(graph.wire(a) for a in arrays)
+        wire = graph.wire
+        wiring = tuple([a.edge if type(a) is Lazy and a.graph is graph else wire(a) for a in arrays])
         n = len(graph.nodes)
-        graph.nodes.append((program, key, wiring, tuple(scalars), rng))
+        graph.nodes.append((program, wiring, tuple(scalars), rng))
+        content = _NODE_CONTENTS.get((program, wiring))
+        if content is None:
+            content = _NODE_CONTENTS[(program, wiring)] = len(_NODE_CONTENTS)
+        graph.contents.append(content)
         if EARLY_FLUSH:
             graph.window = ((graph.window << 8) ^ program.content_hash) & _WINDOW_MASK
             # Knuth's multiplicative hash spreads the window over the top bits, which decide the cut
             spread = (graph.window * 0x9E3779B1) & 0xFFFFFFFF
             graph.cut_due = n + 1 >= graph.min_cut_ops and spread >> graph.cut_shift == 0
-        results = []
-        for j, spec in enumerate(program.out_specs):
-            if spec[0] == "mutated":
-                shape, dtype = spec[2], spec[3]
-            else:
-                shape, dtype = spec[0], dtypes.to_jax(spec[1])
-            results.append(buffer.Lazy(shape, dtype, graph, n, j))
-        return results
+        return [Lazy(shape, dtype, graph, n, j) for j, (shape, dtype) in enumerate(program.result_layouts)]
 
     def sync(self, reason: str) -> None:
         graphs, self.graphs = self.graphs, {}
         if not any(g.nodes for g in graphs.values()):
             return
         holders = {}
-        for buf in list(buffer.pending):
+        running = graphs.values()
+        seen = set()
+        pending = buffer.take_pending()
+        for buf in pending:
             value = buf._array
-            if type(value) is buffer.Lazy and value.graph in graphs.values():
+            # a buffer is listed each time it took a result; one released since holds None
+            if type(value) is Lazy and value.graph in running and id(buf) not in seen:
+                seen.add(id(buf))
                 holders.setdefault(id(value), (value, []))[1].append(buf)
-        buffer.pending.clear()
         for graph in graphs.values():
             if graph.nodes:
                 # a deterministic output order, so the same work finds the same cached program
@@ -199,7 +212,7 @@ class Deferred:
         _counters["flushes_by_reason"][reason.split(" (", 1)[0]] += 1
         outputs = tuple((value.node, value.index) for value, _ in holders)
         donated = self._donatable(graph, [value for value, _ in holders])
-        structure = (tuple((node[1], node[2]) for node in graph.nodes), outputs, donated)
+        structure = (tuple(graph.contents), outputs, donated)
         key = (structure, tuple((a.shape, a.dtype) for a in graph.inputs))
         fused = self.cache.get(key)
         if fused is None:
@@ -214,8 +227,8 @@ class Deferred:
             _counters["compile_cache_hits_by_mode"][self.counter_key] += 1
         if buffer.sharded_arrays_exist:  # a sharded tensor (hf_tpu.distributed) may meet single-chip ones
             graph.inputs = buffer.place_together(graph.inputs)
-        scalars = [node[3] for node in graph.nodes]
-        rngs = [node[4] for node in graph.nodes]
+        scalars = [node[2] for node in graph.nodes]
+        rngs = [node[3] for node in graph.nodes]
         try:
             if graph.inputs:
                 results = fused(graph.inputs, scalars, rngs)
