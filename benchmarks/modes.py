@@ -116,7 +116,7 @@ def main(argv=None):
                 torch.tpu.synchronize()
                 torch.tpu.reset_peak_memory_stats()
                 hf_tpu.reset_metrics()
-                calls = []  # every call of the step, the untimed ones between turns too, for the per-iteration counts
+                calls = []  # every call of the step, the untimed ones between turns too: per-iteration counts
 
                 def counted_step(step=step):
                     calls.append(None)
@@ -134,13 +134,13 @@ def main(argv=None):
             rows.append([name, mode, f"{seconds * 1e3:.1f}", f"{cpu / seconds:.2f}x",
                          f"{results['DEFER_NEVER'] / seconds:.2f}x", str(compiles), f"{peak / 2**20:.1f}",
                          _launches(metrics, len(calls)) if mode == "DEFER_AND_FUSE" else ""])
-        rows.append([name, "torch cpu eager", f"{statistics.median(cpu_times) * 1e3:.1f}", "1.00x", "", "", "", ""])
+        rows.append([name, "torch cpu eager", f"{statistics.median(cpu_times) * 1e3:.1f}", "1.00x"] + [""] * 4)
     print(table(["workload", "mode", "ms/iter", "vs cpu", "vs strict", f"compiles in {args.iters} iters",
                  "peak MiB", "fused launches/iter (cut points)"], rows))
 
 
 def _launches(metrics, iters: int) -> str:
-    """Defer-and-fuse's fused programs per iteration (of `iters`), and how many of them its cut points made."""
+    """Defer-and-fuse's fused programs per iteration (of `iters`), and how many its cut points made."""
     by_reason = metrics["flushes_by_reason"]
     return f"{sum(by_reason.values()) / iters:.1f} ({by_reason.get('a cut point', 0) / iters:.1f})"
 

@@ -4,8 +4,9 @@ Each op arrives as the same `Program` strict eager would jit; here it becomes a 
 edges are `buffer.Lazy` values. A flush replays the nodes inside one `jax.jit`, returning only the
 results some live buffer still holds: an intermediate nobody references is never an output, so it
 never occupies device memory. The fused program is cached by the graph's structure (each node's
-program, one per dispatch key, and its wiring; which results are outputs; the input shapes and dtypes), and the arrays a
-graph overwrote in place are donated to it when a result of the same shape and dtype can take their memory.
+program, one per dispatch key, and its wiring; which results are outputs; the input shapes and
+dtypes), and the arrays a graph overwrote in place are donated to it when a result of the same shape
+and dtype can take their memory.
 
 A graph also runs early, without waiting for its results, at content-defined cut points (as rsync cuts
 files into chunks): after an op whose last `_WINDOW` ops hash into one value in 2**`CutPolicy.bits`, once
