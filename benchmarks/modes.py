@@ -116,19 +116,33 @@ def main(argv=None):
                 torch.tpu.synchronize()
                 torch.tpu.reset_peak_memory_stats()
                 hf_tpu.reset_metrics()
-                cpu, seconds = timeit_alternating([cpu_step, step], warmup=0, iters=args.iters)
-                compiles = hf_tpu.metrics()["compiles"]
+                calls = []  # every call of the step, the untimed ones between turns too: per-iteration counts
+
+                def counted_step(step=step):
+                    calls.append(None)
+                    return step()
+
+                cpu, seconds = timeit_alternating([cpu_step, counted_step], warmup=0, iters=args.iters)
+                metrics = hf_tpu.metrics()
+                compiles = metrics["compiles"]
                 peak = torch.tpu.max_memory_allocated()
             results[mode] = seconds
             cpu_times.append(cpu)
-            del device_model, step
+            del device_model, step, counted_step
             torch._dynamo.reset()  # Dynamo's caches hold a compiled model's weights on the device
             gc.collect()  # so the next mode's peak memory counts only its own tensors
             rows.append([name, mode, f"{seconds * 1e3:.1f}", f"{cpu / seconds:.2f}x",
-                         f"{results['DEFER_NEVER'] / seconds:.2f}x", str(compiles), f"{peak / 2**20:.1f}"])
-        rows.append([name, "torch cpu eager", f"{statistics.median(cpu_times) * 1e3:.1f}", "1.00x", "", "", ""])
+                         f"{results['DEFER_NEVER'] / seconds:.2f}x", str(compiles), f"{peak / 2**20:.1f}",
+                         _launches(metrics, len(calls)) if mode == "DEFER_AND_FUSE" else ""])
+        rows.append([name, "torch cpu eager", f"{statistics.median(cpu_times) * 1e3:.1f}", "1.00x"] + [""] * 4)
     print(table(["workload", "mode", "ms/iter", "vs cpu", "vs strict", f"compiles in {args.iters} iters",
-                 "peak MiB"], rows))
+                 "peak MiB", "fused launches/iter (cut points)"], rows))
+
+
+def _launches(metrics, iters: int) -> str:
+    """Defer-and-fuse's fused programs per iteration (of `iters`), and how many its cut points made."""
+    by_reason = metrics["flushes_by_reason"]
+    return f"{sum(by_reason.values()) / iters:.1f} ({by_reason.get('a cut point', 0) / iters:.1f})"
 
 
 if __name__ == "__main__":

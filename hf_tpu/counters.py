@@ -17,14 +17,17 @@ def reset_metrics() -> None:
     counters["cpu_fallbacks"] = collections.Counter()
     counters["compiles_by_mode"] = collections.Counter()
     counters["compile_cache_hits_by_mode"] = collections.Counter()
+    counters["flushes_by_reason"] = collections.Counter()
 
 
 def metrics() -> dict:
     """A snapshot of the counters: ops_dispatched, compiles (programs traced), compile_cache_hits,
     host_syncs, cpu_fallbacks (per op name), the compile counts per execution mode, xla_compiles
-    (XLA backend compilations) and disk_cache_hits (executables loaded from HF_TPU_CACHE_DIR)."""
+    (XLA backend compilations), disk_cache_hits (executables loaded from HF_TPU_CACHE_DIR) and
+    flushes_by_reason (DEFER_AND_FUSE: the fused programs launched, by what made each run: a cut point,
+    a host read, ...)."""
     snap = copy.deepcopy(counters)
-    for key in ("cpu_fallbacks", "compiles_by_mode", "compile_cache_hits_by_mode"):
+    for key in ("cpu_fallbacks", "compiles_by_mode", "compile_cache_hits_by_mode", "flushes_by_reason"):
         snap[key] = dict(snap[key])
     return snap
 

@@ -62,6 +62,8 @@ SETTINGS = {s.name: s for s in (
             "say what is compiling while it does (0: never)"),
     Setting("HF_TPU_MAX_GRAPH_OPS", "count", 4096, "DEFER_AND_FUSE: the most ops in one deferred graph"),
     Setting("HF_TPU_EARLY_FLUSH", "bool", True, "DEFER_AND_FUSE: cut graphs where a loop's iterations repeat"),
+    Setting("HF_TPU_EARLY_FLUSH_MIN_OPS", "count", None, "DEFER_AND_FUSE: the shortest piece an early flush "
+            "cuts (default: the platform's, 128 on a TPU, 8 elsewhere)"),
     Setting("HF_TPU_COORDINATOR_ADDRESS", "text", None, "multi-process run: host:port of process 0"),
     Setting("HF_TPU_NUM_PROCESSES", "count", None, "multi-process run: the number of processes"),
     Setting("HF_TPU_PROCESS_ID", "index", None, "multi-process run: this process's index"),

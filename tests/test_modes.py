@@ -54,8 +54,8 @@ def test_deferred_cuts_fall_on_the_same_ops_every_iteration(monkeypatch):
     cut the same way every iteration, and its pieces compile once."""
     from hf_tpu.modes import deferred
 
-    monkeypatch.setattr(deferred, "_CUT_BITS", 1)  # one window in two is a cut: many cuts
-    monkeypatch.setattr(deferred, "_MIN_CUT_OPS", 1)  # the chain repeats every 4 ops, under the minimum
+    # one window in two is a cut: many cuts; the chain repeats every 4 ops, under any longer minimum
+    monkeypatch.setattr(deferred, "_cut", deferred.CutPolicy(min_ops=1, bits=1))
     x = torch.randn(16, 16, device="tpu")
     w = torch.randn(16, 16, device="tpu") * 0.1
     expected = x
@@ -71,6 +71,39 @@ def test_deferred_cuts_fall_on_the_same_ops_every_iteration(monkeypatch):
     assert m["host_syncs"] == 0 and m["compile_cache_hits_by_mode"]["DEFER_AND_FUSE"] >= 3  # pieces ran
     assert m["compiles"] == 0
     torch.testing.assert_close(actual, expected.cpu(), atol=1e-5, rtol=1e-5)
+
+
+def test_pieces_are_longer_where_a_launch_costs_more(monkeypatch):
+    """The shortest piece an early flush cuts is the platform's (a TPU's launch costs several times the
+    CPU's), or HF_TPU_EARLY_FLUSH_MIN_OPS; it decides how many launches a chain of ops takes."""
+    from hf_tpu import platform
+    from hf_tpu.modes import deferred
+
+    monkeypatch.delenv("HF_TPU_EARLY_FLUSH_MIN_OPS", raising=False)
+    monkeypatch.setattr(deferred, "_cut", None)
+    monkeypatch.setattr(platform, "name", lambda: "tpu")
+    assert deferred.cut_policy() == deferred.CutPolicy(min_ops=128, bits=6)
+    monkeypatch.setattr(deferred, "_cut", None)
+    monkeypatch.setattr(platform, "name", lambda: "cpu")
+    assert deferred.cut_policy() == deferred.CutPolicy(min_ops=8, bits=4)
+    monkeypatch.setenv("HF_TPU_EARLY_FLUSH_MIN_OPS", "64")
+    monkeypatch.setattr(deferred, "_cut", None)
+    assert deferred.cut_policy() == deferred.CutPolicy(min_ops=64, bits=5)
+
+    x = torch.randn(16, 16, device="tpu")
+    w = torch.randn(16, 16, device="tpu") * 0.1
+    launches = {}
+    for min_ops in (8, 128):
+        # every window a cut point (one in 2**0): the minimum alone decides where pieces end
+        monkeypatch.setattr(deferred, "_cut", deferred.CutPolicy(min_ops, bits=0))
+        with torch.tpu.use_eager_mode(Mode.DEFER_AND_FUSE):
+            _chain(x, w, n=25).cpu()  # 100 ops
+            hf_tpu.reset_metrics()
+            _chain(x, w, n=25).cpu()
+        m = hf_tpu.metrics()
+        assert m["compiles"] == 0
+        launches[min_ops] = m["compile_cache_hits_by_mode"]["DEFER_AND_FUSE"]
+    assert launches == {8: 13, 128: 1}
 
 
 def test_graph_size_cap_flushes_between_an_op_and_its_pending_operands(monkeypatch):
@@ -189,8 +222,8 @@ def _run(code, cache_dir, **env):
 
 _DISK_CACHE_WORK = """
     import torch, hf_tpu
-    hf_tpu.modes.deferred._CUT_BITS = 1  # with cut points (3 pieces): the same ops in every process
-    hf_tpu.modes.deferred._MIN_CUT_OPS = 1
+    # with cut points (3 pieces): the same ops in every process
+    hf_tpu.modes.deferred._cut = hf_tpu.modes.deferred.CutPolicy(min_ops=1, bits=1)
     x = torch.arange(64.0).reshape(8, 8).to("tpu") / 64
     with torch.tpu.use_eager_mode("DEFER_AND_FUSE"):
         for _ in range(8):

@@ -40,9 +40,11 @@ class _Slot:
         self.index = index
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Program:
-    """The pure function computing one op call's results from its operands' buffers."""
+    """The pure function computing one op call's results from its operands' buffers. Each is built
+    once per call key, so it compares and hashes as itself: a deferred graph's structure names its
+    nodes' programs by identity (`modes/deferred.py`)."""
 
     fn: object  # (arrays, scalars, rng_key) -> list of arrays
     name: str  # the op's, as `aten::add.Tensor`
@@ -67,6 +69,12 @@ class Program:
     def content_hash(self) -> int:
         """32 bits of the op and its results' shapes, the same in every process (deferred cut points)."""
         return zlib.crc32(f"{self.name} {self.out_specs}".encode())
+
+    @functools.cached_property
+    def result_layouts(self) -> tuple:
+        """(shape, jax dtype) of each result array, in order: a deferred op's pending results."""
+        return tuple((spec[2], spec[3]) if spec[0] == "mutated" else (spec[0], dtypes.to_jax(spec[1]))
+                     for spec in self.out_specs)
 
     @functools.cached_property
     def some_undefined(self) -> bool:

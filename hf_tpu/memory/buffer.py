@@ -18,7 +18,6 @@ import functools
 import math
 import threading
 import warnings
-import weakref
 from typing import NamedTuple
 
 import jax
@@ -67,10 +66,11 @@ _FIRST_ADDRESS = 1 << 48  # above every user-space address: never a real pointer
 
 
 class Lazy:
-    """A result of a deferred op, not computed yet: the shape and dtype of the array it will be, and
-    once its graph ran, the array (`concrete`) for an op that read it before that flush."""
+    """A result of a deferred op, not computed yet: the shape and dtype of the array it will be, where
+    it comes from (`edge`: result `index` of node `node` in `graph`), and once its graph ran, the array
+    (`concrete`) for an op that read it before that flush."""
 
-    __slots__ = ("shape", "dtype", "graph", "node", "index", "concrete")
+    __slots__ = ("shape", "dtype", "graph", "node", "index", "edge", "concrete")
 
     def __init__(self, shape, dtype, graph, node, index):
         self.shape = shape
@@ -78,11 +78,23 @@ class Lazy:
         self.graph = graph
         self.node = node
         self.index = index
+        self.edge = ("n", node, index)
         self.concrete = None
 
 
-# Buffers that hold a Lazy value, so a flush knows which results are still referenced.
-pending: weakref.WeakSet = weakref.WeakSet()
+# Buffers that took a Lazy value since the last flush, so a flush knows which results are still
+# referenced: held (a buffer is a few slots; its storage's memory is not), listed once per value taken,
+# and read once by the flush (`take_pending`). A buffer released meanwhile holds None.
+pending: list = []
+
+
+def take_pending() -> list:
+    """The buffers that took a Lazy value since the last call; the list starts anew."""
+    global pending
+    taken, pending = pending, []
+    return taken
+
+
 # Set by the execution modes: computes every pending value (a sync point).
 flush = None
 # Set once an array sharded over several chips exists (hf_tpu.distributed): until then no buffer
@@ -96,8 +108,7 @@ class Buffer:
     a deferred result occupies no device memory until a flush materialises it. `chip_bytes` is None
     while all its bytes sit on `tpu:device_index`, else {chip index: bytes} of a sharded array."""
 
-    __slots__ = ("_array", "shape", "dtype", "device_index", "nbytes", "address", "counted", "chip_bytes",
-                 "__weakref__")
+    __slots__ = ("_array", "shape", "dtype", "device_index", "nbytes", "address", "counted", "chip_bytes")
 
     def __init__(self, shape, dtype, device_index, nbytes, address):
         self._array = None
@@ -120,7 +131,7 @@ class Buffer:
             allocator.let_go(old)
         self._array = value
         if type(value) is Lazy:
-            pending.add(self)
+            pending.append(self)
             return
         if value is None:
             return
@@ -186,6 +197,9 @@ class _Allocator:
         if not plain:
             if array is None:
                 self.count(buf)
+            elif type(array) is Lazy:  # a deferred result: no memory counted until a flush computes it
+                buf._array = array
+                pending.append(buf)
             else:
                 buf.array = array
         capsule = _storage_capsule(address, device_index, layout.code, layout.bits, shape, self._release)

@@ -4,30 +4,35 @@ Each op arrives as the same `Program` strict eager would jit; here it becomes a 
 edges are `buffer.Lazy` values. A flush replays the nodes inside one `jax.jit`, returning only the
 results some live buffer still holds: an intermediate nobody references is never an output, so it
 never occupies device memory. The fused program is cached by the graph's structure (each node's
-dispatch key, its wiring, which results are outputs, the input shapes and dtypes), and the arrays a
-graph overwrote in place are donated to it when a result of the same shape and dtype can take their memory.
+program, one per dispatch key, and its wiring; which results are outputs; the input shapes and
+dtypes), and the arrays a graph overwrote in place are donated to it when a result of the same shape
+and dtype can take their memory.
 
 A graph also runs early, without waiting for its results, at content-defined cut points (as rsync cuts
-files into chunks): after an op whose last `_WINDOW` ops hash into one value in 2**`_CUT_BITS`, once it
-has `_MIN_CUT_OPS` ops. The device then computes the first part while Python records the rest, as
-strict eager overlaps them op by op. Because a cut depends on the ops before it and not on a count
+files into chunks): after an op whose last `_WINDOW` ops hash into one value in 2**`CutPolicy.bits`, once
+it has `CutPolicy.min_ops` ops. The device then computes the first part while Python records the rest,
+as strict eager overlaps them op by op. Because a cut depends on the ops before it and not on a count
 since the last sync, a loop is cut at the same ops every iteration, synced or not, and its pieces
-compile once. (Where cut points lie closer than `_MIN_CUT_OPS`, which of them cuts depends on the
-previous cut, and the pieces settle after a few iterations.) `HF_TPU_EARLY_FLUSH=0` turns the cuts off.
+compile once. (Where cut points lie closer than `min_ops`, which of them cuts depends on the previous
+cut, and the pieces settle after a few iterations.) How long a piece must be depends on what a launch
+costs on the platform (`cut_policy`); `HF_TPU_EARLY_FLUSH=0` turns the cuts off.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import typing
 
 import jax
 import jax.numpy as jnp
 
-from .. import counters, dtypes, platform
+from .. import counters, platform
 from ..memory import buffer, donation
 from ..memory.out_of_memory import raise_out_of_memory
 from .kinds import ModeKind
+
+Lazy = buffer.Lazy
 
 _counters = counters.counters
 log = logging.getLogger("hf_tpu.compile")
@@ -37,10 +42,57 @@ from hf_tpu import settings as _settings  # noqa: E402
 MAX_GRAPH_OPS = _settings.get("HF_TPU_MAX_GRAPH_OPS")
 EARLY_FLUSH = _settings.get("HF_TPU_EARLY_FLUSH")
 _WINDOW = 4  # ops whose content decides a cut
-_CUT_BITS = 4  # one window in 16 is a cut: a tiny Llama's decoder layer (47 ops) is cut once
-_MIN_CUT_OPS = 8  # no piece shorter: a launch of its own costs more than a few ops' fusion saves
 # each op's 32-bit hash enters at the bottom and the older ones move 8 bits up: the mask drops the oldest
 _WINDOW_MASK = (1 << (8 * (_WINDOW - 1) + 32)) - 1
+
+
+class CutPolicy(typing.NamedTuple):
+    """Where early flushes cut a graph: no piece shorter than `min_ops` ops, and after that at an op
+    whose window hashes into one value in 2**`bits`."""
+
+    min_ops: int
+    bits: int
+
+
+# The shortest piece per platform, where it is not the default's 8 (docs/design/execution-modes.md).
+# A cut buys overlap (the device computes a piece while Python records the next) and costs a launch.
+# On the CPU a fused launch takes 0.1-0.2 ms of host time and a small model's ops take about as long
+# to compute as to record (60-110 us), so short pieces pay. On a TPU v5e a fused launch takes
+# 0.3-0.6 ms of host time while a small model's ops compute in microseconds: a piece must be long for
+# its launch to be a small share of the host's work (128 ops take about 9 ms to record there).
+_MIN_CUT_OPS = {"tpu": 128}
+_DEFAULT_MIN_CUT_OPS = 8
+
+
+def policy_for(min_ops: int) -> CutPolicy:
+    """Cut points one window in 16, or for long pieces one in min_ops / 2: candidates stay sparse
+    beyond the minimum, so where a piece ends still depends on its content more than on where the
+    previous piece ended (a tiny Llama's decoder layer of 47 ops is cut once on the CPU)."""
+    return CutPolicy(min_ops, max(4, min_ops.bit_length() - 2))
+
+
+def cut_policy() -> CutPolicy:
+    """The policy in force: `HF_TPU_EARLY_FLUSH_MIN_OPS`, else the platform's; read at the first
+    deferred op of the process (a policy that changed meanwhile would cut known work anew)."""
+    global _cut
+    if _cut is None:
+        min_ops = _settings.get("HF_TPU_EARLY_FLUSH_MIN_OPS") \
+            or _MIN_CUT_OPS.get(platform.name(), _DEFAULT_MIN_CUT_OPS)
+        _cut = policy_for(min_ops)
+    return _cut
+
+
+_cut: CutPolicy | None = None
+
+# A number for each (program, wiring) a node has had: a graph's structure is the tuple of its nodes'
+# numbers, cheap to hash and compare at every flush. A program is built once per call key and compares
+# as itself, so equal numbers mean the same op on the same operands. It grows as the programs and the
+# fused graphs do, with the distinct work a process runs.
+_NODE_CONTENTS: dict = {}
+
+# the reasons of the flushes a graph makes itself, as `metrics()["flushes_by_reason"]` counts them
+CUT_POINT = "a cut point"
+GRAPH_SIZE_CAP = "the graph reached HF_TPU_MAX_GRAPH_OPS"
 
 
 class _Graph:
@@ -48,22 +100,27 @@ class _Graph:
 
     def __init__(self, device_index: int):
         self.device_index = device_index
-        self.nodes = []  # (program, key, wiring, scalars, rng)
+        self.nodes = []  # (program, wiring, scalars, rng)
+        self.contents = []  # each node's number in `_NODE_CONTENTS`
         self.inputs = []  # concrete arrays read by the graph
         self.input_ids = {}  # id(array) -> input position
         self.window = 0  # the last _WINDOW ops' content hashes, overlapping
         self.cut_due = False
+        cut = _cut or cut_policy()
+        self.min_cut_ops, self.cut_shift = cut.min_ops, 32 - cut.bits
 
     def wire(self, array):
-        if array is None:  # an uninitialised buffer: the program makes it
-            return ("u",)
+        """Where an op's operand comes from: ("n", node, index) for a result of this graph's node,
+        ("i", position) for an input, ("u",) for an uninitialised buffer."""
         if type(array) is buffer.Lazy:
             if array.graph is self:
-                return ("n", array.node, array.index)
+                return array.edge
             if array.concrete is None:  # a result pending on another device's graph
                 buffer.flush("an op used a result pending on another device")
             # computed by a flush since the op read its operands (another device's, or the size cap's)
             array = array.concrete
+        elif array is None:  # an uninitialised buffer: the program makes it
+            return ("u",)
         position = self.input_ids.get(id(array))
         if position is None:
             position = self.input_ids[id(array)] = len(self.inputs)
@@ -76,7 +133,7 @@ class _Fused:
 
     def __init__(self, nodes, outputs, donated):
         self.programs = [node[0] for node in nodes]
-        self.wirings = [node[2] for node in nodes]
+        self.wirings = [node[1] for node in nodes]
         self.outputs = outputs
         self.donated = donated
         self.jitted = jax.jit(self._run, donate_argnums=(0,) if donated else ())
@@ -113,36 +170,37 @@ class Deferred:
         if graph is None:
             graph = self.graphs[device_index] = _Graph(device_index)
         elif graph.cut_due or len(graph.nodes) >= MAX_GRAPH_OPS:
-            self.sync(f"a cut point after {len(graph.nodes)} ops" if graph.cut_due
-                      else f"the graph reached HF_TPU_MAX_GRAPH_OPS={MAX_GRAPH_OPS} ops")
+            self.sync(CUT_POINT if graph.cut_due else GRAPH_SIZE_CAP)
             graph = self.graphs[device_index] = _Graph(device_index)
-        wiring = tuple(graph.wire(a) for a in arrays)
+        wire = graph.wire
+        wiring = tuple([a.edge if type(a) is Lazy and a.graph is graph else wire(a) for a in arrays])
         n = len(graph.nodes)
-        graph.nodes.append((program, key, wiring, tuple(scalars), rng))
+        graph.nodes.append((program, wiring, tuple(scalars), rng))
+        content = _NODE_CONTENTS.get((program, wiring))
+        if content is None:
+            content = _NODE_CONTENTS[(program, wiring)] = len(_NODE_CONTENTS)
+        graph.contents.append(content)
         if EARLY_FLUSH:
             graph.window = ((graph.window << 8) ^ program.content_hash) & _WINDOW_MASK
             # Knuth's multiplicative hash spreads the window over the top bits, which decide the cut
             spread = (graph.window * 0x9E3779B1) & 0xFFFFFFFF
-            graph.cut_due = n + 1 >= _MIN_CUT_OPS and spread >> (32 - _CUT_BITS) == 0
-        results = []
-        for j, spec in enumerate(program.out_specs):
-            if spec[0] == "mutated":
-                shape, dtype = spec[2], spec[3]
-            else:
-                shape, dtype = spec[0], dtypes.to_jax(spec[1])
-            results.append(buffer.Lazy(shape, dtype, graph, n, j))
-        return results
+            graph.cut_due = n + 1 >= graph.min_cut_ops and spread >> graph.cut_shift == 0
+        return [Lazy(shape, dtype, graph, n, j) for j, (shape, dtype) in enumerate(program.result_layouts)]
 
     def sync(self, reason: str) -> None:
         graphs, self.graphs = self.graphs, {}
         if not any(g.nodes for g in graphs.values()):
             return
         holders = {}
-        for buf in list(buffer.pending):
+        running = graphs.values()
+        seen = set()
+        pending = buffer.take_pending()
+        for buf in pending:
             value = buf._array
-            if type(value) is buffer.Lazy and value.graph in graphs.values():
+            # a buffer is listed each time it took a result; one released since holds None
+            if type(value) is Lazy and value.graph in running and id(buf) not in seen:
+                seen.add(id(buf))
                 holders.setdefault(id(value), (value, []))[1].append(buf)
-        buffer.pending.clear()
         for graph in graphs.values():
             if graph.nodes:
                 # a deterministic output order, so the same work finds the same cached program
@@ -151,9 +209,11 @@ class Deferred:
                 self._run(graph, mine, reason)
 
     def _run(self, graph: _Graph, holders, reason: str):
+        # counted without what a reason names in parentheses (a value's shape), so that reasons add up
+        _counters["flushes_by_reason"][reason.split(" (", 1)[0]] += 1
         outputs = tuple((value.node, value.index) for value, _ in holders)
         donated = self._donatable(graph, [value for value, _ in holders])
-        structure = (tuple((node[1], node[2]) for node in graph.nodes), outputs, donated)
+        structure = (tuple(graph.contents), outputs, donated)
         key = (structure, tuple((a.shape, a.dtype) for a in graph.inputs))
         fused = self.cache.get(key)
         if fused is None:
@@ -168,8 +228,8 @@ class Deferred:
             _counters["compile_cache_hits_by_mode"][self.counter_key] += 1
         if buffer.sharded_arrays_exist:  # a sharded tensor (hf_tpu.distributed) may meet single-chip ones
             graph.inputs = buffer.place_together(graph.inputs)
-        scalars = [node[3] for node in graph.nodes]
-        rngs = [node[4] for node in graph.nodes]
+        scalars = [node[2] for node in graph.nodes]
+        rngs = [node[3] for node in graph.nodes]
         try:
             if graph.inputs:
                 results = fused(graph.inputs, scalars, rngs)
