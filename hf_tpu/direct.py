@@ -85,9 +85,11 @@ def reset() -> None:
 
 
 def _plain_object(x) -> bool:
-    """An object whose attributes are searched for state tensors."""
+    """An object whose attributes are searched for state tensors: not JAX's own objects (a sharded cache's
+    device mesh), which hold no tpu tensor and fill caches of their own when read."""
     return hasattr(x, "__dict__") and not isinstance(
-        x, (type, types.ModuleType, types.FunctionType, types.MethodType, functools.partial, enum.Enum))
+        x, (type, types.ModuleType, types.FunctionType, types.MethodType, functools.partial, enum.Enum)
+    ) and not type(x).__module__.startswith(("jax.", "jaxlib."))
 
 
 def _function_parts(fn) -> tuple:
@@ -341,6 +343,9 @@ def _trace(name: str, run, inputs: _Inputs, arrays: list) -> _Program:
     """Run `run()` once with every input buffer holding a tracer; the program it makes."""
     live = buffer.allocator.live
     before = {address: buf._array for address, buf in list(live.items())}
+    # each input buffer's own array, which it holds again after the trace (`arrays` may be copies placed
+    # on a sharded model's mesh, for the program only)
+    own = [buf._array for buf in inputs.buffers]
     first_new_address = buffer.allocator.next_address
     inputs_by_id = {id(buf) for buf in inputs.buffers}
     python_state = inputs.snapshot()
@@ -371,7 +376,7 @@ def _trace(name: str, run, inputs: _Inputs, arrays: list) -> _Program:
         finally:
             torch.compiler._is_compiling_flag = compiling
             modes.replace_current(saved_mode)
-            for buf, array in zip(inputs.buffers, arrays):
+            for buf, array in zip(inputs.buffers, own):
                 buf.array = array
             changes = _python_state_changes(python_state)
             if changes:
