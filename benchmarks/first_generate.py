@@ -11,6 +11,7 @@ programs made of it); `--compare` runs the pair of processes again with `HF_TPU_
 the same machine load.
 
 Run: python -m benchmarks.first_generate [--hidden 512 --layers 8 --prompt 128 --lengths 128,1024] [--compare]
+     python -m benchmarks.first_generate --size 1b --lengths 128,1024,4096   (on a TPU: the chip benchmark's model)
 """
 
 from __future__ import annotations
@@ -25,13 +26,30 @@ import tempfile
 import time
 
 
+# `--size 1b` is the chip benchmark's 1.1B Llama in bfloat16 (`benchmarks.chip`); `custom` the one of
+# --hidden, --layers and --vocab in float32
+_DTYPES = {"custom": None, "1b": "bfloat16"}
+
+
+def _config(args):
+    from transformers import LlamaConfig
+
+    if args.size == "1b":
+        from benchmarks.chip import _LLAMA_1B
+
+        return LlamaConfig(**_LLAMA_1B, attn_implementation="sdpa")
+    return LlamaConfig(hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
+                       num_attention_heads=8, num_key_value_heads=4, vocab_size=args.vocab,
+                       max_position_embeddings=8192)
+
+
 def _worker(args) -> None:
     import torch
     from jax._src import monitoring
 
     import hf_tpu
     from benchmarks.common import timeit
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     phases = collections.defaultdict(lambda: collections.defaultdict(float))
     names = {"jaxpr_trace_duration": "trace", "jaxpr_to_mlir_module_duration": "lowering",
@@ -45,10 +63,9 @@ def _worker(args) -> None:
 
     monitoring.register_event_duration_secs_listener(on_duration)
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
-                         num_attention_heads=8, num_key_value_heads=4, vocab_size=args.vocab,
-                         max_position_embeddings=8192)
-    model = LlamaForCausalLM(config).eval().to("tpu")
+    dtype = getattr(torch, _DTYPES[args.size]) if _DTYPES[args.size] else None
+    model = LlamaForCausalLM._from_config(_config(args), dtype=dtype).eval().to("tpu")
+    vocab = model.config.vocab_size
     sync = torch.tpu.synchronize
 
     def generate(ids, new_tokens):
@@ -56,7 +73,7 @@ def _worker(args) -> None:
             out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
         return out.cpu()
 
-    ids = torch.randint(0, args.vocab, (1, args.prompt)).to("tpu")
+    ids = torch.randint(0, vocab, (1, args.prompt)).to("tpu")
     hf_tpu.reset_metrics()
     start = time.perf_counter()
     generate(ids, 1)
@@ -69,7 +86,7 @@ def _worker(args) -> None:
     compiled = torch.compile(model, backend="tpu")
     ttft = []
     for length in args.lengths:
-        prompt = torch.randint(0, args.vocab, (1, length)).to("tpu")
+        prompt = torch.randint(0, vocab, (1, length)).to("tpu")
 
         def forward():
             with torch.no_grad():
@@ -85,7 +102,7 @@ def _worker(args) -> None:
 
 def _run(args, cache: str, direct: bool = True, lengths=None) -> dict:
     lengths = args.lengths if lengths is None else lengths
-    command = [sys.executable, "-m", "benchmarks.first_generate", "--worker", "--hidden", str(args.hidden),
+    command = [sys.executable, "-m", "benchmarks.first_generate", "--worker", "--size", args.size, "--hidden", str(args.hidden),
                "--layers", str(args.layers), "--vocab", str(args.vocab), "--prompt", str(args.prompt),
                "--lengths", ",".join(map(str, lengths))]
     env = {**os.environ, "HF_TPU_CACHE_DIR": cache, "HF_TPU_DIRECT_TRACE": "1" if direct else "0"}
@@ -95,6 +112,8 @@ def _run(args, cache: str, direct: bool = True, lengths=None) -> dict:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", choices=sorted(_DTYPES), default="custom",
+                        help="1b: the chip benchmark's 1.1B Llama in bfloat16 (--hidden, --layers, --vocab unused)")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=2048)
@@ -116,7 +135,9 @@ def main(argv=None) -> None:
                 # the warm time to first token is the same program either way: measured once
                 lengths = args.lengths if direct else []
                 runs[path].append(_run(args, os.path.join(root, path), direct, lengths))
-    print(f"Llama hidden {args.hidden}, {args.layers} layers, prompt {args.prompt}")
+    config = _config(args)
+    print(f"Llama hidden {config.hidden_size}, {config.num_hidden_layers} layers, prompt {args.prompt}"
+          f"{', bfloat16' if _DTYPES[args.size] else ''}")
     print(table(["generate() traced by", "process", "first token s", "first 9-token decode s", "XLA compiles",
                  "disk cache hits"],
                 [[path, name, f"{r['first_token']:.2f}", f"{r['decode_first']:.2f}", r["xla_compiles"],
