@@ -4,6 +4,7 @@ the unsharded model's outputs and training step. The in-process tests use the tw
 simulates; the 1/2/4/8-chip and 2 x 4 checks run this file as a script with 8 simulated chips."""
 
 import gc
+import logging
 import os
 import subprocess
 import sys
@@ -398,3 +399,29 @@ def test_diffusers_tensor_parallel_rejects_bad_degrees_before_loading(tmp_path):
     with pytest.raises(ValueError, match="does not divide num_attention_heads=3"):
         FluxTransformer2DModel.from_pretrained(tmp_path, parallel_config=TensorParallelConfig(tp_degree=2))
     assert chip_memory() == before
+
+
+# (in this file, not tests/core: once a sharded array exists, a process's eager ops take the Python path)
+def test_inputs_of_a_sharded_call_keep_their_own_arrays_after_a_fallback(caplog):
+    """A call meeting a sharded tensor runs on copies of its single-chip inputs placed on the mesh; a trace
+    that then falls back leaves every input holding its own array, not those copies (which, shared by the
+    eager fallback's programs, were donated twice)."""
+    from hf_tpu.memory import buffer
+
+    caplog.set_level(logging.WARNING, logger="hf_tpu.compile")
+    mesh = dist.mesh((2,), ("tp",))
+    weight = dist.shard(torch.randn(4, 4), mesh, ("tp", None))
+    counter = {"calls": 0}
+    single = torch.ones(4, device="tpu")
+
+    def counted(x):
+        counter["calls"] += 1  # a Python side effect: the call falls back
+        return weight @ x + single
+
+    x = torch.randn(4, device="tpu")
+    torch.tpu.synchronize()  # defer-and-fuse: `single` holds its computed array, not a pending one
+    own = buffer.buffer_of(single).array
+    out = hf_tpu.jit(counted)(x)
+    assert buffer.buffer_of(single).array is own and counter["calls"] == 1
+    assert sum("runs without hf_tpu.jit's trace" in r.getMessage() for r in caplog.records) == 1
+    torch.testing.assert_close(out.cpu(), weight.cpu() @ x.cpu() + 1)

@@ -268,30 +268,6 @@ def test_a_loop_with_state_that_cannot_be_traced_still_computes_the_python_loop(
     assert any("compiles its step with torch.compile instead" in r.getMessage() for r in caplog.records)
 
 
-def test_inputs_of_a_sharded_call_keep_their_own_arrays_after_a_fallback(fallbacks):
-    """A call meeting a sharded tensor runs on copies of its single-chip inputs placed on the mesh; a trace
-    that then falls back leaves every input holding its own array, not those copies (which, shared by the
-    eager fallback's programs, were donated twice)."""
-    import hf_tpu.distributed as dist
-
-    mesh = dist.mesh((2,), ("tp",))
-    weight = dist.shard(torch.randn(4, 4), mesh, ("tp", None))
-    counter = {"calls": 0}
-    single = torch.ones(4, device="tpu")
-
-    def counted(x):
-        counter["calls"] += 1  # a Python side effect: the call falls back
-        return weight @ x + single
-
-    x = torch.randn(4, device="tpu")
-    torch.tpu.synchronize()  # defer-and-fuse: `single` holds its computed array, not a pending one
-    own = buffer.buffer_of(single).array
-    out = hf_tpu.jit(counted)(x)
-    assert buffer.buffer_of(single).array is own and counter["calls"] == 1
-    assert len(fallbacks()) == 1
-    torch.testing.assert_close(out.cpu(), weight.cpu() @ x.cpu() + 1)
-
-
 def test_a_jax_object_in_the_state_is_not_searched(model, fallbacks):
     """A tensor-parallel cache holds its device mesh; JAX's mesh fills caches of its own when read, which the
     trace took for a Python state change (and fell back)."""
