@@ -37,6 +37,8 @@ Run: python -m benchmarks.chip                              (the 1.1B and MoE mo
 from __future__ import annotations
 
 import argparse
+import collections
+import functools
 import json
 import os
 import queue
@@ -225,6 +227,29 @@ def _first_call(fn) -> float:
     return time.perf_counter() - start
 
 
+_xla_compile_seconds = collections.Counter()
+
+
+@functools.cache
+def _time_xla_compiles() -> None:
+    """From now on, `_xla_compile_seconds["total"]` adds up the seconds XLA's backend compiles, as JAX times it."""
+    from jax._src import monitoring
+
+    def on_duration(event, seconds, **kwargs):
+        if event.endswith("backend_compile_duration"):
+            _xla_compile_seconds["total"] += seconds
+
+    monitoring.register_event_duration_secs_listener(on_duration)
+
+
+def _first_call_and_compile(fn) -> tuple[float, float]:
+    """(seconds of the first call of `fn`, of them the seconds XLA's backend compiled): what a first call pays
+    beyond XLA (tracing, Dynamo, lowering) is the difference."""
+    _time_xla_compiles()
+    before = _xla_compile_seconds["total"]
+    return _first_call(fn), _xla_compile_seconds["total"] - before
+
+
 def _step_seconds(generate, ids, steps: int, iters: int) -> tuple[float, float]:
     """(seconds a decode step takes, seconds of the first call): `generate()` of 2 and of 1 + `steps` new tokens
     timed in turns, the difference divided by `steps - 1`. Both fill the same static cache length, so they run
@@ -355,9 +380,9 @@ def _group_forward(spec: dict, rows: _Rows) -> None:
             continue
         forward = _compiled_forward(compiled, _ids(spec["model"]["vocab_size"], batch, length).to("tpu"))
         try:
-            first = _first_call(forward)
+            first, xla = _first_call_and_compile(forward)
             rows.emit("forward", side="hf-tpu", batch=batch, length=length,
-                      seconds=_median_seconds(forward, spec["iters"]), first_call=first)
+                      seconds=_median_seconds(forward, spec["iters"]), first_call=first, xla_compile=xla)
             _profile(rows, forward, side="hf-tpu", batch=batch, length=length)
         except torch.OutOfMemoryError as e:
             rows.out_of_memory(row, e)
@@ -478,9 +503,9 @@ def _group_torchax(spec: dict, rows: _Rows) -> None:
                 jax.block_until_ready(logits.jax())
 
             try:
-                first = _first_call(forward)
+                first, xla = _first_call_and_compile(forward)
                 rows.emit("forward", side="torchax", batch=batch, length=length,
-                          seconds=_median_seconds(forward, spec["iters"]), first_call=first)
+                          seconds=_median_seconds(forward, spec["iters"]), first_call=first, xla_compile=xla)
                 _profile(rows, forward, side="torchax", batch=batch, length=length)
             except Exception as e:  # noqa: BLE001  (torchax raises JAX's own error for memory)
                 if "RESOURCE_EXHAUSTED" not in str(e):
@@ -597,7 +622,8 @@ def describe(row: dict, spec: dict, limits: dict | None = None) -> str:
         flops = forward_flops(spec["model"], row["batch"], row["length"]) / row["seconds"]
         return (f"[{row['group']}] {row['side']} forward {shape}: {row['seconds'] * 1e3:.2f} ms "
                 f"({flops / 1e12:.1f} TFLOP/s{f', MFU {100 * flops / peak:.0f}%' if peak else ''}), "
-                f"first call {row['first_call']:.1f} s")
+                f"first call {row['first_call']:.1f} s"
+                + (f" (XLA compile {row['xla_compile']:.1f} s)" if "xla_compile" in row else ""))
     if section == "eager":
         return (f"[eager] {row['mode']} forward {shape}: {row['seconds'] * 1e3:.1f} ms, "
                 f"first call {row['first_call']:.1f} s")
