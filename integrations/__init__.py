@@ -43,6 +43,7 @@ ADAPTERS = {
     "accelerate.accelerator": "hf_tpu.integrations.accelerate",
     "accelerate.utils.dataclasses": "hf_tpu.integrations.accelerate",
     "sentence_transformers.base.modules.transformer": "hf_tpu.integrations.sentence_transformers",
+    "sentence_transformers.base.model": "hf_tpu.integrations.sentence_transformers",
 }
 
 

@@ -1,4 +1,4 @@
-"""Sentence Transformers on `tpu`: each batch of text padded to a bucket length, and the encoder run as one
+"""Sentence Transformers on `tpu`: each batch of text padded to a bucket length, and the model run as one
 program per shape.
 
 `SentenceTransformer.encode` sorts its inputs by length and pads each batch to its longest text, so every
@@ -13,14 +13,15 @@ types. The encoder masks those positions out of attention, pooling reads the mas
 are cut at the mask, so the results are the unpadded batch's. A batch is left as it is when it is not text
 with an attention mask, holds another per-token input, or would outgrow the model's positions.
 
-Without gradients, the encoder's forward runs as one program per batch shape, traced straight from Python
+Without gradients, the model's forward (`BaseModel.forward`: the encoder and the modules after it, pooling
+and normalisation among them) runs as one program per batch shape, traced straight from Python
 (`hf_tpu.jit`), instead of op by op: a first pass then compiles a program per bucket and batch size, not every
-op of the encoder for each of them, and a later pass launches one program per batch.
+op of the model for each of them, and a later pass launches one program per batch (100 sentences: 3
+programs, where tracing the encoder alone left 24 more for the ops after it).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -114,42 +115,41 @@ def _wrap_preprocess(original):
     return preprocess
 
 
-def _encoder_forward(model, args, kwargs):
-    # the class's forward, not `model.forward` (the traced one, for the call)
-    return type(model).forward(model, *args, **kwargs)
+# `BaseModel.forward` as Sentence Transformers defines it, set when the adapter replaces it
+_untraced_forward = None
 
 
-# one traced function for every encoder: its programs are keyed by the call, the model's type among it
-_traced_encoder_forward = hf_tpu.jit(_encoder_forward)
+def _model_forward(model, features: dict, kwargs: dict):
+    # the modules add their outputs to the features they are given: to a copy made inside the trace, which
+    # the program returns, not to its argument
+    return _untraced_forward(model, dict(features), **kwargs)
 
 
-@contextlib.contextmanager
-def _encoder_traced(model):
-    """For the call, `model.forward` (what Sentence Transformers calls) runs the traced forward."""
-    model.__dict__["forward"] = lambda *args, **kwargs: _traced_encoder_forward(model, args, kwargs)
-    try:
-        yield
-    finally:
-        model.__dict__.pop("forward", None)
+# one traced function for every model: its programs are keyed by the call, the model (its type and modules)
+# among it
+_traced_model_forward = hf_tpu.jit(_model_forward)
 
 
-def _wrap_forward(original):
+def _wrap_model_forward(original):
+    global _untraced_forward
+    _untraced_forward = original
+
     @functools.wraps(original)
     def forward(self, features, **kwargs):
-        model = getattr(self, "model", None)
-        if (not isinstance(model, torch.nn.Module) or "forward" in model.__dict__ or not _on_tpu(self)
-                or torch.is_grad_enabled()):
-            return original(self, features, **kwargs)  # training, or another device: as it is
-        with _encoder_traced(model):
-            return original(self, features, **kwargs)
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or not _on_tpu(self):
+            return original(self, features, **kwargs)  # training, a trace already, or another device: as it is
+        # a plain dict: the tokenizer's BatchEncoding is unhashable, so it could not key a program
+        return _traced_model_forward(self, dict(features), kwargs)
 
     forward._hf_tpu = True
     return forward
 
 
 def install(module) -> None:
+    if module.__name__ == "sentence_transformers.base.model":
+        if not getattr(module.BaseModel.forward, "_hf_tpu", False):
+            module.BaseModel.forward = _wrap_model_forward(module.BaseModel.forward)
+        return
     transformer = module.Transformer
     if not getattr(transformer.preprocess, "_hf_tpu", False):
         transformer.preprocess = _wrap_preprocess(transformer.preprocess)
-    if not getattr(transformer.forward, "_hf_tpu", False):
-        transformer.forward = _wrap_forward(transformer.forward)

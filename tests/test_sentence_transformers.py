@@ -77,9 +77,10 @@ def test_buckets_can_be_turned_off(monkeypatch):
         adapter.bucketed_length(5, None)
 
 
-def test_the_encoder_runs_as_one_program_per_batch_shape(checkpoint, monkeypatch):
-    """Without gradients the encoder's forward is traced into one program (`hf_tpu.jit`): a warm batch
-    dispatches only the ops around it (pooling, normalisation), not every op of every layer."""
+def test_the_model_runs_as_one_program_per_batch_shape(checkpoint, monkeypatch):
+    """Without gradients the model's forward (encoder, pooling, normalisation) is traced into one program
+    (`hf_tpu.jit`): a warm batch dispatches no op of its own (only the program), where op by op it dispatches
+    every op of every layer, and a first pass compiles one program per batch shape."""
     tpu = _model(checkpoint, "tpu")
     sentences = _sentences([3, 9, 5, 12])
 
@@ -90,5 +91,5 @@ def test_the_encoder_runs_as_one_program_per_batch_shape(checkpoint, monkeypatch
         return hf_tpu.metrics()["ops_dispatched"]
 
     traced = ops_of_a_warm_encode()
-    monkeypatch.setattr(adapter, "_traced_encoder_forward", adapter._encoder_forward)  # op by op
-    assert traced < 20 < ops_of_a_warm_encode(), traced
+    monkeypatch.setattr(adapter, "_traced_model_forward", adapter._model_forward)  # op by op
+    assert traced == 0 and ops_of_a_warm_encode() > 20, traced
