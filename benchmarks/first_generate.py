@@ -82,6 +82,9 @@ def _worker(args) -> None:
     generate(ids, 9)  # the decode loop compiles here
     decode_first = time.perf_counter() - start
     metrics = hf_tpu.metrics()
+    print(f"first generate(): first token {first_token:.2f} s, first 9-token decode {decode_first:.2f} s, "
+          f"{metrics['xla_compiles']} XLA compiles, {metrics['disk_cache_hits']} from the disk cache",
+          file=sys.stderr, flush=True)  # at once: the time-to-first-token rows after it compile more
     first_call_phases = {name: dict(p) for name, p in phases.items()}  # not the compiles timed below
     compiled = torch.compile(model, backend="tpu")
     ttft = []
