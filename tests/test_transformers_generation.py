@@ -115,6 +115,22 @@ def test_static_cache_by_default_and_no_compiles_on_a_second_call(models):
     assert torch.equal(again.sequences.cpu(), out.sequences.cpu())
 
 
+def test_one_new_token_shares_the_prefill_of_longer_calls(checkpoint, monkeypatch):
+    """A prompt of a bucket length asking for one token gets the static cache (and the prefill program) of
+    calls asking for a few more, so a first one-token call leaves nothing to compile for them but decoding.
+    (A fresh model: Transformers reuses a model's earlier cache where it is long enough.)"""
+    from transformers import AutoModelForCausalLM
+
+    tpu = AutoModelForCausalLM.from_pretrained(checkpoint, device_map="tpu")
+    monkeypatch.setattr(adapter.settings, "cache_length_multiple", 16)
+    length = adapter.settings.prompt_buckets[0]
+    prompt = torch.randint(3, 128, (1, length)).to("tpu")
+    one = tpu.generate(prompt, max_new_tokens=1, do_sample=False, return_dict_in_generate=True)
+    six = tpu.generate(prompt, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    assert one.cache.layers[0].max_cache_len == six.cache.layers[0].max_cache_len == -(-(length + 1) // 16) * 16
+    assert torch.equal(six.sequences[:, :length + 1].cpu(), one.sequences.cpu())
+
+
 def test_sliding_window_models_keep_the_dynamic_cache(tmp_path):
     """A static sliding-window layer counts its length in a Python int that Dynamo guards on: the compiled
     step would recompile for every token up to Dynamo's limit. Such a model keeps Transformers' dynamic
