@@ -391,12 +391,23 @@ def _frame_name() -> str:
     return name.rsplit("<locals>.", 1)[-1]
 
 
-# when Dynamo last started compiling a frame: the compile log counts a graph's capture from there
+# (compile id, time) of the frame compile Dynamo last started: the compile log counts a graph's capture from there
 _dynamo_started = [None]
 
 
 def _note_dynamo_start(args) -> None:
-    _dynamo_started[0] = time.perf_counter()
+    _dynamo_started[0] = (args.compile_id, time.perf_counter())
+
+
+def _capture_started() -> float:
+    """When Dynamo began compiling the frame whose graph the backend is given; now where that is not known.
+    Dynamo runs its start callbacks only when no other compile is pending, so a frame compiled while one is
+    (or after one that never closed) has no start of its own: the last one noted belongs to another frame,
+    possibly minutes old (a 6-node graph was logged as 74 s of capture)."""
+    noted = _dynamo_started[0]
+    if noted is not None and noted[0] == str(torch._guards.CompileContext.current_compile_id()):
+        return noted[1]
+    return time.perf_counter()
 
 
 def _mutated_inputs(gm: torch.fx.GraphModule, example_inputs) -> tuple:
@@ -470,7 +481,7 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     frame = _frame_name()
     names = _input_names(gm)
     # from Dynamo's start to the end of the forward graph's first XLA compile, at its first call
-    started = _dynamo_started[0] if _dynamo_started[0] is not None else time.perf_counter()
+    started = _capture_started()
     pending = compile_log.begin(f"the torch.compile graph of `{frame}`", "torch.compile", "_trace", started,
                                 captured=True)
 

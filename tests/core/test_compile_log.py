@@ -65,6 +65,20 @@ def test_a_torch_compile_graph_is_named_with_its_inputs_and_the_next_announced(c
     assert "x float32[4, 3]" in lines[-1] or any("x float32[4, 3]" in line for line in lines)
 
 
+def test_a_graph_compiled_while_another_compile_is_pending_is_not_timed_from_that_ones_start(compile_records):
+    """Dynamo runs its start callbacks only when no other compile is pending: a frame compiled meanwhile has no
+    start of its own, and the one noted last (here a minute old) belongs to another frame."""
+    from torch._dynamo.callback import CallbackTrigger
+
+    from hf_tpu import compile as tpu_compile
+
+    compiled = torch.compile(lambda x: torch.cos(x) * 3, backend="tpu")
+    with torch._dynamo.callback_handler.install_callbacks(CallbackTrigger.DYNAMO, "another frame"):
+        tpu_compile._dynamo_started[0] = ("another frame", time.perf_counter() - 60)
+        compiled(torch.randn(5, device="tpu"))
+    assert compile_records() == []  # nothing slow: not 60 s of capture
+
+
 @pytest.mark.parametrize("value", ["-1", "soon", "inf"])
 def test_the_threshold_must_be_a_number_of_seconds(monkeypatch, value):
     from hf_tpu import settings
