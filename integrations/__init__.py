@@ -32,6 +32,7 @@ ADAPTERS = {
     "transformers.generation.utils": "hf_tpu.integrations.transformers",
     "transformers.trainer": "hf_tpu.integrations.transformers",
     "transformers.training_args": "hf_tpu.integrations.transformers",
+    "transformers.integrations.sdpa_attention": "hf_tpu.integrations.transformers",
     "transformers.generation.continuous_batching.cache": "hf_tpu.integrations.transformers",
     "transformers.generation.continuous_batching.initialization": "hf_tpu.integrations.transformers",
     "diffusers.schedulers.scheduling_utils": "hf_tpu.integrations.diffusers",

@@ -1,4 +1,5 @@
-"""`attn_implementation="tpu"` for Transformers: attention through `torch.ops.hf_tpu.flash_attention`.
+"""`attn_implementation="tpu"` for Transformers: attention through `torch.ops.hf_tpu.flash_attention`; and
+grouped key/value heads passed to SDPA as they are on `tpu` (`attn_implementation="sdpa"`).
 
 The op takes grouped key/value heads as they are (no `repeat_kv`), soft-capping (Gemma 2) and
 sliding windows, and on `tpu` never materialises the (query, key) scores. Masks are built as for
@@ -58,6 +59,19 @@ def tpu_attention_forward(
         softcap=softcap or 0.0,
     )
     return attn_output.transpose(1, 2).contiguous(), None
+
+
+def _wrap_use_gqa_in_sdpa(original):
+    """On `tpu`, Transformers' SDPA attention passes grouped key/value heads as they are (`enable_gqa=True`),
+    with a mask too, as it does on XPU: `tpu`'s SDPA computes them without repeating them per query head.
+    Elsewhere Transformers repeats them (`repeat_kv`) whenever there is a mask, and in a traced or compiled
+    decode step (a mask over the static cache) that copy of the whole cache per group, in float32, was half of
+    a batch-64 step's time on a TPU."""
+
+    def use_gqa_in_sdpa(attention_mask, key, value):
+        return key.device.type == "tpu" or original(attention_mask, key, value)
+
+    return use_gqa_in_sdpa
 
 
 def register() -> None:

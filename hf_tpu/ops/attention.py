@@ -73,23 +73,36 @@ def _mask_broadcasts(attn_mask, query, key) -> bool:
     return attn_mask.dim() <= 4 and all(m in (1, f) for m, f in zip(reversed(attn_mask.shape), reversed(full)))
 
 
-def _fused_attention_applies(query, key, value, attn_mask, dropout_p) -> bool:
+def _fused_attention_applies(query, key, value, attn_mask, dropout_p, grouped: bool = False) -> bool:
     """Whether SDPA's fused CPU op computes this call: PyTorch's own conditions for it (4-D, one head size,
     no dropout, as many key as query heads), a mask that needs no gradient; everything else is left to the
     math path, which also raises PyTorch's errors for inputs it rejects. As on CPU, a mask may come with
-    `is_causal` (the math path refuses the pair)."""
+    `is_causal` (the math path refuses the pair). `grouped`: the same conditions, but with query heads a
+    multiple of the key heads (`enable_gqa`), for hf_tpu's grouped op instead."""
     if dropout_p != 0.0 or not torch.backends.cuda.flash_sdp_enabled():  # `sdpa_kernel` may exclude it
         return False
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return False
     if not query.dtype.is_floating_point or not query.dtype == key.dtype == value.dtype:
         return False
-    if key.shape != value.shape or query.shape[:2] != key.shape[:2] or query.shape[3] != key.shape[3]:
+    heads_fit = query.shape[1] % key.shape[1] == 0 if grouped else query.shape[1] == key.shape[1]
+    if key.shape != value.shape or query.shape[0] != key.shape[0] or not heads_fit or query.shape[3] != key.shape[3]:
         return False
     if attn_mask is None:
         return True
     return (not attn_mask.requires_grad and attn_mask.device == query.device
             and attn_mask.dtype in (torch.bool, query.dtype) and _mask_broadcasts(attn_mask, query, key))
+
+
+def _grouped_attention_applies(query, key, value, attn_mask, dropout_p, is_causal) -> bool:
+    """Whether hf_tpu's own op (below) computes an `enable_gqa` call: it takes the key/value heads as they
+    are, where PyTorch's math path repeats them for every query head (`repeat_interleave`, a copy of the keys
+    and values per group; in a decode step at batch 64 those copies, in float32, were half the step's time on
+    a TPU). The op aligns a causal pattern to the last keys, SDPA to the first: the two agree where the query
+    and key lengths do. A mask with `is_causal` is left to the math path, which raises PyTorch's error."""
+    if is_causal and (attn_mask is not None or query.shape[-2] != key.shape[-2]):
+        return False
+    return _fused_attention_applies(query, key, value, attn_mask, dropout_p, grouped=True)
 
 
 @backend_choice(aten.scaled_dot_product_attention.default)
@@ -103,6 +116,8 @@ def _scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0
         # the fused op's meta strides follow the query's; the math path's result, which callers (and
         # compiled graphs' views) expect here, is contiguous, as every tpu result already is
         return out.contiguous()
+    if enable_gqa and _grouped_attention_applies(query, key, value, attn_mask, dropout_p, is_causal):
+        return torch.ops.hf_tpu.flash_attention(query, key, value, attn_mask, scale, is_causal)
     return aten.scaled_dot_product_attention.default.decompose(
         query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
 

@@ -77,6 +77,9 @@ def install(module) -> None:
     if module.__name__ == "transformers.generation.continuous_batching.initialization":
         _patch(module, "resolve_max_memory_percent", continuous_batching._wrap_resolve_max_memory_percent)
         return
+    if module.__name__ == "transformers.integrations.sdpa_attention":
+        _patch(module, "use_gqa_in_sdpa", attention._wrap_use_gqa_in_sdpa)
+        return
     if module.__name__ == "transformers.modeling_utils":
         _patch(module.PreTrainedModel, "from_pretrained", from_pretrained.wrap)
         attention.register()

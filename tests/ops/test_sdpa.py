@@ -10,6 +10,7 @@ import hf_tpu
 from tests.util import assert_same, to_cpu
 
 FUSED = "ScaledDotProductFlashAttentionForCpuBackward0"
+GROUPED = "GeneratedBackwardFor_hf_tpu_flash_attention_defaultBackward"
 
 
 def qkv(*shapes, dtype=torch.float32):
@@ -27,39 +28,51 @@ def attend_and_grads(q, k, v, mask=None, **options):
     return out, torch.autograd.grad((out * out).sum(), wrt)
 
 
-# name: (query, key, value shapes; mask factory; options; whether the fused op computes it)
+# name: (query, key, value shapes; mask factory; options; the op computing it on tpu: FUSED, GROUPED (grouped
+# query heads, hf_tpu's op, which does not repeat the key/value heads) or None (the math path))
 CASES = {
-    "plain": (((2, 3, 5, 8), (2, 3, 7, 8), (2, 3, 7, 8)), None, {}, True),
-    "causal_top_left": (((2, 3, 4, 8), (2, 3, 6, 8), (2, 3, 6, 8)), None, {"is_causal": True}, True),
-    "scale": (((1, 2, 5, 4), (1, 2, 5, 4), (1, 2, 5, 4)), None, {"scale": 0.3}, True),
-    "additive_mask": (((2, 2, 5, 8), (2, 2, 7, 8), (2, 2, 7, 8)), lambda: torch.randn(5, 7), {}, True),
+    "plain": (((2, 3, 5, 8), (2, 3, 7, 8), (2, 3, 7, 8)), None, {}, FUSED),
+    "causal_top_left": (((2, 3, 4, 8), (2, 3, 6, 8), (2, 3, 6, 8)), None, {"is_causal": True}, FUSED),
+    "scale": (((1, 2, 5, 4), (1, 2, 5, 4), (1, 2, 5, 4)), None, {"scale": 0.3}, FUSED),
+    "additive_mask": (((2, 2, 5, 8), (2, 2, 7, 8), (2, 2, 7, 8)), lambda: torch.randn(5, 7), {}, FUSED),
     "bool_mask_broadcast": (((2, 2, 5, 8), (2, 2, 7, 8), (2, 2, 7, 8)), lambda: torch.rand(2, 1, 1, 7) > 0.3, {},
-                            True),
+                            FUSED),
     # rows with every key masked out give 0, as PyTorch's math path does
     "fully_masked_rows": (((1, 2, 3, 4), (1, 2, 5, 4), (1, 2, 5, 4)),
-                          lambda: torch.tensor([[True] * 5, [False] * 5, [True, False] * 2 + [True]]), {}, True),
+                          lambda: torch.tensor([[True] * 5, [False] * 5, [True, False] * 2 + [True]]), {}, FUSED),
     # CPU takes the pair (its fused kernel); the math path would refuse it
     "mask_with_causal": (((1, 2, 5, 8), (1, 2, 5, 8), (1, 2, 5, 8)), lambda: torch.randn(5, 5), {"is_causal": True},
-                         True),
-    "three_dims": (((4, 3, 8), (4, 6, 8), (4, 6, 8)), None, {}, False),
-    "value_head_dim_differs": (((2, 2, 5, 8), (2, 2, 7, 8), (2, 2, 7, 4)), None, {}, False),
-    "grouped_query_heads": (((2, 4, 5, 8), (2, 2, 7, 8), (2, 2, 7, 8)), None, {"enable_gqa": True}, False),
+                         FUSED),
+    "three_dims": (((4, 3, 8), (4, 6, 8), (4, 6, 8)), None, {}, None),
+    "value_head_dim_differs": (((2, 2, 5, 8), (2, 2, 7, 8), (2, 2, 7, 4)), None, {}, None),
+    "grouped_query_heads": (((2, 4, 5, 8), (2, 2, 7, 8), (2, 2, 7, 8)), None, {"enable_gqa": True}, GROUPED),
+    "grouped_query_heads_causal": (((2, 4, 6, 8), (2, 2, 6, 8), (2, 2, 6, 8)), None,
+                                   {"enable_gqa": True, "is_causal": True}, GROUPED),
+    # causal with other lengths: SDPA's top-left pattern, which hf_tpu's grouped op does not take
+    "grouped_query_heads_causal_top_left": (((2, 4, 3, 8), (2, 2, 6, 8), (2, 2, 6, 8)), None,
+                                            {"enable_gqa": True, "is_causal": True}, None),
+    # a decode step over a cache: one query, a mask hiding the unwritten positions
+    "grouped_query_heads_one_query_masked": (((3, 8, 1, 8), (3, 2, 9, 8), (3, 2, 9, 8)),
+                                             lambda: torch.arange(9).expand(3, 1, 1, 9) < torch.tensor([4, 9, 1])[:, None, None, None],
+                                             {"enable_gqa": True}, GROUPED),
+    "grouped_query_heads_additive_mask": (((2, 4, 5, 8), (2, 1, 7, 8), (2, 1, 7, 8)), lambda: torch.randn(2, 4, 5, 7),
+                                          {"enable_gqa": True}, GROUPED),
     # PyTorch's fused kernel has no gradient for the mask; the math path gives one
     "mask_requiring_grad": (((2, 2, 5, 8), (2, 2, 7, 8), (2, 2, 7, 8)),
-                            lambda: torch.randn(5, 7, requires_grad=True), {}, False),
+                            lambda: torch.randn(5, 7, requires_grad=True), {}, None),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_matches_cpu_forward_and_backward_on_the_path_cpu_would_take(case):
-    shapes, mask, options, fused = CASES[case]
+    shapes, mask, options, op = CASES[case]
     q, k, v = qkv(*shapes)
     mask = mask() if mask else None
     expected = attend_and_grads(q, k, v, mask, **options)
     tq, tk, tv, tmask = on_tpu([q, k, v, mask])
     hf_tpu.reset_metrics()
     out, grads = attend_and_grads(tq, tk, tv, tmask, **options)
-    assert (type(out.grad_fn).__name__ == FUSED) == fused
+    assert type(out.grad_fn).__name__ == op if op else type(out.grad_fn).__name__ not in (FUSED, GROUPED)
     assert_same((out, grads), expected)
     assert not hf_tpu.metrics()["cpu_fallbacks"]
 
