@@ -10,7 +10,7 @@ Each mode's iterations take turns with PyTorch's on CPU (`benchmarks.common.time
 "vs cpu" is to those CPU iterations: a change of the machine's speed hits both sides of that ratio alike.
 "vs strict" compares the modes' own times, measured one mode after the other.
 
-Run: python -m benchmarks.modes [--iters 20]
+Run: python -m benchmarks.modes [--iters 20] [--only a,c] [--modes DEFER_AND_FUSE]
 """
 
 from __future__ import annotations
@@ -95,7 +95,10 @@ def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--only", default="", help="comma-separated workload letters, e.g. a,c")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help="comma-separated modes to run (DEFER_NEVER, the baseline of 'vs strict', always runs)")
     args = p.parse_args(argv)
+    modes = [mode for mode in MODES if mode == "DEFER_NEVER" or mode in args.modes.split(",")]
     rows = []
     for name, model, make in workloads():
         if args.only and name[1] not in args.only.split(","):
@@ -104,7 +107,7 @@ def main(argv=None):
         for _ in range(2):
             cpu_step()
         results, cpu_times = {}, []
-        for mode in MODES:
+        for mode in modes:
             device_model = copy.deepcopy(model).to("tpu")
             step = make(device_model, "tpu", mode == "compile")
             if step is None:
