@@ -96,10 +96,11 @@ def _fused_attention_applies(query, key, value, attn_mask, dropout_p, grouped: b
 
 def _grouped_attention_applies(query, key, value, attn_mask, dropout_p, is_causal) -> bool:
     """Whether hf_tpu's own op (below) computes an `enable_gqa` call: it takes the key/value heads as they
-    are, where PyTorch's math path repeats them for every query head (`repeat_interleave`, a copy of the keys
-    and values per group; in a decode step at batch 64 those copies, in float32, were half the step's time on
-    a TPU). The op aligns a causal pattern to the last keys, SDPA to the first: the two agree where the query
-    and key lengths do. A mask with `is_causal` is left to the math path, which raises PyTorch's error."""
+    are, where PyTorch's math path repeats them for every query head (`repeat_interleave`: a copy of the keys
+    and values per group, as Transformers' `repeat_kv` makes; in a decode step at batch 64 such copies, in
+    float32, were half of the step's time on a TPU). The op aligns a causal pattern to the last keys, SDPA to
+    the first: the two agree where the query and key lengths do. A mask with `is_causal` is left to the math
+    path, which raises PyTorch's error."""
     if is_causal and (attn_mask is not None or query.shape[-2] != key.shape[-2]):
         return False
     return _fused_attention_applies(query, key, value, attn_mask, dropout_p, grouped=True)
