@@ -37,8 +37,6 @@ Run: python -m benchmarks.chip                              (the 1.1B and MoE mo
 from __future__ import annotations
 
 import argparse
-import collections
-import functools
 import json
 import os
 import queue
@@ -227,27 +225,15 @@ def _first_call(fn) -> float:
     return time.perf_counter() - start
 
 
-_xla_compile_seconds = collections.Counter()
-
-
-@functools.cache
-def _time_xla_compiles() -> None:
-    """From now on, `_xla_compile_seconds["total"]` adds up the seconds XLA's backend compiles, as JAX times it."""
-    from jax._src import monitoring
-
-    def on_duration(event, seconds, **kwargs):
-        if event.endswith("backend_compile_duration"):
-            _xla_compile_seconds["total"] += seconds
-
-    monitoring.register_event_duration_secs_listener(on_duration)
-
-
 def _first_call_and_compile(fn) -> tuple[float, float]:
     """(seconds of the first call of `fn`, of them the seconds XLA's backend compiled): what a first call pays
     beyond XLA (tracing, Dynamo, lowering) is the difference."""
-    _time_xla_compiles()
-    before = _xla_compile_seconds["total"]
-    return _first_call(fn), _xla_compile_seconds["total"] - before
+    from benchmarks.common import jax_compile_phases
+
+    phases = jax_compile_phases()
+    xla = lambda: sum(phase.get("XLA", 0.0) for phase in phases.values())
+    before = xla()
+    return _first_call(fn), xla() - before
 
 
 def _step_seconds(generate, ids, steps: int, iters: int) -> tuple[float, float]:

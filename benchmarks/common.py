@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import functools
 import statistics
 import time
 
@@ -38,6 +40,26 @@ def timeit_alternating(fns, warmup: int = 1, iters: int = 20, per_turn: int = 3)
                 fn()
                 samples.append(time.perf_counter() - start)
     return [statistics.median(samples) for samples in times]
+
+
+@functools.cache
+def jax_compile_phases() -> dict:
+    """{jitted function's name: {phase: seconds}} of every compile from the first call of this on, as JAX times
+    its phases: "trace" (Python to jaxpr), "lowering" (to MLIR) and "XLA" (the backend's compile)."""
+    from jax._src import monitoring
+
+    phases = collections.defaultdict(lambda: collections.defaultdict(float))
+    names = {"jaxpr_trace_duration": "trace", "jaxpr_to_mlir_module_duration": "lowering",
+             "backend_compile_duration": "XLA"}
+
+    def on_duration(event, seconds, **kwargs):
+        phase = names.get(event.rsplit("/", 1)[-1])
+        if phase is not None:
+            name = kwargs.get("fun_name", "?")
+            phases[name.removeprefix("jit(").removesuffix(")")][phase] += seconds
+
+    monitoring.register_event_duration_secs_listener(on_duration)
+    return phases
 
 
 def tiny_llama(layers: int = 4, hidden: int = 256, vocab: int = 1000):

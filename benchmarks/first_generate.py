@@ -17,7 +17,6 @@ Run: python -m benchmarks.first_generate [--hidden 512 --layers 8 --prompt 128 -
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import subprocess
@@ -45,23 +44,12 @@ def _config(args):
 
 def _worker(args) -> None:
     import torch
-    from jax._src import monitoring
 
     import hf_tpu
-    from benchmarks.common import timeit
+    from benchmarks.common import jax_compile_phases, timeit
     from transformers import LlamaForCausalLM
 
-    phases = collections.defaultdict(lambda: collections.defaultdict(float))
-    names = {"jaxpr_trace_duration": "trace", "jaxpr_to_mlir_module_duration": "lowering",
-             "backend_compile_duration": "XLA"}
-
-    def on_duration(event, seconds, **kwargs):
-        phase = names.get(event.rsplit("/", 1)[-1])
-        if phase is not None:
-            name = kwargs.get("fun_name", "?")
-            phases[name.removeprefix("jit(").removesuffix(")")][phase] += seconds
-
-    monitoring.register_event_duration_secs_listener(on_duration)
+    phases = jax_compile_phases()
     torch.manual_seed(0)
     dtype = getattr(torch, _DTYPES[args.size]) if _DTYPES[args.size] else None
     model = LlamaForCausalLM._from_config(_config(args), dtype=dtype).eval().to("tpu")
