@@ -329,13 +329,18 @@ def _decode_loop(model, input_ids, finished, steps: int, eos, logits_processor, 
         eos = eos.to(device)
         pad = generation_config._pad_token_tensor.to(device)
     kwargs = {k: v for k, v in model_kwargs.items() if k not in ("attention_mask", "position_ids")}
-    # per processor: None, or (its kind of gate, its end-of-sequence ids, the loop step where the ids reach
-    # its length); the step is a tensor, so that another prompt length or bound does not recompile the step
-    gates = []
+    # the processors in their order, each as the index of one the step calls in `called`, or as its length
+    # gate: (its kind, its end-of-sequence ids, the loop step where the ids reach its length). The step is a
+    # tensor, so that another prompt length or bound does not recompile the loop. A gated processor is not
+    # the loop's state: it is not called, and its own ids may be on the CPU, which a traced loop cannot read.
+    called, plan = [], []
     for processor in logits_processor:
         gate = _length_gate(processor)
-        gates.append(None if gate is None else
-                     (gate[0], processor.eos_token_id.to(device), torch.tensor([gate[1] - length], device=device)))
+        if gate is None:
+            plan.append(len(called))
+            called.append(processor)
+        else:
+            plan.append((gate[0], processor.eos_token_id.to(device), torch.tensor([gate[1] - length], device=device)))
     has_positions = model_kwargs.get("position_ids") is not None  # models like Bloom take none
 
     def body(tokens, position_ids, mask, unfinished, generated, index):
@@ -344,11 +349,11 @@ def _decode_loop(model, input_ids, finished, steps: int, eos, logits_processor, 
                                                      position_ids=position_ids if has_positions else None, **kwargs)
         logits = model(**inputs, return_dict=True).logits[:, -1].to(torch.float32)
         scores = logits
-        for processor, gate in zip(logits_processor, gates):
-            if gate is None:
-                scores = processor(tokens[:, None], scores)
+        for stage in plan:
+            if isinstance(stage, int):
+                scores = called[stage](tokens[:, None], scores)
                 continue
-            kind, eos_ids, step = gate  # the ids are `length + index` long at this step
+            kind, eos_ids, step = stage  # the ids are `length + index` long at this step
             is_eos = torch.isin(torch.arange(scores.shape[-1], device=scores.device), eos_ids)
             if kind == "hide_eos":
                 scores = scores.masked_fill(is_eos & (index < step), -math.inf)
@@ -379,7 +384,7 @@ def _decode_loop(model, input_ids, finished, steps: int, eos, logits_processor, 
 
     # traced straight from Python with the model, the cache and the warpers as the loop's state, unless the
     # compile config asks for what only torch.compile does
-    state = (model, cache, logits_processor) if _traces_directly(generation_config.compile_config) else None
+    state = (model, cache, called) if _traces_directly(generation_config.compile_config) else None
     *_, generated, index = while_loop(cond, body, tuple(t.to(device) for t in carried), state=state)
     return generated[:, :int(index)]
 
