@@ -495,12 +495,43 @@ def _wrap_prefill(original):
         mask_length = (attention_mask.shape[1] if attention_mask is not None
                        else getattr(generation_config, "_mask_length", -1))
         next_sequence_length = input_ids.shape[1] if mask_length == input_ids.shape[1] else None
-        model_inputs = self.prepare_inputs_for_generation(input_ids, next_sequence_length=next_sequence_length,
-                                                          is_first_iteration=True, **model_kwargs)
-        # after the inputs, as in the eager prefill: the 4D mask they build reads the cache's length, which an
-        # allocated layer holds on tpu (a host read to build the mask on the host)
-        model_kwargs["cache"].early_initialization(batch_size=input_ids.shape[0], num_heads=shape[0],
-                                                   head_dim=shape[1], dtype=self.dtype, device=self.device)
-        return _compiled_prefill(self, generation_config.compile_config)(self, model_inputs)
+        cache = model_kwargs["cache"]
+        with _attending_to_the_prompt_only(cache, input_ids.shape[1]):  # from the inputs on: they may build a 4D mask
+            model_inputs = self.prepare_inputs_for_generation(input_ids, next_sequence_length=next_sequence_length,
+                                                              is_first_iteration=True, **model_kwargs)
+            # after the inputs, as in the eager prefill: the 4D mask they build reads the cache's length, which
+            # an allocated layer holds on tpu (a host read to build the mask on the host)
+            cache.early_initialization(batch_size=input_ids.shape[0], num_heads=shape[0], head_dim=shape[1],
+                                       dtype=self.dtype, device=self.device)
+            return _compiled_prefill(self, generation_config.compile_config)(self, model_inputs)
 
     return _prefill
+
+
+@contextlib.contextmanager
+def _attending_to_the_prompt_only(cache, length: int):
+    """The prefill of an empty static cache attends to the prompt's own keys and values (`length` of them),
+    not to the whole cache: each layer still writes them into the cache, but hands the attention what it
+    wrote, and tells the mask (and a model that pads its own mask, as Bloom does for ALiBi) that it is as long
+    as the prompt, with the queries at offset 0 (as a plain int: the cache's own count is a tensor, with which
+    Transformers' mask code builds a mask it could have left out). The cache's empty slots are masked out and
+    add nothing to the result, only work: attention over the whole cache with an explicit mask, where a plain
+    forward runs causal attention over the prompt (the flash kernel on a TPU; without padding Transformers
+    then passes no mask at all). On the v5e a 4096-token prompt's first token took 1.40x its compiled forward
+    that way."""
+    layers = cache.layers
+    for layer in layers:
+        def update(key_states, value_states, *args, _write=layer.update, **kwargs):
+            _write(key_states, value_states, *args, **kwargs)
+            return key_states, value_states
+
+        layer.update = update
+        layer.get_mask_sizes = lambda query_length: (length, 0)
+        layer.get_max_length = lambda: length
+    cache.get_query_offset = lambda layer_idx=0: 0
+    try:
+        yield
+    finally:
+        del cache.get_query_offset
+        for layer in layers:
+            del layer.update, layer.get_mask_sizes, layer.get_max_length
