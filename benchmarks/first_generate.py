@@ -74,7 +74,8 @@ def _worker(args) -> None:
           f"{metrics['xla_compiles']} XLA compiles, {metrics['disk_cache_hits']} from the disk cache",
           file=sys.stderr, flush=True)  # at once: the time-to-first-token rows after it compile more
     first_call_phases = {name: dict(p) for name, p in phases.items()}  # not the compiles timed below
-    compiled = torch.compile(model, backend="tpu")
+    # one program per prompt length, as the prefill's: no second, symbolic Dynamo capture for the next length
+    compiled = torch.compile(model, backend="tpu", dynamic=False)
     ttft = []
     for length in args.lengths:
         prompt = torch.randint(0, vocab, (1, length)).to("tpu")
@@ -123,8 +124,9 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as root:
         for process in range(2):  # first processes, then second ones: each path with its own cache folder
             for path, direct in paths.items():
-                # the warm time to first token is the same program either way: measured once
-                lengths = args.lengths if direct else []
+                # the warm time to first token is the same program either way, and in either process: measured
+                # once, by the first process of hf_tpu.jit
+                lengths = args.lengths if direct and process == 0 else []
                 runs[path].append(_run(args, os.path.join(root, path), direct, lengths))
     config = _config(args)
     print(f"Llama hidden {config.hidden_size}, {config.num_hidden_layers} layers, prompt {args.prompt}"
