@@ -518,7 +518,7 @@ def _attending_to_the_prompt_only(cache, length: int):
     add nothing to the result, only work: attention over the whole cache with an explicit mask, where a plain
     forward runs causal attention over the prompt (the flash kernel on a TPU; without padding Transformers
     then passes no mask at all). On the v5e a 4096-token prompt's first token took 1.40x its compiled forward
-    that way."""
+    over the whole cache, 1.26x over the prompt."""
     layers = cache.layers
     for layer in layers:
         def update(key_states, value_states, *args, _write=layer.update, **kwargs):

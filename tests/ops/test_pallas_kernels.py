@@ -418,8 +418,9 @@ def test_the_chip_benchmark_runs_its_tiny_form(tmp_path):
 
 @pytest.mark.slow  # a process of its own: about 10 s
 def test_the_attention_compile_benchmark_runs_its_tiny_form(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "benchmarks.attention_compile", "--json", str(tmp_path / "rows.json")],
-                            capture_output=True, text=True, timeout=300, env={**os.environ, "HF_TPU_PLATFORM": "cpu"})
+    result = subprocess.run([sys.executable, "-m", "benchmarks.attention_compile", "--json",
+                             str(tmp_path / "rows.json")], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "HF_TPU_PLATFORM": "cpu"})
     assert result.returncode == 0, result.stderr[-2000:]
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert set(rows) == {f"b{b} {name} x{n}" for b in (1, 8) for name in ("kernel", "xla") for n in (1, 16)}
