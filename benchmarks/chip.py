@@ -438,7 +438,8 @@ def _group_ttft(spec: dict, rows: _Rows) -> None:
 
     model = _llama(spec).to("tpu")
     generate = _generate(model)
-    compiled = torch.compile(model, backend="tpu")
+    # one program per prompt length, as the prefill's: no second, symbolic Dynamo capture for the next length
+    compiled = torch.compile(model, backend="tpu", dynamic=False)
     iters = max(2, spec["iters"] // 3)
     for length in spec["lengths"]:
         row = f"1x{length}"
