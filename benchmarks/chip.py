@@ -231,9 +231,12 @@ def _first_call_and_compile(fn) -> tuple[float, float]:
     from benchmarks.common import jax_compile_phases
 
     phases = jax_compile_phases()
-    xla = lambda: sum(phase.get("XLA", 0.0) for phase in phases.values())
-    before = xla()
-    return _first_call(fn), xla() - before
+
+    def xla_seconds() -> float:
+        return sum(phase.get("XLA", 0.0) for phase in phases.values())
+
+    before = xla_seconds()
+    return _first_call(fn), xla_seconds() - before
 
 
 def _step_seconds(generate, ids, steps: int, iters: int) -> tuple[float, float]:
@@ -435,11 +438,11 @@ def _group_ttft(spec: dict, rows: _Rows) -> None:
     import torch
 
     import hf_tpu  # noqa: F401
+    from benchmarks.common import static_compiled
 
     model = _llama(spec).to("tpu")
     generate = _generate(model)
-    # one program per prompt length, as the prefill's: no second, symbolic Dynamo capture for the next length
-    compiled = torch.compile(model, backend="tpu", dynamic=False)
+    compiled = static_compiled(model)
     iters = max(2, spec["iters"] // 3)
     for length in spec["lengths"]:
         row = f"1x{length}"

@@ -62,6 +62,16 @@ def jax_compile_phases() -> dict:
     return phases
 
 
+def static_compiled(model):
+    """`torch.compile(model, backend="tpu")` with one program per input shape (`dynamic=False`), as
+    `generate()`'s prefill has one per prompt length: the reference forward of time-to-first-token rows. With
+    PyTorch's default, the second prompt length is captured again symbolically (about 40 s of Dynamo on the
+    v5e's host)."""
+    import torch
+
+    return torch.compile(model, backend="tpu", dynamic=False)
+
+
 def tiny_llama(layers: int = 4, hidden: int = 256, vocab: int = 1000):
     from transformers import LlamaConfig, LlamaForCausalLM
 

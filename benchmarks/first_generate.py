@@ -46,7 +46,7 @@ def _worker(args) -> None:
     import torch
 
     import hf_tpu
-    from benchmarks.common import jax_compile_phases, timeit
+    from benchmarks.common import jax_compile_phases, static_compiled, timeit
     from transformers import LlamaForCausalLM
 
     phases = jax_compile_phases()
@@ -74,8 +74,7 @@ def _worker(args) -> None:
           f"{metrics['xla_compiles']} XLA compiles, {metrics['disk_cache_hits']} from the disk cache",
           file=sys.stderr, flush=True)  # at once: the time-to-first-token rows after it compile more
     first_call_phases = {name: dict(p) for name, p in phases.items()}  # not the compiles timed below
-    # one program per prompt length, as the prefill's: no second, symbolic Dynamo capture for the next length
-    compiled = torch.compile(model, backend="tpu", dynamic=False)
+    compiled = static_compiled(model)
     ttft = []
     for length in args.lengths:
         prompt = torch.randint(0, vocab, (1, length)).to("tpu")

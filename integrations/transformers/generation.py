@@ -496,11 +496,10 @@ def _wrap_prefill(original):
                        else getattr(generation_config, "_mask_length", -1))
         next_sequence_length = input_ids.shape[1] if mask_length == input_ids.shape[1] else None
         cache = model_kwargs["cache"]
-        with _attending_to_the_prompt_only(cache, input_ids.shape[1]):  # from the inputs on: they may build a 4D mask
+        # from the inputs on, which may build a 4D mask: sized to the prompt, with no read of the cache's length
+        with _attending_to_the_prompt_only(cache, input_ids.shape[1]):
             model_inputs = self.prepare_inputs_for_generation(input_ids, next_sequence_length=next_sequence_length,
                                                               is_first_iteration=True, **model_kwargs)
-            # after the inputs, as in the eager prefill: the 4D mask they build reads the cache's length, which
-            # an allocated layer holds on tpu (a host read to build the mask on the host)
             cache.early_initialization(batch_size=input_ids.shape[0], num_heads=shape[0], head_dim=shape[1],
                                        dtype=self.dtype, device=self.device)
             return _compiled_prefill(self, generation_config.compile_config)(self, model_inputs)
