@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from . import compile_log, counters, loops, modes, platform
+from . import compile_log, constant_masks, counters, loops, modes, platform
 from .device import current, rng
 from .memory import buffer, donation
 
@@ -457,6 +457,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, overwritten: tuple 
     if settings.get("HF_TPU_LOG_COMPILES"):
         log.warning("hf_tpu: compiling a torch.compile graph of %d nodes", len(gm.graph.nodes))
     _views_as_reshapes(gm)
+    constant_masks.recognise_constant_masks(gm)
     return _CompiledGraph(gm, overwritten, loopable, description, input_names)
 
 

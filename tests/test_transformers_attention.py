@@ -6,6 +6,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_tpu
+import hf_tpu.constant_masks
 from hf_tpu.integrations import attention
 
 PROMPTS = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38], [0, 0, 0, 26, 43, 38, 32, 79, 50, 28]])
@@ -69,6 +70,30 @@ def test_padded_batch_logits_match_cpu_eager(checkpoint):
     real = PADDING.bool()  # padded positions attend to nothing real; their logits are not compared
     torch.testing.assert_close(actual.cpu()[real], expected[real], atol=1e-4, rtol=1e-4)
     assert hf_tpu.metrics()["cpu_fallbacks"] == {}
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral"])
+def test_compiled_forward_attends_without_a_materialised_mask(model_type, tmp_path_factory, monkeypatch):
+    """Under torch.compile, a forward without a cache builds Transformers' causal (or sliding-window) mask
+    in the graph from constants; the compiled graph runs attention on the pattern instead, with CPU's
+    logits."""
+    from transformers import AutoModelForCausalLM
+
+    path = save_tiny(model_type, tmp_path_factory)
+    graphs = []
+    recognise = hf_tpu.constant_masks.recognise_constant_masks
+    monkeypatch.setattr(hf_tpu.constant_masks, "recognise_constant_masks", lambda gm: graphs.append(gm) or recognise(gm))
+    cpu = AutoModelForCausalLM.from_pretrained(path)
+    tpu = AutoModelForCausalLM.from_pretrained(path, device_map="tpu")
+    expected = cpu(PROMPTS, use_cache=False).logits
+    with torch.no_grad():
+        actual = torch.compile(tpu, backend="tpu", dynamic=False)(PROMPTS.to("tpu"), use_cache=False).logits
+    torch.testing.assert_close(actual.cpu(), expected, atol=1e-4, rtol=1e-4)
+    calls = [n for gm in graphs for n in gm.graph.nodes if n.target is torch.ops.hf_tpu.flash_attention.default]
+    assert len(calls) == tpu.config.num_hidden_layers
+    for call in calls:  # (query, key, value, attn_mask, scale, is_causal, sliding_window)
+        assert call.args[3] is None and call.args[5] is True
+        assert call.args[6] == (4 if model_type == "mistral" else 0)
 
 
 def assert_generates_cpu_tokens(checkpoint, mode):

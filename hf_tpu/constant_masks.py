@@ -1,0 +1,186 @@
+"""Attention masks that a compiled graph computes from constants alone, replaced by the pattern they spell.
+
+Under `torch.compile` a model's causal mask is often built inside the graph from `arange`s and comparisons
+(Transformers does so whenever it cannot tell, while tracing, that the mask is plain causal: a forward without
+a cache checks its position ids for packed sequences, and a traced tensor cannot answer). The graph then hands
+attention a materialised (batch, 1, query, key) mask that depends on no input. An attention op given a mask
+must read it and cannot skip the blocks it hides; on a TPU the flash kernel's masked path compiles several
+kernel variants per layer and reads the mask from memory on every call, where the causal path computes it
+from block positions. Evaluating such a mask once, when the graph compiles, tells which pattern it is: every
+key visible (the mask is dropped), causal (`is_causal`), or causal within a sliding window (for hf_tpu's own
+op, which takes a window). Anything else is left as it is, so the rewrite never changes a result.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx.operator_schemas import normalize_function
+
+aten = torch.ops.aten
+
+# a mask is evaluated only if all the values computing it take at most this many bytes (the mask of an 8 x
+# 4096 x 4096 forward and its intermediates take about 0.6 GB), so compiling stays quick and small
+MOST_BYTES = 2 << 30
+
+
+def _attention_ops() -> dict:
+    """Each attention op whose mask may be recognised -> whether it takes a sliding window. SDPA aligns its
+    causal pattern to the first keys and hf_tpu's op to the last: masks are recognised only where the query
+    and key lengths agree, and the two alignments with them."""
+    ops = {aten._scaled_dot_product_flash_attention_for_cpu.default: False}
+    import hf_tpu.ops.attention  # noqa: F401  (defines hf_tpu::flash_attention)
+
+    ops[torch.ops.hf_tpu.flash_attention.default] = True
+    return ops
+
+
+def recognise_constant_masks(gm: torch.fx.GraphModule) -> int:
+    """Rewrites the graph's attention calls whose mask is a constant causal, sliding-window or all-visible
+    pattern; returns how many it rewrote."""
+    ops = _attention_ops()
+    patterns = {}  # mask node -> its pattern (or None), once for the layers that share it
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        takes_window = ops.get(node.target) if node.op == "call_function" else None
+        if takes_window is None:
+            continue
+        arguments = _arguments(node)
+        mask = arguments.get("attn_mask")
+        if not isinstance(mask, torch.fx.Node) or arguments.get("is_causal") or arguments.get("sliding_window"):
+            continue
+        query, key = arguments["query"].meta.get("val"), arguments["key"].meta.get("val")
+        if query is None or key is None or query.shape[-2] != key.shape[-2]:
+            continue
+        if mask not in patterns:
+            with unset_fake_temporarily():  # real values, though AOT autograd compiles under fake tensors
+                patterns[mask] = _pattern(gm, mask, query.shape[-2])
+        pattern = patterns[mask]
+        if pattern is None or (pattern[1] and not takes_window):
+            continue
+        is_causal, window = pattern
+        arguments.update(attn_mask=None, is_causal=is_causal or bool(arguments.get("is_causal")))
+        if window:
+            arguments["sliding_window"] = window
+        _set_arguments(node, arguments)
+        rewritten += 1
+    if rewritten:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return rewritten
+
+
+def _arguments(node: torch.fx.Node) -> dict:
+    """The call's arguments by their schema names."""
+    normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+    return dict(normalized.kwargs)
+
+
+def _set_arguments(node: torch.fx.Node, arguments: dict) -> None:
+    """Writes the arguments back, positionally where the schema takes them so."""
+    schema = node.target._schema
+    node.args = tuple(arguments[a.name] for a in schema.arguments if not a.kwarg_only and a.name in arguments)
+    node.kwargs = {a.name: arguments[a.name] for a in schema.arguments if a.kwarg_only and a.name in arguments}
+
+
+def _pattern(gm: torch.fx.GraphModule, mask: torch.fx.Node, length: int) -> tuple | None:
+    """(is_causal, sliding window or 0) of a constant square mask, or None where it is not constant or not one
+    of these patterns."""
+    value = _evaluate(gm, mask)
+    if value is None or value.dim() > 4 or tuple(value.shape[-2:]) not in ((length, length), (1, length),
+                                                                           (length, 1), (1, 1)):
+        return None
+    visible = _visible(value)
+    if visible is None:
+        return None
+    visible = visible.expand(*visible.shape[:-2], length, length)
+    if bool(visible.all()):
+        return False, 0
+    query = torch.arange(length)[:, None]
+    key = torch.arange(length)[None, :]
+    causal = key <= query
+    if not bool((visible <= causal).all()):
+        return None
+    # the window is the most keys a query sees: the last query's count, if the mask is a window at all
+    window = int(visible[..., -1, :].sum(-1).max())
+    if window < 1:
+        return None
+    expected = causal & (query - key < window) if window < length else causal
+    return (True, window if window < length else 0) if bool((visible == expected).all()) else None
+
+
+def _visible(value: torch.Tensor) -> torch.Tensor | None:
+    """Which pairs a mask lets attend: a boolean mask's True entries, an additive mask's zeros where every other
+    entry hides its key altogether (-inf or the dtype's lowest value, as Transformers writes it)."""
+    if value.dtype == torch.bool:
+        return value
+    if not value.dtype.is_floating_point:
+        return None
+    visible = value == 0
+    hidden = (value == -torch.inf) | (value == torch.finfo(value.dtype).min)
+    return visible if bool((visible | hidden).all()) else None
+
+
+def _evaluate(gm: torch.fx.GraphModule, output: torch.fx.Node) -> torch.Tensor | None:
+    """The node's value computed on the CPU, if it depends on no input and on no random op; else None."""
+    order, seen, stack = [], set(), [output]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if not _constant_op(node):
+            return None
+        order.append(node)
+        stack.extend(node.all_input_nodes)
+    order.sort(key=_position(gm))
+    if sum(_bytes(node.meta.get("val")) for node in order) > MOST_BYTES:
+        return None
+    values = {}
+    on_cpu = lambda a: values[a] if isinstance(a, torch.fx.Node) else _cpu_device(a)
+    with torch.no_grad():
+        for node in order:
+            if node.op == "get_attr":
+                values[node] = _cpu_device(getattr(gm, node.target))
+            else:
+                args = torch.fx.node.map_aggregate(node.args, on_cpu)
+                kwargs = torch.fx.node.map_aggregate(node.kwargs, on_cpu)
+                values[node] = node.target(*args, **kwargs)
+    result = values[output]
+    return result if isinstance(result, torch.Tensor) else None
+
+
+def _constant_op(node: torch.fx.Node) -> bool:
+    if node.op == "get_attr":
+        return True
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True
+    return (isinstance(node.target, torch._ops.OpOverload)
+            and torch.Tag.nondeterministic_seeded not in node.target.tags
+            and not node.target._schema.is_mutable)
+
+
+def _cpu_device(value):
+    """A `tpu` device or tensor as its CPU counterpart (the evaluation's factory calls name the graph's device)."""
+    if isinstance(value, torch.device) and value.type != "cpu":
+        return torch.device("cpu")
+    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+        return value.cpu()
+    return value
+
+
+def _position(gm: torch.fx.GraphModule):
+    index = {node: k for k, node in enumerate(gm.graph.nodes)}
+    return index.__getitem__
+
+
+def _bytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_bytes(v) for v in value)
+    return 0

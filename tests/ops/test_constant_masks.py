@@ -1,0 +1,136 @@
+"""Attention masks a compiled graph computes from constants: recognised as the causal, sliding-window or
+all-visible pattern they spell, and left alone otherwise, without changing any result."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import hf_tpu
+import hf_tpu.compile
+from hf_tpu.constant_masks import recognise_constant_masks
+from tests.util import assert_same, to_cpu
+
+LENGTH = 6
+
+
+def causal_bool(device):
+    return torch.ones(LENGTH, LENGTH, dtype=torch.bool, device=device).tril()
+
+
+def causal_additive(device):
+    return torch.full((LENGTH, LENGTH), -torch.inf, device=device).triu(1)
+
+
+def causal_lowest(device):
+    """As Transformers' eager masks write it: the dtype's lowest value, expanded over the batch."""
+    hidden = torch.ones(LENGTH, LENGTH, dtype=torch.bool, device=device).triu(1)
+    return torch.zeros(LENGTH, LENGTH, device=device).masked_fill(hidden, torch.finfo(torch.float32).min).expand(2, 1, -1, -1)
+
+
+def all_visible(device):
+    return torch.ones(2, 1, 1, LENGTH, dtype=torch.bool, device=device)
+
+
+def sliding_window_of_3(device):
+    position = torch.arange(LENGTH, device=device)
+    distance = position[:, None] - position[None, :]
+    return (distance >= 0) & (distance < 3)
+
+
+def banded_not_causal(device):
+    position = torch.arange(LENGTH, device=device)
+    return (position[:, None] - position[None, :]).abs() < 2
+
+
+def half_scale(device):
+    """Not a mask of visible and hidden keys: an additive bias, kept."""
+    return torch.full((LENGTH, LENGTH), -0.5, device=device)
+
+
+def attention_with(make_mask, grouped=False):
+    """SDPA (its fused op), or hf_tpu's grouped op, which SDPA calls on tpu with `enable_gqa`."""
+    def attend(q, k, v):
+        if grouped:
+            return torch.ops.hf_tpu.flash_attention(q, k, v, make_mask(q.device))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=make_mask(q.device))
+    return attend
+
+
+def qkv(query_heads=2, kv_heads=2):
+    torch.manual_seed(0)
+    return (torch.randn(2, query_heads, LENGTH, 8), torch.randn(2, kv_heads, LENGTH, 8),
+            torch.randn(2, kv_heads, LENGTH, 8))
+
+
+def attention_calls(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and "attention" in str(n.target)]
+
+
+# mask factory, and the attention call's arguments once it is recognised (None: it is not)
+CASES = {
+    "causal_bool": (causal_bool, {"attn_mask": None, "is_causal": True}),
+    "causal_additive": (causal_additive, {"attn_mask": None, "is_causal": True}),
+    "causal_lowest": (causal_lowest, {"attn_mask": None, "is_causal": True}),
+    "all_visible": (all_visible, {"attn_mask": None, "is_causal": False}),
+    "sliding_window": (sliding_window_of_3, {"attn_mask": None, "is_causal": True, "sliding_window": 3}),
+    "banded": (banded_not_causal, None),
+    "bias": (half_scale, None),
+}
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["fused", "grouped"])
+@pytest.mark.parametrize("case", CASES)
+def test_a_constant_mask_becomes_its_pattern_and_the_result_stays(case, grouped):
+    make_mask, rewritten = CASES[case]
+    q, k, v = qkv(4 if grouped else 2, 2)
+    expected = attention_with(make_mask, grouped)(q, k, v)
+    gm = make_fx(attention_with(make_mask, grouped))(q, k, v)
+    # SDPA's fused op takes no window: a sliding-window mask stays a mask there
+    recognised = rewritten is not None and (grouped or "sliding_window" not in rewritten)
+    assert recognise_constant_masks(gm) == int(recognised)
+    call, = attention_calls(gm)
+    from torch.fx.operator_schemas import normalize_function
+    arguments = normalize_function(call.target, call.args, call.kwargs, normalize_to_only_use_kwargs=True).kwargs
+    if recognised:
+        assert {name: arguments[name] for name in rewritten} == rewritten
+        # the mask's computation is gone from the graph
+        assert not any(n.target in (torch.ops.aten.tril.default, torch.ops.aten.triu.default) for n in gm.graph.nodes)
+    else:
+        assert isinstance(arguments["attn_mask"], torch.fx.Node)
+    assert_same(gm(q, k, v), expected)
+
+
+def test_a_mask_made_from_an_input_is_left_alone():
+    def attend(q, k, v, lengths):
+        visible = torch.arange(LENGTH)[None, :] < lengths[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None, None, :])
+
+    q, k, v = qkv()
+    gm = make_fx(attend)(q, k, v, torch.tensor([LENGTH, LENGTH]))
+    assert recognise_constant_masks(gm) == 0
+
+
+def test_a_mask_of_random_values_is_left_alone():
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.rand(LENGTH, LENGTH) >= 0)
+
+    gm = make_fx(attend)(*qkv())
+    assert recognise_constant_masks(gm) == 0
+
+
+def test_compiled_attention_with_a_causal_mask_built_in_the_graph(monkeypatch):
+    """On tpu, through torch.compile: the forward and backward graphs run unmasked causal attention and
+    give CPU's values and gradients."""
+    rewrites = []
+    recognise = hf_tpu.constant_masks.recognise_constant_masks
+    monkeypatch.setattr(hf_tpu.constant_masks, "recognise_constant_masks",
+                        lambda gm: rewrites.append(recognise(gm)) or rewrites[-1])
+    q, k, v = (t.requires_grad_() for t in qkv())
+    expected = attention_with(causal_bool)(q, k, v)
+    expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+    tq, tk, tv = (t.detach().to("tpu").requires_grad_() for t in (q, k, v))
+    out = torch.compile(attention_with(causal_bool), backend="tpu", fullgraph=True)(tq, tk, tv)
+    grads = torch.autograd.grad(out.square().sum(), (tq, tk, tv))
+    assert rewrites[0] == 1  # the forward graph's mask
+    assert_same((to_cpu(out), *map(to_cpu, grads)), (expected, *expected_grads))
