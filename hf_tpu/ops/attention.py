@@ -315,7 +315,9 @@ class _Blocks:
         kv_heads, self.k_len = key.shape[1], key.shape[2]
         self.groups = heads // kv_heads
         self.queries = query.reshape(batch, kv_heads, self.groups, q_len, head_dim)
-        self.block = min(KV_BLOCK, self.k_len)
+        # the keys in one block where the whole score matrix is no larger than a block's (a decode step's
+        # few queries over a long cache): a loop over blocks would only add a nested XLA loop to compile
+        self.block = self.k_len if q_len * self.k_len <= KV_BLOCK * KV_BLOCK else min(KV_BLOCK, self.k_len)
         count = -(-self.k_len // self.block)
         self.pad = count * self.block - self.k_len
         self.keys = self._cut(key, axis=2)
@@ -384,8 +386,13 @@ def _blocked_attention(query, key, value, attn_mask, scale, is_causal, sliding_w
 
     init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
             jnp.zeros(shape + value.shape[-1:], jnp.float32))
-    (running_max, running_sum, acc), _ = jax.lax.scan(step, init, (blocks.keys, blocks.values, blocks.mask,
-                                                                   blocks.starts))
+    if blocks.starts.shape[0] == 1:  # one block: no loop
+        one = jax.tree.map(lambda x: None if x is None else x[0], (blocks.keys, blocks.values, blocks.mask,
+                                                                    blocks.starts))
+        (running_max, running_sum, acc), _ = step(init, one)
+    else:
+        (running_max, running_sum, acc), _ = jax.lax.scan(step, init, (blocks.keys, blocks.values, blocks.mask,
+                                                                       blocks.starts))
     seen = running_sum > 0
     out = jnp.where(seen[..., None], acc / jnp.where(seen, running_sum, 1.0)[..., None], 0.0)
     return out, jnp.where(seen, running_max + jnp.log(jnp.where(seen, running_sum, 1.0)), -jnp.inf)

@@ -55,7 +55,10 @@ CASES = {
     "decode": (2, 4, 2, 1, 13, {"is_causal": True, "sliding_window": 5, "attn_mask": padding_mask(2, 1, 13)}),
     "chunked_prefill": (1, 2, 1, 4, 10, {"is_causal": True}),
     "fully_masked_rows": (2, 2, 2, 5, 5, {"attn_mask": padding_mask(2, 5, 5) & torch.tensor([1, 0, 1, 0, 1]).bool()[:, None]}),
-    "multi_block": (1, 2, 1, 3, KV_BLOCK + 190, {"is_causal": True, "attn_mask": padding_mask(1, 3, KV_BLOCK + 190)}),
+    # more scores than one block holds: the keys in blocks (a few queries over as many keys take one block)
+    "multi_block": (1, 2, 1, KV_BLOCK + 8, KV_BLOCK + 190,
+                    {"is_causal": True, "attn_mask": padding_mask(1, KV_BLOCK + 8, KV_BLOCK + 190)}),
+    "one_block_long_keys": (1, 2, 1, 3, KV_BLOCK + 190, {"is_causal": True, "attn_mask": padding_mask(1, 3, KV_BLOCK + 190)}),
 }
 
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
