@@ -22,6 +22,7 @@ import logging
 import time
 import types
 
+import jax
 import numpy as np
 import torch
 
@@ -83,12 +84,21 @@ def run_in_chunks(launch, state: tuple, started, interrupted) -> tuple:
     so the device never waits for the host. `started()` runs once the first chunk is launched (its launch
     traced and compiled the loop); on Ctrl-C, `interrupted(state)` gets the state of the last chunk
     launched before the interrupt is raised again."""
-    state = (*state, np.uint32(0))
+    # Every chunk is one program only if each chunk's inputs are placed as the first's: a chunk's results
+    # are committed to their device, so the first chunk's arrays are too (an array made without a device
+    # named is not, and JAX keys a second compile by that).
+    state = (*jax.tree.map(_committed, state), np.uint32(0))
     chunks = ChunkSizes()
     queued = collections.deque()  # (condition, iterations) of the chunks launched and not yet read
+    iterations = 0
     try:
         while True:
             state = launch(state, np.uint32(chunks.steps))
+            # The next chunk starts from the count the host keeps, a NumPy value as the first chunk's (the
+            # chunk's own count is a device array, placed otherwise). The two agree whenever the next chunk
+            # runs an iteration: this one then ran all of its own.
+            iterations += chunks.steps
+            state = (*state[:-1], np.uint32(iterations))
             if chunks.launched == 0:
                 chunks.start()  # the first launch compiled the loop: its chunks are timed from here
                 started()
@@ -103,6 +113,12 @@ def run_in_chunks(launch, state: tuple, started, interrupted) -> tuple:
     except KeyboardInterrupt:
         interrupted(state)
         raise
+
+
+def _committed(value):
+    if isinstance(value, jax.Array) and not value.committed:
+        return jax.device_put(value, value.sharding)
+    return value
 
 
 # the request for the next compiled graph call; set only around the call of `_step` below

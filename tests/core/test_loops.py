@@ -46,6 +46,37 @@ def test_iterations_make_no_host_read_and_a_second_loop_compiles_nothing():
     assert torch.equal(x.cpu(), torch.full((3,), 1024.0)) and i.item() == 10
 
 
+@pytest.mark.parametrize("traced", ["torch.compile", "hf_tpu.jit"])
+def test_a_loop_of_several_chunks_compiles_once(traced):
+    """Each chunk starts from the iteration count the chunk before reached: were that count the device
+    array the chunk returned, its placement (unlike the first chunk's host number) would key a second XLA
+    compile of the same loop."""
+    from jax._src import monitoring
+
+    loop_compiles = []
+
+    def on_duration(event, seconds, **kwargs):
+        if event.endswith("backend_compile_duration") and "loop" in kwargs.get("fun_name", ""):
+            loop_compiles.append(kwargs["fun_name"])
+
+    class Counter(torch.nn.Module):  # state for the traced loop: its step reads the weight
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.tensor([1.0], device="tpu"), requires_grad=False)
+
+    counter = Counter()
+    iterations = 3 * hf_tpu.loops.ChunkSizes.FIRST  # three chunks at least
+    monitoring.register_event_duration_secs_listener(on_duration)
+    try:
+        x, i = hf_tpu.while_loop(_counting_to(iterations), lambda x, i: (x + counter.weight, i + 1),
+                                 (torch.zeros(1, device="tpu"), torch.tensor([0], device="tpu")),
+                                 state=(counter,) if traced == "hf_tpu.jit" else None)
+    finally:
+        monitoring.unregister_event_duration_listener(on_duration)
+    assert i.item() == iterations and x.item() == iterations
+    assert len(loop_compiles) == 1, loop_compiles
+
+
 def test_tensors_updated_in_place_keep_their_final_values():
     cache = torch.zeros(4, 6, device="tpu")
     total = torch.zeros((), device="tpu")
