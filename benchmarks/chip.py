@@ -40,6 +40,7 @@ import argparse
 import json
 import os
 import queue
+import re
 import signal
 import statistics
 import subprocess
@@ -178,10 +179,29 @@ def _median_seconds(fn, iters: int) -> float:
 _PROFILE_TOP = 40
 
 
+def _op_kind(text: str) -> str:
+    """An XLA op's kind from its HLO text: the instruction (`fusion`, `copy-done`, `custom-call`...), and a
+    fusion's kind (`fusion kOutput`: a fusion around a matmul or convolution)."""
+    match = re.search(r"\s([a-z][a-z0-9-]*)\(", text.split("=", 1)[-1])
+    kind = match.group(1) if match else "?"
+    fusion_kind = re.search(r"kind=(k[A-Za-z]+)", text)
+    return f"{kind} {fusion_kind.group(1)}" if kind == "fusion" and fusion_kind else kind
+
+
+def _kinds(ops: list) -> dict:
+    """{op kind: (microseconds per call, ops per call)} over every op of a profile, the longest first."""
+    kinds: dict = {}
+    for _, us, count, text in ops:
+        entry = kinds.setdefault(_op_kind(text), [0.0, 0.0])
+        entry[0] += us
+        entry[1] += count
+    return dict(sorted(((k, tuple(v)) for k, v in kinds.items()), key=lambda item: -item[1][0]))
+
+
 def _device_op_times(trace_dir: str, calls: int) -> list:
-    """[(op name, microseconds per call, launches per call, the op's HLO text)] of the device's XLA ops in the
-    `jax.profiler` trace under `trace_dir`, the longest first. A TPU records each op of a program on its device
-    plane's "XLA Ops" line; a CPU records no device plane, and gives an empty list."""
+    """[(op name, microseconds per call, launches per call, the op's HLO text)] of every one of the device's XLA
+    ops in the `jax.profiler` trace under `trace_dir`, the longest first. A TPU records each op of a program on
+    its device plane's "XLA Ops" line; a CPU records no device plane, and gives an empty list."""
     import glob
 
     from jax.profiler import ProfileData
@@ -199,7 +219,7 @@ def _device_op_times(trace_dir: str, calls: int) -> list:
                     entry = totals.setdefault(event.name, [0.0, 0, str(stats.get("long_name", ""))[:300]])
                     entry[0] += event.duration_ns / 1e3
                     entry[1] += 1
-    ops = sorted(totals.items(), key=lambda item: -item[1][0])[:_PROFILE_TOP]
+    ops = sorted(totals.items(), key=lambda item: -item[1][0])
     return [(name, us / calls, count / calls, text) for name, (us, count, text) in ops]
 
 
@@ -216,7 +236,8 @@ def _profile(rows: "_Rows", fn, calls: int = 3, **figures) -> None:
         for _ in range(calls):
             fn()
     ops = _device_op_times(trace_dir, calls)
-    rows.emit("profile", device_us=sum(us for _, us, _, _ in ops), ops=ops, **figures)
+    rows.emit("profile", device_us=sum(us for _, us, _, _ in ops), launches=sum(count for _, _, count, _ in ops),
+              kinds=_kinds(ops), ops=ops[:_PROFILE_TOP], **figures)
 
 
 def _first_call(fn) -> float:
@@ -627,9 +648,10 @@ def describe(row: dict, spec: dict, limits: dict | None = None) -> str:
                 f"{f' ({100 * tokens / limit:.0f}% of the HBM limit)' if limit else ''}, "
                 f"first call {row['first_call']:.1f} s")
     if section == "profile":
+        kinds = "".join(f"\n    {us:9.1f} us  {count:6.0f} ops  {kind}" for kind, (us, count) in row["kinds"].items())
         ops = "".join(f"\n    {us:9.1f} us  x{count:<4.0f} {name}  {text[:120]}" for name, us, count, text in row["ops"][:15])
-        return (f"[{row['group']}] {row['side']} profile {shape}: {row['device_us'] / 1e3:.2f} ms on the device "
-                f"in its {len(row['ops'])} longest ops{ops}")
+        return (f"[{row['group']}] {row['side']} profile {shape}: {row['device_us'] / 1e3:.2f} ms on the device in "
+                f"{row['launches']:.0f} op launches a call; by kind:{kinds}\n  the longest ops:{ops}")
     if section == "ttft":
         return (f"[ttft] prompt {row['length']}: generate(1 token) {row['seconds'] * 1e3:.1f} ms, compiled forward "
                 f"{row['forward_seconds'] * 1e3:.1f} ms ({row['seconds'] / row['forward_seconds']:.2f}x)")

@@ -152,3 +152,18 @@ def test_device_op_times_sum_each_op_of_the_device_plane_per_call(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "host.xplane.pb").write_bytes(ProfileData.text_proto_to_serialized_xspace(trace))
     assert _device_op_times(str(tmp_path), calls=2) == [("fusion.1", 30.0, 1.0, ""), ("copy.2", 11.0, 1.0, "")]
+
+
+def test_profile_kinds_group_every_op_by_instruction_and_fusion_kind():
+    """`--profile`'s summary: device time and op count per kind, from each op's HLO text as a TPU names it."""
+    from benchmarks.chip import _kinds
+
+    matmul = ("%fusion.4 = bf16[128,8192]{1,0:T(8,128)(2,1)S(1)} fusion(bf16[8192,2048]{1,0} %custom-call.4), "
+              "kind=kOutput, calls=%fused_computation.38")
+    two_outputs = "%fusion.47 = (f32[128]{0:T(128)S(1)}, bf16[128,2048]{1,0}) fusion(bf16[128,2048]{1,0} %g), kind=kOutput"
+    elementwise = "%fusion.9 = bf16[128,2048]{1,0} fusion(bf16[128,2048]{1,0} %a), kind=kLoop, calls=%f"
+    copy = "%copy-done.1 = bf16[8192,2048]{1,0:T(8,128)(2,1)S(1)} copy-done((bf16[8192,2048]{1,0}) %copy-start.1)"
+    ops = [("fusion.4", 25.0, 1.0, matmul), ("fusion.47", 93.0, 1.0, two_outputs), ("copy-done.1", 41.0, 2.0, copy),
+           ("fusion.9", 3.0, 1.0, elementwise), ("unknown", 1.0, 1.0, "")]
+    assert _kinds(ops) == {"fusion kOutput": (118.0, 2.0), "copy-done": (41.0, 2.0), "fusion kLoop": (3.0, 1.0),
+                           "?": (1.0, 1.0)}
