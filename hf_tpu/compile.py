@@ -161,6 +161,8 @@ class _CompiledGraph:
                             False: jax.jit(self._loop, static_argnums=(2, 4))}
         self.loopable = loopable
         self.eager = False
+        # per set of non-tensor inputs (sizes, under dynamic shapes): the graph traced for them (`_graph_for`)
+        self.graphs_by_sizes = {}
         # per (input shapes, non-tensor inputs): each output's (dtype, device) or value, each check's
         # (dtype, raise_if_bad), and how many random ops the graph has (the offsets a call takes)
         self.out_meta = {}
@@ -179,7 +181,7 @@ class _CompiledGraph:
         saved = modes.replace_current(tracer)
         try:
             with torch.no_grad():
-                outputs = self.gm(*inputs)
+                outputs = self._graph_for(values)(*inputs)
         finally:
             modes.replace_current(saved)
         if not isinstance(outputs, (list, tuple)):
@@ -199,6 +201,17 @@ class _CompiledGraph:
         return ([buffer.array_of(o) if isinstance(o, torch.Tensor) and not constant[k] else None
                  for k, o in enumerate(outputs)],
                 [buffer.array_of(value) for value, _ in tracer.checks])
+
+    def _graph_for(self, values: tuple) -> torch.fx.GraphModule:
+        """The graph to trace for these non-tensor inputs. Under dynamic shapes they are the sizes, and an
+        attention mask computed from sizes alone is a constant once they are known: a copy of the graph with
+        them written in, where `constant_masks` recognised such a mask; else the graph itself."""
+        sizes = {k: v for k, v in enumerate(values) if type(v) is int}
+        if not sizes:
+            return self.gm
+        if values not in self.graphs_by_sizes:
+            self.graphs_by_sizes[values] = constant_masks.with_sizes(self.gm, sizes) or self.gm
+        return self.graphs_by_sizes[values]
 
     def __call__(self, *args):
         if loops.pending[0] is not None:

@@ -22,7 +22,7 @@ from torch.fx.operator_schemas import normalize_function
 aten = torch.ops.aten
 
 # a mask is evaluated only if all the values computing it take at most this many bytes (the mask of an 8 x
-# 4096 x 4096 forward and its intermediates take about 0.6 GB), so compiling stays quick and small
+# 4096 x 4096 forward and its intermediates take about 0.6 GB), so that compiling stays quick and small
 MOST_BYTES = 2 << 30
 
 
@@ -52,11 +52,16 @@ def recognise_constant_masks(gm: torch.fx.GraphModule) -> int:
         if not isinstance(mask, torch.fx.Node) or arguments.get("is_causal") or arguments.get("sliding_window"):
             continue
         query, key = arguments["query"].meta.get("val"), arguments["key"].meta.get("val")
-        if query is None or key is None or query.shape[-2] != key.shape[-2]:
+        if query is None or key is None:
+            continue
+        # None where the lengths are symbolic (dynamic shapes, a copy `with_sizes` made): the evaluated mask
+        # tells them then; comparing symbolic ones would add a guard after Dynamo's were made
+        length = query.shape[-2] if type(query.shape[-2]) is int and type(key.shape[-2]) is int else None
+        if length is not None and length != key.shape[-2]:
             continue
         if mask not in patterns:
             with unset_fake_temporarily():  # real values, though AOT autograd compiles under fake tensors
-                patterns[mask] = _pattern(gm, mask, query.shape[-2])
+                patterns[mask] = _pattern(gm, mask, length)
         pattern = patterns[mask]
         if pattern is None or (pattern[1] and not takes_window):
             continue
@@ -72,6 +77,25 @@ def recognise_constant_masks(gm: torch.fx.GraphModule) -> int:
     return rewritten
 
 
+def with_sizes(gm: torch.fx.GraphModule, sizes: dict) -> torch.fx.GraphModule | None:
+    """A copy of a graph traced with dynamic shapes, its size inputs (placeholder position -> int) written in
+    as the numbers one call gives them, with the masks recognised that those sizes make constant; None where
+    the copy recognises none (the graph itself then serves these sizes as it is)."""
+    if not any(node.op == "call_function" and node.target in _attention_ops() for node in gm.graph.nodes):
+        return None
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    placeholders = graph.find_nodes(op="placeholder")
+    for position, value in sizes.items():
+        size = placeholders[position]
+        for user in list(size.users):
+            written = lambda a: value if a is size else a  # noqa: E731
+            user.args = torch.fx.node.map_aggregate(user.args, written)
+            user.kwargs = torch.fx.node.map_aggregate(user.kwargs, written)
+    specialized = torch.fx.GraphModule(gm, graph)
+    return specialized if recognise_constant_masks(specialized) else None
+
+
 def _arguments(node: torch.fx.Node) -> dict:
     """The call's arguments by their schema names."""
     normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
@@ -85,12 +109,18 @@ def _set_arguments(node: torch.fx.Node, arguments: dict) -> None:
     node.kwargs = {a.name: arguments[a.name] for a in schema.arguments if a.kwarg_only and a.name in arguments}
 
 
-def _pattern(gm: torch.fx.GraphModule, mask: torch.fx.Node, length: int) -> tuple | None:
-    """(is_causal, sliding window or 0) of a constant square mask, or None where it is not constant or not one
-    of these patterns."""
+def _pattern(gm: torch.fx.GraphModule, mask: torch.fx.Node, length: int | None) -> tuple | None:
+    """(is_causal, sliding window or 0) of a constant mask over as many keys as queries (`length` of each, or
+    None: read off the mask, whose lengths other than 1 are the attention's), or None where it is not
+    constant or not one of these patterns."""
     value = _evaluate(gm, mask)
-    if value is None or value.dim() > 4 or tuple(value.shape[-2:]) not in ((length, length), (1, length),
-                                                                           (length, 1), (1, 1)):
+    if value is None or value.dim() < 2 or value.dim() > 4:
+        return None
+    if length is None:
+        length = value.shape[-1]
+        if length == 1 or value.shape[-2] != length:
+            return None
+    if tuple(value.shape[-2:]) not in ((length, length), (1, length), (length, 1), (1, 1)):
         return None
     visible = _visible(value)
     if visible is None:
@@ -136,10 +166,11 @@ def _evaluate(gm: torch.fx.GraphModule, output: torch.fx.Node) -> torch.Tensor |
         order.append(node)
         stack.extend(node.all_input_nodes)
     order.sort(key=_position(gm))
+    # sizes the graph records (symbolic ones, under dynamic shapes, count as they are computed)
     if sum(_bytes(node.meta.get("val")) for node in order) > MOST_BYTES:
         return None
-    values = {}
-    on_cpu = lambda a: values[a] if isinstance(a, torch.fx.Node) else _cpu_device(a)
+    values, computed = {}, 0
+    on_cpu = lambda a: values[a] if isinstance(a, torch.fx.Node) else _cpu_device(a)  # noqa: E731
     with torch.no_grad():
         for node in order:
             if node.op == "get_attr":
@@ -148,6 +179,9 @@ def _evaluate(gm: torch.fx.GraphModule, output: torch.fx.Node) -> torch.Tensor |
                 args = torch.fx.node.map_aggregate(node.args, on_cpu)
                 kwargs = torch.fx.node.map_aggregate(node.kwargs, on_cpu)
                 values[node] = node.target(*args, **kwargs)
+            computed += _bytes(values[node])
+            if computed > MOST_BYTES:
+                return None
     result = values[output]
     return result if isinstance(result, torch.Tensor) else None
 
@@ -157,8 +191,8 @@ def _constant_op(node: torch.fx.Node) -> bool:
         return True
     if node.op != "call_function":
         return False
-    if node.target is operator.getitem:
-        return True
+    if node.target is operator.getitem or getattr(node.target, "__module__", None) == "_operator":
+        return True  # an item of a result, or arithmetic on sizes
     return (isinstance(node.target, torch._ops.OpOverload)
             and torch.Tag.nondeterministic_seeded not in node.target.tags
             and not node.target._schema.is_mutable)
@@ -179,8 +213,10 @@ def _position(gm: torch.fx.GraphModule):
 
 
 def _bytes(value) -> int:
+    """The bytes of a value's tensors; 0 for a tensor of symbolic size."""
     if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
+        numel = value.numel()
+        return numel * value.element_size() if type(numel) is int else 0
     if isinstance(value, (list, tuple)):
         return sum(_bytes(v) for v in value)
     return 0

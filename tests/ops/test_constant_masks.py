@@ -134,3 +134,27 @@ def test_compiled_attention_with_a_causal_mask_built_in_the_graph(monkeypatch):
     grads = torch.autograd.grad(out.square().sum(), (tq, tk, tv))
     assert rewrites[0] == 1  # the forward graph's mask
     assert_same((to_cpu(out), *map(to_cpu, grads)), (expected, *expected_grads))
+
+
+def test_under_dynamic_shapes_the_mask_is_recognised_for_each_length(monkeypatch):
+    """A graph traced with symbolic lengths computes its mask from a size input: each call's sizes make it a
+    constant, and the graph traced for them attends without it."""
+    specialized = []
+    with_sizes = hf_tpu.constant_masks.with_sizes
+    monkeypatch.setattr(hf_tpu.constant_masks, "with_sizes",
+                        lambda gm, sizes: specialized.append(with_sizes(gm, sizes)) or specialized[-1])
+
+    def attend(q, k, v):
+        length = q.shape[-2]
+        mask = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    compiled = torch.compile(attend, backend="tpu", dynamic=True, fullgraph=True)
+    for length in (5, 7):
+        torch.manual_seed(length)
+        q, k, v = (torch.randn(2, 2, length, 8) for _ in range(3))
+        assert_same(compiled(*(t.to("tpu") for t in (q, k, v))), attend(q, k, v))
+    assert len(specialized) == 2 and all(gm is not None for gm in specialized)
+    for gm in specialized:
+        call, = attention_calls(gm)
+        assert call.kwargs.get("attn_mask") is None and call.args[4] is True  # (q, k, v, dropout_p, is_causal)
