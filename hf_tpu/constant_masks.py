@@ -66,7 +66,7 @@ def recognise_constant_masks(gm: torch.fx.GraphModule) -> int:
         if pattern is None or (pattern[1] and not takes_window):
             continue
         is_causal, window = pattern
-        arguments.update(attn_mask=None, is_causal=is_causal or bool(arguments.get("is_causal")))
+        arguments.update(attn_mask=None, is_causal=is_causal)
         if window:
             arguments["sliding_window"] = window
         _set_arguments(node, arguments)
@@ -187,6 +187,8 @@ def _evaluate(gm: torch.fx.GraphModule, output: torch.fx.Node) -> torch.Tensor |
 
 
 def _constant_op(node: torch.fx.Node) -> bool:
+    """Whether the node computes the same value whenever its inputs are the same: not a random op, nor an
+    uninitialized allocation (`empty` and its kin), nor one that writes its inputs."""
     if node.op == "get_attr":
         return True
     if node.op != "call_function":
@@ -195,6 +197,7 @@ def _constant_op(node: torch.fx.Node) -> bool:
         return True  # an item of a result, or arithmetic on sizes
     return (isinstance(node.target, torch._ops.OpOverload)
             and torch.Tag.nondeterministic_seeded not in node.target.tags
+            and "empty" not in node.target._schema.name
             and not node.target._schema.is_mutable)
 
 

@@ -386,9 +386,8 @@ def _blocked_attention(query, key, value, attn_mask, scale, is_causal, sliding_w
 
     init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
             jnp.zeros(shape + value.shape[-1:], jnp.float32))
-    if blocks.starts.shape[0] == 1:  # one block: no loop
-        one = jax.tree.map(lambda x: None if x is None else x[0], (blocks.keys, blocks.values, blocks.mask,
-                                                                    blocks.starts))
+    if blocks.starts.shape[0] == 1:  # one block: no loop (a mask of None stays None)
+        one = jax.tree.map(lambda x: x[0], (blocks.keys, blocks.values, blocks.mask, blocks.starts))
         (running_max, running_sum, acc), _ = step(init, one)
     else:
         (running_max, running_sum, acc), _ = jax.lax.scan(step, init, (blocks.keys, blocks.values, blocks.mask,
