@@ -128,7 +128,10 @@ def test_compiled_matches_eager_and_traces_whole(caplog):
     with caplog.at_level(logging.WARNING, logger="hf_tpu.compile"):
         out = compiled(query, key, value)
         out.square().sum().backward()
-    fallbacks = [r.getMessage() for r in caplog.records if r.name == "hf_tpu.compile"]
+    # the fallback's warning; the compile log's progress line (a compile past a few seconds, as on a loaded
+    # machine) shares the logger and is not one
+    fallbacks = [r.getMessage() for r in caplog.records
+                 if r.name == "hf_tpu.compile" and "in the eager mode instead" in r.getMessage()]
     assert not fallbacks, f"a graph fell back to eager: {fallbacks}"
     assert hf_tpu.metrics()["compiles_by_mode"]["COMPILE"] == 2
     for a, e in zip((out, query.grad, key.grad, value.grad), expected):
