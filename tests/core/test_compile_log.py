@@ -90,8 +90,11 @@ def test_the_threshold_must_be_a_number_of_seconds(monkeypatch, value):
 
 def test_a_function_only_traced_is_not_taken_for_a_compile_that_hangs(compile_records, monkeypatch):
     monkeypatch.setenv("HF_TPU_SLOW_COMPILE_SECONDS", "0.2")
-    jax.eval_shape(lambda x: x + 1, jnp.ones(3))  # traced, never lowered nor compiled
+
+    def only_traced(x):  # a name of its own: the eager ops' programs are `<lambda>`s, logged when slow
+        return x + 1
+
+    jax.eval_shape(only_traced, jnp.ones(3))  # traced, never lowered nor compiled
     time.sleep(0.5)
     torch.randn(4, device="tpu").sin()
-    assert not any("<lambda>" in line and "so far" in line for line in compile_records()), compile_records()
-    assert not any(line.startswith("hf_tpu: compiled `<lambda>`") for line in compile_records())
+    assert not any("only_traced" in line for line in compile_records()), compile_records()
