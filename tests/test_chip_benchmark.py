@@ -167,3 +167,21 @@ def test_profile_kinds_group_every_op_by_instruction_and_fusion_kind():
            ("fusion.9", 3.0, 1.0, elementwise), ("unknown", 1.0, 1.0, "")]
     assert _kinds(ops) == {"fusion kOutput": (118.0, 2.0), "copy-done": (41.0, 2.0), "fusion kLoop": (3.0, 1.0),
                            "?": (1.0, 1.0)}
+
+
+def test_the_cache_write_benchmark_times_both_writes_and_they_agree(tmp_path):
+    """`benchmarks.cache_write` in its small form: every case timed both ways; and the dynamic-update-slice
+    writes what the scatter (hf-tpu's `index_copy_` lowering) writes, at an offset inside the cache."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import cache_write
+
+    cache_write.main(["--json", str(tmp_path / "rows.json")])
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert {name.rsplit(" ", 1)[1] for name in rows} == {"scatter", "dynamic_update_slice"} and len(rows) == 6
+    assert all(row["compile"] > 0 and row["ms"] > 0 for row in rows.values())
+    cache = jax.random.normal(jax.random.key(0), (2, 3, 16, 4)).astype(jnp.bfloat16)
+    new = jax.random.normal(jax.random.key(1), (2, 3, 5, 4)).astype(jnp.bfloat16)
+    start = jnp.int32(7)
+    assert jnp.array_equal(cache_write._scatter(cache, new, start), cache_write._update_slice(cache, new, start))
