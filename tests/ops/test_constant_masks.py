@@ -5,9 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.operator_schemas import normalize_function
 
 import hf_tpu
-import hf_tpu.compile
+import hf_tpu.constant_masks
 from hf_tpu.constant_masks import recognise_constant_masks
 from tests.util import assert_same, to_cpu
 
@@ -90,7 +91,6 @@ def test_a_constant_mask_becomes_its_pattern_and_the_result_stays(case, grouped)
     recognised = rewritten is not None and (grouped or "sliding_window" not in rewritten)
     assert recognise_constant_masks(gm) == int(recognised)
     call, = attention_calls(gm)
-    from torch.fx.operator_schemas import normalize_function
     arguments = normalize_function(call.target, call.args, call.kwargs, normalize_to_only_use_kwargs=True).kwargs
     if recognised:
         assert {name: arguments[name] for name in rewritten} == rewritten
