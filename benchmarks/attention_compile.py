@@ -16,8 +16,6 @@ works, not a measurement.
 from __future__ import annotations
 
 import argparse
-import json
-import time
 
 
 def _xla_attention(q, k, v):
@@ -57,7 +55,7 @@ def main(argv=None) -> None:
     import jax.numpy as jnp
 
     import hf_tpu  # noqa: F401 - JAX's configuration as hf_tpu runs it
-    from benchmarks.common import table
+    from benchmarks.common import compile_timings, report_compile_timings
 
     tiny = jax.default_backend() != "tpu"
     heads, kv_heads, length = (4, 2, 128) if tiny else (32, 8, 1024)
@@ -67,26 +65,11 @@ def main(argv=None) -> None:
         kv = jnp.ones((batch, kv_heads, length, 64), jnp.bfloat16)
         for name, attention in (("kernel", _kernel_attention), ("xla", _xla_attention)):
             for calls in (1, 16):
-                start = time.perf_counter()
-                lowered = jax.jit(_chain(attention, calls)).lower(q, kv, kv)
-                lowered_at = time.perf_counter()
-                compiled = lowered.compile()
-                compiled_at = time.perf_counter()
-                compiled(q, kv, kv).block_until_ready()
-                times = []
-                for _ in range(5):
-                    call_start = time.perf_counter()
-                    compiled(q, kv, kv).block_until_ready()
-                    times.append(time.perf_counter() - call_start)
-                rows[f"b{batch} {name} x{calls}"] = dict(trace=lowered_at - start, compile=compiled_at - lowered_at,
-                                                         ms=min(times) * 1e3 / calls)
-    print(f"backend {jax.default_backend()}, causal attention {heads}/{kv_heads} heads, {length} tokens"
-          f"{' (tiny shapes, kernel interpreted)' if tiny else ''}")
-    print(table(["program", "trace + lowering s", "XLA compile s", "ms per attention"],
-                [[name, f"{r['trace']:.2f}", f"{r['compile']:.2f}", f"{r['ms']:.3f}"] for name, r in rows.items()]))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f)
+                row = compile_timings(jax.jit(_chain(attention, calls)), (q, kv, kv))
+                rows[f"b{batch} {name} x{calls}"] = dict(row, ms=row["ms"] / calls)
+    report_compile_timings(f"backend {jax.default_backend()}, causal attention {heads}/{kv_heads} heads, {length} "
+                           f"tokens{' (tiny shapes, kernel interpreted)' if tiny else ''}", "program", "attention",
+                           rows, args.json)
 
 
 if __name__ == "__main__":

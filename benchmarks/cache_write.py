@@ -18,8 +18,6 @@ Off a TPU the shapes are small: a check that the script works, not a measurement
 from __future__ import annotations
 
 import argparse
-import json
-import time
 
 LAYERS, KV_HEADS, HEAD_DIM = 16, 8, 64
 
@@ -55,7 +53,7 @@ def main(argv=None) -> None:
     import jax.numpy as jnp
 
     import hf_tpu  # noqa: F401 - JAX's configuration as hf_tpu runs it
-    from benchmarks.common import table
+    from benchmarks.common import compile_timings, report_compile_timings
 
     tiny = jax.default_backend() != "tpu"
     layers = 2 if tiny else LAYERS
@@ -69,30 +67,12 @@ def main(argv=None) -> None:
             shape = (batch, KV_HEADS, cache_length, HEAD_DIM)
             caches = [jnp.zeros(shape, jnp.bfloat16) for _ in range(2 * layers)]
             new = jnp.ones((batch, KV_HEADS, written, HEAD_DIM), jnp.bfloat16)
-            start = jnp.int32(0)
-            jitted = jax.jit(_writes(write), donate_argnums=(0,))
-            begin = time.perf_counter()
-            lowered = jitted.lower(caches, new, start)
-            lowered_at = time.perf_counter()
-            compiled = lowered.compile()
-            compiled_at = time.perf_counter()
-            caches, total = compiled(caches, new, start)
-            total.block_until_ready()
-            times = []
-            for _ in range(5):
-                call_start = time.perf_counter()
-                caches, total = compiled(caches, new, start)
-                total.block_until_ready()
-                times.append(time.perf_counter() - call_start)
-            rows[f"{what} b{batch} {written}/{cache_length} {name}"] = dict(
-                trace=lowered_at - begin, compile=compiled_at - lowered_at, ms=min(times) * 1e3)
-    print(f"backend {jax.default_backend()}, {2 * layers} caches of (batch, {KV_HEADS}, length, {HEAD_DIM}) bfloat16"
-          f"{' (small shapes)' if tiny else ''}")
-    print(table(["program (positions written / cache length)", "trace + lowering s", "XLA compile s", "ms per call"],
-                [[name, f"{r['trace']:.2f}", f"{r['compile']:.2f}", f"{r['ms']:.3f}"] for name, r in rows.items()]))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f)
+            rows[f"{what} b{batch} {written}/{cache_length} {name}"] = compile_timings(
+                jax.jit(_writes(write), donate_argnums=(0,)), (caches, new, jnp.int32(0)),
+                feed=lambda result, args: (result[0], *args[1:]))  # the donated caches come back
+    report_compile_timings(f"backend {jax.default_backend()}, {2 * layers} caches of (batch, {KV_HEADS}, length, "
+                           f"{HEAD_DIM}) bfloat16{' (small shapes)' if tiny else ''}",
+                           "program (positions written / cache length)", "call", rows, args.json)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,45 @@ def jax_compile_phases() -> dict:
     return phases
 
 
+def compile_timings(jitted, args: tuple, feed=None, calls: int = 5) -> dict:
+    """{"trace": seconds of trace and lowering, "compile": seconds of XLA's compile, "ms": the best of `calls`
+    calls after a first} of the jitted JAX function on `args`. `feed(result, args)` gives each next call's
+    arguments (a program that donates its inputs takes back its outputs); by default the same. XLA compiles
+    with the disk cache off (`HF_TPU_CACHE_DIR`): a second run would time a load from it instead."""
+    import jax
+
+    start = time.perf_counter()
+    lowered = jitted.lower(*args)
+    lowered_at = time.perf_counter()
+    cached = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        compiled = lowered.compile()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cached)
+    compiled_at = time.perf_counter()
+    times = []
+    for _ in range(calls + 1):
+        call_start = time.perf_counter()
+        result = jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - call_start)
+        if feed is not None:
+            args = feed(result, args)
+    return dict(trace=lowered_at - start, compile=compiled_at - lowered_at, ms=min(times[1:]) * 1e3)
+
+
+def report_compile_timings(title: str, program: str, per: str, rows: dict, json_path: str | None) -> None:
+    """Print `compile_timings` rows ({name: row}) under `title`, and write them to `json_path` if given."""
+    import json
+
+    print(title)
+    print(table([program, "trace + lowering s", "XLA compile s", f"ms per {per}"],
+                [[name, f"{r['trace']:.2f}", f"{r['compile']:.2f}", f"{r['ms']:.3f}"] for name, r in rows.items()]))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f)
+
+
 def static_compiled(model):
     """`torch.compile(model, backend="tpu")` with one program per input shape (`dynamic=False`), as
     `generate()`'s prefill has one per prompt length: the reference forward of time-to-first-token rows. With
