@@ -20,7 +20,7 @@ from .call import LIVE, Operand, matmul_precision
 from .program import PROGRAMS, Program
 from .registry import BACKEND_CHOICES, CPU_VIEW_KERNELS, HANDLERS, LOWERINGS
 from .run import allocate, run_bound
-from .signatures import (ENTRY_FIELDS, OPT_TENSOR, SCALAR, STATIC, TENSOR, Signature, aten, functional_counterpart,
+from .signatures import (ENTRY_FIELDS, OPT_TENSOR, SCALAR, STATIC, TENSOR, Signature, functional_counterpart,
                         hashable, signature)
 
 _libraries: list = []
@@ -31,10 +31,11 @@ def _is_composite_implicit(op) -> bool:
 
 
 def _derived_variants(functional):
-    """The in-place and out= overloads that compute through `functional`."""
+    """The in-place and out= overloads that compute through `functional` (in its own namespace: aten, or
+    hf_tpu's custom ops)."""
     name = functional._schema.name.split("::")[1]
     for packet_name in (name, name + "_"):
-        packet = getattr(aten, packet_name, None)
+        packet = getattr(getattr(torch.ops, functional.namespace), packet_name, None)
         if packet is None:
             continue
         for overload_name in packet.overloads():

@@ -100,7 +100,7 @@ def functional_counterpart(op):
     packet_name = op._schema.name.split("::")[1]
     out_names = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
     if packet_name.endswith("_") and not packet_name.endswith("__"):
-        packet = getattr(aten, packet_name[:-1], None)
+        packet = getattr(getattr(torch.ops, op.namespace), packet_name[:-1], None)
         if packet is None:
             return None
         def arguments(overload):
@@ -121,7 +121,7 @@ def functional_counterpart(op):
         return [(a.name, str(a.type)) for a in arguments if a.name not in out_names and a.name not in factory_args]
 
     inputs = signature_of(schema.arguments)
-    packet = getattr(aten, packet_name, None)
+    packet = getattr(getattr(torch.ops, op.namespace), packet_name, None)
     if packet is None:
         return None
     for name in packet.overloads():

@@ -284,6 +284,69 @@ def index_copy(self, dim, index, source):
     return _update(self, _slices_at(dim, index), source, "set")
 
 
+# --- hf_tpu::dynamic_update_slice: `index_copy_` at contiguous positions from a start held in a tensor.
+#
+# A static KV cache writes each step's keys at `arange(n) + filled`: an `index_copy_` whose index XLA
+# cannot know is contiguous, so it lowers to a scatter. On the v5e (`benchmarks.cache_write`, 32 caches
+# of a 1.1B Llama) the scatter took 10.5 ms where one dynamic-update-slice took 3.1 ms for a 4096-token
+# prompt, 4.1 ms against 3.5 ms for a decode step at batch 64, and compiled 0.4-0.7 s longer. The start is
+# a tensor, so that one program serves every position.
+
+_library = torch.library.Library("hf_tpu", "FRAGMENT")
+_library.define("dynamic_update_slice(Tensor self, int dim, Tensor start, Tensor source) -> Tensor")
+# in place, returning nothing: functionalization (torch.compile) takes no custom op that returns an alias
+_library.define("dynamic_update_slice_(Tensor(a!) self, int dim, Tensor start, Tensor source) -> ()")
+
+
+def _check_update_slice(self, dim, start, source):
+    """`index_copy_`'s errors on every device (the meta kernel): the start is one integer, `source` is
+    `self` with another (no longer) length along `dim`, of `self`'s dtype. The start's value is not
+    checked on tpu (that would need a host sync): as in XLA, a start past the end is clamped to it."""
+    if start.numel() != 1 or start.dtype.is_floating_point or start.dtype.is_complex or start.dtype == torch.bool:
+        raise RuntimeError(f"hf_tpu.dynamic_update_slice: start must be one integer, got a {start.dtype} tensor "
+                           f"of shape {tuple(start.shape)}")
+    if source.dtype != self.dtype:
+        raise RuntimeError(f"hf_tpu.dynamic_update_slice: self ({self.dtype}) and source ({source.dtype}) "
+                           "must have the same dtype")
+    dim = dim % max(self.dim(), 1)
+    if (source.dim() != self.dim() or source.shape[dim] > self.shape[dim]
+            or any(s != t for d, (s, t) in enumerate(zip(source.shape, self.shape)) if d != dim)):
+        raise IndexError(f"hf_tpu.dynamic_update_slice: source {tuple(source.shape)} does not fit self "
+                         f"{tuple(self.shape)} along dim {dim}")
+
+
+@torch.library.impl("hf_tpu::dynamic_update_slice", "cpu", lib=_library)
+def _dynamic_update_slice_cpu(self, dim, start, source):
+    """The reference: `index_copy` at `start, start + 1, ...`, which raises as it does past the end."""
+    _check_update_slice(self, dim, start, source)
+    positions = torch.arange(source.shape[dim], device=self.device) + start.reshape(()).long()
+    return self.index_copy(dim, positions, source)
+
+
+@torch.library.impl("hf_tpu::dynamic_update_slice_", "cpu", lib=_library)
+def _dynamic_update_slice_cpu_(self, dim, start, source):
+    self.copy_(_dynamic_update_slice_cpu(self, dim, start, source))
+
+
+@torch.library.register_fake("hf_tpu::dynamic_update_slice", lib=_library)
+def _dynamic_update_slice_fake(self, dim, start, source):
+    _check_update_slice(self, dim, start, source)
+    return torch.empty_like(self)
+
+
+@torch.library.register_fake("hf_tpu::dynamic_update_slice_", lib=_library)
+def _dynamic_update_slice_fake_(self, dim, start, source):
+    _check_update_slice(self, dim, start, source)
+
+
+@lowering(torch.ops.hf_tpu.dynamic_update_slice.default)
+def dynamic_update_slice(self, dim, start, source):
+    dim = _dim(dim, self.ndim)
+    starts = [jnp.zeros((), start.dtype)] * self.ndim
+    starts[dim] = start.reshape(())
+    return jax.lax.dynamic_update_slice(self, source.astype(self.dtype), starts)
+
+
 @lowering(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor, check=value_fits(3))
 @_along_dim
 def index_fill(self, dim, index, value):

@@ -95,4 +95,5 @@ def install(module) -> None:
         from transformers.cache_utils import Cache, StaticLayer  # imported by generation.utils already
 
         _patch(StaticLayer, "lazy_initialization", cache._wrap_static_layer_allocation)
+        _patch(StaticLayer, "update", cache._wrap_static_layer_update)
         _patch(Cache, "early_initialization", cache._wrap_early_initialization)

@@ -180,6 +180,31 @@ def _wrap_static_layer_allocation(original):
     return lazy_initialization
 
 
+# --- The static cache's writes as one dynamic-update-slice
+
+
+def _wrap_static_layer_update(original):
+    from transformers.cache_utils import StaticLayer
+
+    @functools.wraps(original)
+    def update(self, key_states, value_states, *args, **kwargs):
+        """On tpu, a static layer writes its new keys and values with `hf_tpu::dynamic_update_slice_` at its
+        count of cached tokens. Transformers' `index_copy_` at `arange(n) + count` writes the same positions,
+        but XLA cannot tell that they are contiguous and makes it a scatter: on the v5e, 3.4x slower for a
+        4096-token prefill and 16% for a decode step at batch 64 (`benchmarks.cache_write`). A layer on
+        another device, or of another kind (sliding-window layers), keeps Transformers' own writes."""
+        if type(self) is not StaticLayer or key_states.device.type != "tpu":
+            return original(self, key_states, value_states, *args, **kwargs)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        torch.ops.hf_tpu.dynamic_update_slice_(self.keys, 2, self.cumulative_length, key_states)
+        torch.ops.hf_tpu.dynamic_update_slice_(self.values, 2, self.cumulative_length, value_states)
+        self.cumulative_length.add_(key_states.shape[-2])
+        return self.keys, self.values
+
+    return update
+
+
 # --- A fresh static cache allocated in one program
 
 
