@@ -260,18 +260,23 @@ def _first_call_and_compile(fn) -> tuple[float, float]:
     return _first_call(fn), xla_seconds() - before
 
 
-def _step_seconds(generate, ids, steps: int, iters: int) -> tuple[float, float]:
+_BELOW_NOISE = "a decode step is below the timing noise: a longer call took no longer than a shorter one"
+
+
+def _step_seconds(generate, ids, steps: int, iters: int) -> tuple[float | None, float]:
     """(seconds a decode step takes, seconds of the first call): `generate()` of 2 and of 1 + `steps` new tokens
     timed in turns, the difference divided by `steps - 1`. Both fill the same static cache length, so they run
     the same programs, and both pay what a call pays once whatever its length (the prefill, the first token,
-    starting the decode loop), which the difference leaves out. The first call compiles."""
+    starting the decode loop), which the difference leaves out. The first call compiles. The step is None
+    where the difference is below the timing noise (a tiny model on the CPU)."""
     first = _first_call(lambda: generate(ids, 1 + steps))
     generate(ids, 2)
     short, full = [], []
     for _ in range(iters):
         short.append(_first_call(lambda: generate(ids, 2)))
         full.append(_first_call(lambda: generate(ids, 1 + steps)))
-    return (statistics.median(full) - statistics.median(short)) / (steps - 1), first
+    step = (statistics.median(full) - statistics.median(short)) / (steps - 1)
+    return (step if step > 0 else None), first
 
 
 class _Rows:
@@ -447,8 +452,11 @@ def _group_decode(spec: dict, rows: _Rows) -> None:
             ids = _ids(spec["model"]["vocab_size"], batch, length).to("tpu")
             try:
                 step, first = _step_seconds(generate, ids, steps, max(2, spec["iters"] // 3))
-                rows.emit("decode", side="hf-tpu", batch=batch, length=length, step_seconds=step, first_call=first,
-                          context=length + steps // 2)
+                if step is None:
+                    rows.skip(row, _BELOW_NOISE)
+                else:
+                    rows.emit("decode", side="hf-tpu", batch=batch, length=length, step_seconds=step,
+                              first_call=first, context=length + steps // 2)
                 _profile(rows, lambda: generate(ids, 1 + steps), calls=1, side="hf-tpu decode", batch=batch,
                          length=length)
             except torch.OutOfMemoryError as e:
@@ -546,6 +554,9 @@ def _group_moe(spec: dict, rows: _Rows) -> None:
     for implementation in ("grouped_mm", "eager"):
         model.set_experts_implementation(implementation)
         step, first = _step_seconds(generate, ids, steps, max(2, spec["iters"] // 3))
+        if step is None:
+            rows.skip(f"{implementation} {batch}x{prompt}", _BELOW_NOISE)
+            continue
         rows.emit("moe", side="hf-tpu", implementation=implementation, batch=batch, length=prompt,
                   step_seconds=step, first_call=first, context=prompt + steps // 2)
 

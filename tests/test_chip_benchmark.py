@@ -27,10 +27,16 @@ def test_tiny_run_reports_every_group(tmp_path):
     by_section = {}
     for figure in figures:
         by_section.setdefault(figure["section"], []).append(figure)
-    assert {"run", "limits", "forward", "eager", "decode", "ttft", "moe"} <= set(by_section), set(by_section)
+    assert {"run", "limits", "forward", "eager", "ttft"} <= set(by_section), set(by_section)
     assert [(f["batch"], f["length"]) for f in by_section["forward"] if f["side"] == "hf-tpu"] == [(2, 16)]
-    assert [(f["batch"], f["length"]) for f in by_section["decode"]] == [(2, 16)]
-    assert {f["implementation"] for f in by_section["moe"]} == {"grouped_mm", "eager"}
+    # a decode step of the tiny model (tens of microseconds on the CPU) may be below the timing noise: then its
+    # row is a skip saying so, never a figure that is not positive
+    skipped = {f["row"] for f in by_section.get("skipped", []) if f["reason"] == chip._BELOW_NOISE}
+    decode = [(f["batch"], f["length"]) for f in by_section.get("decode", [])]
+    assert decode == [(2, 16)] or (not decode and "2x16" in skipped)
+    moe = {f["implementation"] for f in by_section.get("moe", [])}
+    assert moe | {row.split()[0] for row in skipped if row != "2x16"} == {"grouped_mm", "eager"}
+    assert all(f["step_seconds"] > 0 for f in by_section.get("decode", []) + by_section.get("moe", []))
     assert all(f["seconds"] > 0 for f in by_section["forward"] + by_section["eager"] + by_section["ttft"])
     assert all(f["reason"] for f in by_section.get("skipped", []))  # torchax, where it is not installed
     # the CPU records no device plane: the profile row is there, with no ops
@@ -38,9 +44,9 @@ def test_tiny_run_reports_every_group(tmp_path):
     assert list((tmp_path / "profile" / "forward" / "2x16").rglob("*.xplane.pb"))
     printed = proc.stdout.splitlines()
     assert any(line.startswith("[forward] hf-tpu forward 2x16:") for line in printed)
-    assert any(line.startswith("[moe] eager decode batch 2") for line in printed)
-    assert "compiled forward" in proc.stdout and "decode batch x prompt" in proc.stdout
-    assert "MoE decode" in proc.stdout and "the per-expert loop" in proc.stdout
+    assert any(line.startswith("[moe] eager decode batch 2") or line.startswith("[moe] skipped eager 2x16")
+               for line in printed)
+    assert "compiled forward" in proc.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
