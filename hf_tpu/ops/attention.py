@@ -35,7 +35,7 @@ def _scores(query, key, attn_mask, is_causal, scale):
     """The scale multiplies the (query, head_dim) query, not the (query, key) scores: read by both the
     row maximum and the exponential, scaled scores become a pass of their own over the whole matrix on
     XLA:CPU (about 30% of the tiny SD3 attention's CPU time)."""
-    scores = jnp.einsum("...le,...se->...ls", query * _default_scale(query, scale), key)
+    scores = jnp.einsum("...le,...se->...ls", query * _default_scale(query, scale), key, precision=matmul_precision())
     if is_causal:
         length, source = scores.shape[-2:]
         scores = jnp.where(jnp.tril(jnp.ones((length, source), jnp.bool_)), scores, -jnp.inf)
@@ -57,7 +57,8 @@ def _attention(query, key, value, attn_mask, is_causal, scale):
     row_max = jnp.where(row_max == -jnp.inf, 0, row_max)  # a fully masked row: every weight is 0
     weights = jnp.exp(scores - row_max)
     total = jnp.sum(weights, -1, keepdims=True)
-    out = jnp.einsum("...ls,...se->...le", weights, value) / jnp.where(total == 0, 1, total)
+    out = jnp.einsum("...ls,...se->...le", weights, value, precision=matmul_precision()) / jnp.where(total == 0, 1,
+                                                                                                      total)
     return out, (row_max + jnp.log(total))[..., 0]
 
 

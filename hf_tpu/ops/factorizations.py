@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import torch
 from ..dispatch import lowering
+from .linalg import matmul_precision
 
 
 aten = torch.ops.aten
@@ -149,8 +150,8 @@ def _sytrs_lower(LD, pivots, B):
         k, B = carry
         one_by_one = pivots[k] > 0
         tail = jnp.where(index > k, 1, 0)[:, None] * B
-        B = B.at[k].add(-(LD[:, k] @ tail))
-        B = jnp.where(one_by_one, B, B.at[k - 1].add(-(LD[:, k - 1] @ tail)))
+        B = B.at[k].add(-jnp.matmul(LD[:, k], tail, precision=matmul_precision()))
+        B = jnp.where(one_by_one, B, B.at[k - 1].add(-jnp.matmul(LD[:, k - 1], tail, precision=matmul_precision())))
         kp = jnp.where(one_by_one, pivots[k], -pivots[k]) - 1
         return k - jnp.where(one_by_one, 1, 2), _swap(B, k, kp, 0)
 
