@@ -237,31 +237,39 @@ def logsumexp(self, dim, keepdim=False):
 # --- Norms.
 
 
+# The orders with a computation of their own: compiled in when passed (`static_values`), each as its case.
+_NORM_ORDERS = frozenset({math.inf, -math.inf, 0, 1, 2})
+
+
 def _vector_norm(x, ord, dim, keepdim, dtype):
-    # `ord` is traced: dispatch keys a Scalar argument by its type only, even one named in
-    # `static=`, so a Python branch on it would reuse the program compiled for the first value.
+    """`ord` is a Python number for the orders in _NORM_ORDERS, and the program computes that order's norm
+    alone. Any other order is traced (dispatch keys a Scalar by its type, not its value): its program takes
+    it as an input and picks the case with a switch, so that one program serves them all."""
     magnitudes = jnp.abs(_accumulator(x, dtype))
-    ord = jnp.asarray(ord, magnitudes.dtype)
     axes = _axes(x, dim)
     reduce = functools.partial(jnp.sum, axis=axes, keepdims=keepdim)
-    cases = [
-        (ord == math.inf, lambda: jnp.max(magnitudes, axes, keepdims=keepdim, initial=0)),
-        (ord == -math.inf, lambda: jnp.min(magnitudes, axes, keepdims=keepdim, initial=math.inf)),
-        (ord == 0, lambda: reduce(magnitudes != 0).astype(magnitudes.dtype)),
-        (ord == 1, lambda: reduce(magnitudes)),
-        (ord == 2, lambda: jnp.sqrt(reduce(jnp.square(magnitudes)))),
-    ]
+    cases = {
+        math.inf: lambda: jnp.max(magnitudes, axes, keepdims=keepdim, initial=0),
+        -math.inf: lambda: jnp.min(magnitudes, axes, keepdims=keepdim, initial=math.inf),
+        0: lambda: reduce(magnitudes != 0).astype(magnitudes.dtype),
+        1: lambda: reduce(magnitudes),
+        2: lambda: jnp.sqrt(reduce(jnp.square(magnitudes))),
+    }
+    if isinstance(ord, (int, float)) and ord in cases:
+        return cases[ord]()
+    ord = jnp.asarray(ord, magnitudes.dtype)
     general = lambda: reduce(magnitudes**ord) ** (1 / ord)  # noqa: E731
-    branch = jnp.select([condition for condition, _ in cases], jnp.arange(len(cases)), len(cases))
-    return jax.lax.switch(branch, [fn for _, fn in cases] + [general])
+    branch = jnp.select([ord == order for order in cases], jnp.arange(len(cases)), len(cases))
+    return jax.lax.switch(branch, [*cases.values(), general])
 
 
-@lowering(aten.linalg_vector_norm.default)
+@lowering(aten.linalg_vector_norm.default, static_values={"ord": _NORM_ORDERS})
 def linalg_vector_norm(self, ord=2, dim=None, keepdim=False, *, dtype=None):
     return _vector_norm(self, ord, dim, keepdim, dtype)
 
 
-@lowering(aten.norm.Scalar, aten.norm.ScalarOpt_dim, aten.norm.ScalarOpt_dim_dtype, aten.norm.ScalarOpt_dtype)
+@lowering(aten.norm.Scalar, aten.norm.ScalarOpt_dim, aten.norm.ScalarOpt_dim_dtype, aten.norm.ScalarOpt_dtype,
+          static_values={"p": _NORM_ORDERS})
 def norm(self, p=2, dim=None, keepdim=False, *, dtype=None):
     return _vector_norm(self, 2 if p is None else p, dim, keepdim, dtype)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import hf_tpu  # noqa: F401
+import hf_tpu
 
 
 @pytest.fixture(autouse=True)
@@ -161,3 +161,30 @@ def test_safe_softmax_rows_of_only_minus_inf_nan_and_empty(dim):
     _assert_same(torch._safe_softmax, x, dim)
     _assert_same(torch._safe_softmax, torch.empty(0, 3), dim)
     _assert_same(torch._safe_softmax, torch.empty(3, 0), dim)
+
+
+def test_vector_norms_of_the_common_orders_compute_that_order_alone():
+    """F.normalize's `norm(2, dim)` passes its order as a Scalar with no default: traced, its program held a
+    six-way switch over every order's computation. The common orders are compiled in; any other is traced,
+    one program for all of them."""
+    import math
+
+    import jax
+    import jax.numpy as jnp
+
+    from hf_tpu.ops import reduce
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 5)
+    for order in (2, 1, 0, math.inf, -math.inf, 3, 0.5):
+        _assert_same(lambda t: t.norm(order, dim=1, keepdim=True), x)
+        _assert_same(lambda t: torch.linalg.vector_norm(t, order, dim=0), x)
+    _assert_same(F.normalize, x)
+    jaxpr = jax.make_jaxpr(lambda a: reduce._vector_norm(a, 2, (1,), True, None))(jnp.ones((4, 5)))
+    assert all(e.primitive.name != "cond" for e in jaxpr.eqns)
+    on_tpu = x.to("tpu")
+    torch.linalg.vector_norm(on_tpu, 3.0).cpu()
+    hf_tpu.reset_metrics()
+    for order in (4.0, 5.0, 0.25):
+        torch.linalg.vector_norm(on_tpu, order).cpu()
+    assert hf_tpu.metrics()["xla_compiles"] == 0
