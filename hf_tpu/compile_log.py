@@ -17,11 +17,13 @@ WARNING, where `HF_TPU_LOG_COMPILES` puts its lines, so that they show without a
 
 The one compile under way is `_current`: opened either by the code that knows what it compiles (`begin`,
 `hf_tpu.compile` for a `torch.compile` graph, from the moment Dynamo starts), or by JAX's report that it
-starts tracing a function; the XLA compile that follows closes it.
+starts tracing a function; the XLA compile that follows closes it. A compile handed to a thread of its own
+(`in_background`) leaves `_current` free for the next one: JAX's reports from that thread go to it.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -64,6 +66,7 @@ class Compile:
 _lock = threading.Lock()
 _wake = threading.Condition(_lock)
 _current: list = [None]  # the Compile under way, or None
+_elsewhere: dict = {}  # thread ident -> the Compile that thread runs in the background (`in_background`)
 _slow_kinds: dict = {}  # kind -> seconds the last slow compile of that kind took
 _watcher: list = [None]
 
@@ -107,14 +110,48 @@ def describe(what: str, kind: str, inputs_text) -> None:
             compile_.inputs = inputs_text()
 
 
+def in_background(work) -> concurrent.futures.Future:
+    """Run `work()` (the XLA compile of the program just traced) on a thread of its own, with the compile under
+    way: what JAX reports from that thread is its, and this thread may begin another compile meanwhile. The
+    future holds what `work()` returned or raised."""
+    future = concurrent.futures.Future()
+    with _lock:
+        compile_, _current[0] = _current[0], None
+
+    def run():
+        with _lock:
+            if compile_ is not None:
+                _elsewhere[threading.get_ident()] = compile_
+                _wake.notify()  # the watcher looks at it too
+        try:
+            future.set_result(work())
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the compile
+            future.set_exception(e)
+        finally:
+            with _lock:
+                _elsewhere.pop(threading.get_ident(), None)
+
+    threading.Thread(target=run, name="hf_tpu background compile", daemon=True).start()
+    return future
+
+
+def _under_way() -> Compile | None:
+    """The compile JAX's report from this thread belongs to."""
+    return _elsewhere.get(threading.get_ident()) or _current[0]
+
+
 def end(compile_: Compile | None = None, finished: bool = True) -> None:
-    """Close the compile under way (`compile_`, when given, and only if it is still the one): log it if it
+    """Close the compile under way (`compile_`, when given, and only if it is still under way): log it if it
     `finished` slow (one that went no further than a trace is dropped)."""
     with _lock:
-        done = _current[0]
-        if done is None or (compile_ is not None and done is not compile_):
-            return
-        _current[0] = None
+        elsewhere = next((ident for ident, c in _elsewhere.items() if c is compile_), None)
+        if elsewhere is not None:
+            done = _elsewhere.pop(elsewhere)
+        else:
+            done = _current[0]
+            if done is None or (compile_ is not None and done is not compile_):
+                return
+            _current[0] = None
     seconds = time.perf_counter() - done.started
     limit = threshold()
     if not finished or limit <= 0 or seconds <= limit:
@@ -141,11 +178,13 @@ def _watch() -> None:
     """Say what is compiling once a compile has run longer than the threshold (at most once a compile)."""
     while True:
         with _lock:
-            compile_ = _current[0]
             limit = threshold()
-            if compile_ is None or compile_.announced or compile_.idle or limit <= 0:
+            waiting = [c for c in (_current[0], *_elsewhere.values())
+                       if c is not None and not c.announced and not c.idle] if limit > 0 else []
+            if not waiting:
                 _wake.wait()
                 continue
+            compile_ = min(waiting, key=lambda c: c.started)
             left = compile_.started + limit - time.perf_counter()
             if left > 0:
                 _wake.wait(left)
@@ -160,7 +199,7 @@ def _on_scalar(event: str, value, **kwargs) -> None:
     if event not in _PHASES:
         return
     name = kwargs.get("fun_name", "a JAX function")
-    compile_ = _current[0]
+    compile_ = _under_way()
     if event != _TRACE_STARTS:
         if compile_ is not None and name == f"jit({compile_.function})":
             compile_.idle = False
@@ -178,7 +217,7 @@ def _on_scalar(event: str, value, **kwargs) -> None:
 
 def _on_duration(event: str, seconds: float, **kwargs) -> None:
     phase = _PHASES.get(event)
-    compile_ = _current[0]
+    compile_ = _under_way()
     if phase is None or compile_ is None:
         return
     if phase == "trace":
@@ -193,7 +232,7 @@ def _on_duration(event: str, seconds: float, **kwargs) -> None:
 
 
 def _on_event(event: str, **kwargs) -> None:
-    compile_ = _current[0]
+    compile_ = _under_way()
     if event == _DISK_CACHE_HIT and compile_ is not None:
         compile_.from_disk = True
 

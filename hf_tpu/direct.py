@@ -288,6 +288,7 @@ class _Program:
         call = _named(f"traced_{name}", self.step)
         self.jitted = {True: jax.jit(call, donate_argnums=(0,)), False: jax.jit(call)}
         self.loop_jitted = None
+        self.loop_compiling = None  # the loop's XLA compile started ahead (`while_loop(..., run=False)`)
 
     def step(self, mutated_arrays, other_arrays, rng_base):
         """([the overwritten buffers' new arrays, the new output arrays], the checked values)."""
@@ -545,9 +546,10 @@ def _loop_step(cond_fn, body_fn):
     return step
 
 
-def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state) -> tuple:
+def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state, run: bool = True) -> tuple | None:
     """`hf_tpu.while_loop` with its step traced straight into a program; raises `loops.NotLoopable` where it
-    cannot be (before any iteration ran)."""
+    cannot be (before any iteration ran). With `run=False`, the loop's XLA compile starts on a thread of its
+    own (`compile_log.in_background`) and nothing runs: the first call that runs the program waits for it."""
     name = _name_of(body_fn)
     description = f"the direct trace of the while_loop step `{name}`"
     site = ("while_loop", _function_parts(body_fn)[0], _function_parts(cond_fn)[0])
@@ -575,7 +577,8 @@ def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state
     carried_arrays = [buffer.array_of(t) for t in carried]
     if buffer.sharded_arrays_exist:  # a sharded model's loop carries single-chip tokens
         *carried_arrays, keep_going = buffer.place_together([*arrays, *carried_arrays, keep_going])[len(arrays):]
-    if program.loop_jitted is None:
+    compiled_before = program.loop_jitted is not None
+    if not compiled_before:
         chunk = _named(f"loop_{name}", functools.partial(loop_chunk, program.step))
         program.loop_jitted = {True: jax.jit(chunk, donate_argnums=(0,), static_argnums=(3,)),
                                False: jax.jit(chunk, static_argnums=(3,))}
@@ -584,6 +587,16 @@ def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state
 
     def launch(loop_state, steps):
         return jitted(loop_state[0], others, key_data, slots, *loop_state[1:], steps)
+
+    if not run:
+        if not compiled_before:  # lowered as the first chunk's launch will be: the compile serves it
+            first = loops.first_chunk(mutated, carried_arrays, keep_going)
+            program.loop_compiling = compile_log.in_background(
+                lambda: jitted.lower(first[0], others, key_data, slots, *first[1:]).compile())
+        else:
+            compile_log.end(finished=False)  # only traced, if at all: nothing to say
+        return None
+    _wait_for_compile_ahead(program)
 
     def interrupted(loop_state):  # the arrays the buffers held were donated to the chunks
         for slot, array in zip(program.mutated, loop_state[0]):
@@ -601,6 +614,17 @@ def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state
     for slot, array in zip(program.mutated, final[0]):
         inputs.buffers[slot].array = array
     return tuple(buffer.new_tensor(a.shape, t.dtype, inputs.device_index, a) for t, a in zip(carried, final[1]))
+
+
+def _wait_for_compile_ahead(program: _Program) -> None:
+    """Wait for the loop's compile started ahead, whose program JAX then finds in its cache for the launch. One
+    that failed is left to the launch, which compiles again and raises what the compile raises."""
+    compiling, program.loop_compiling = program.loop_compiling, None
+    if compiling is not None:
+        try:
+            compiling.result()
+        except Exception as e:  # noqa: BLE001 - raised again by the launch's own compile
+            log.info("hf_tpu: the loop's compile started ahead failed (%s: %s)", type(e).__name__, e)
 
 
 def _check_loopable(program: _Program, carried: tuple, carried_slots: list) -> None:

@@ -87,7 +87,7 @@ def run_in_chunks(launch, state: tuple, started, interrupted) -> tuple:
     # Every chunk is one program only if each chunk's inputs are placed as the first's: a chunk's results
     # are committed to their device, so the first chunk's arrays are too (an array made without a device
     # named is not, and JAX keys a second compile by that).
-    state = (*jax.tree.map(_committed, state), np.uint32(0))
+    state = first_chunk(*state)[:-1]
     chunks = ChunkSizes()
     queued = collections.deque()  # (condition, iterations) of the chunks launched and not yet read
     iterations = 0
@@ -113,6 +113,13 @@ def run_in_chunks(launch, state: tuple, started, interrupted) -> tuple:
     except KeyboardInterrupt:
         interrupted(state)
         raise
+
+
+def first_chunk(overwritten, carried, keep_going) -> tuple:
+    """The arguments of a loop's first chunk after its state: the state, committed, the iteration count 0 and
+    the first chunk's size, as `run_in_chunks` launches it (and as a compile ahead lowers it)."""
+    return (*jax.tree.map(_committed, (overwritten, carried, keep_going)), np.uint32(0),
+            np.uint32(ChunkSizes.FIRST))
 
 
 def _committed(value):
@@ -159,7 +166,7 @@ def _on_device(carried: tuple) -> bool:
         for t in carried)
 
 
-def while_loop(cond_fn, body_fn, carried_inputs, state=None):
+def while_loop(cond_fn, body_fn, carried_inputs, state=None, *, run: bool = True):
     """Run `carried = body_fn(*carried)` while `cond_fn(*carried)` is true; return `carried` (a tuple).
 
     `cond_fn` returns a one-element bool tensor; `body_fn` returns tensors of the same shapes and
@@ -169,8 +176,23 @@ def while_loop(cond_fn, body_fn, carried_inputs, state=None):
     straight from Python (`hf_tpu.direct`), without Dynamo: the state's tensors, and those the two
     functions' closures hold, are the loop's inputs, and those written in place are carried through it.
     Where that trace cannot be made, the loop compiles its step with `torch.compile` as without `state`.
+
+    `run=False` (with `state`) runs nothing and returns None: it traces the step now and compiles the loop on
+    a thread of its own, so that other work (tracing and compiling another program) proceeds meanwhile. A
+    later call with the same functions, state and carried shapes and dtypes (their values may differ) runs
+    that program, once its compile has ended.
     """
     carried = tuple(carried_inputs)
+    if not run:
+        if _on_device(carried) and state is not None:
+            from . import direct
+
+            try:
+                with torch.no_grad():
+                    direct.while_loop(cond_fn, body_fn, carried, cond_fn(*carried), tuple(state), run=False)
+            except NotLoopable as e:  # the call that runs the loop finds its own way
+                log.info("hf_tpu: while_loop compiles nothing ahead (%s)", e)
+        return None
     if _on_device(carried) and state is not None:
         from . import direct
 

@@ -79,6 +79,40 @@ def test_a_graph_compiled_while_another_compile_is_pending_is_not_timed_from_tha
     assert compile_records() == []  # nothing slow: not 60 s of capture
 
 
+def test_a_compile_in_the_background_is_logged_apart_from_one_on_this_thread(compile_records, monkeypatch):
+    """A loop compiled ahead (`while_loop(..., run=False)`) compiles on a thread of its own while this thread
+    traces and compiles another program: each is logged once, under its own name and inputs."""
+    monkeypatch.setenv("HF_TPU_SLOW_COMPILE_SECONDS", "0.000001")
+
+    class Shift(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bias = torch.nn.Parameter(torch.ones(4, device="tpu"), requires_grad=False)
+
+    shift = Shift()
+
+    def shift_step(x, i):
+        return x + shift.bias, i + 1
+
+    def double_it(x):
+        return x * 2 + shift.bias
+
+    def below_three(x, i):
+        return i < 3
+
+    hf_tpu.while_loop(below_three, shift_step, (torch.zeros(4, device="tpu"), torch.tensor([0], device="tpu")),
+                      state=(shift,), run=False)
+    hf_tpu.jit(double_it, state=(shift,))(torch.zeros(2, 4, device="tpu"))
+    hf_tpu.while_loop(below_three, shift_step, (torch.zeros(4, device="tpu"), torch.tensor([0], device="tpu")),
+                      state=(shift,))
+    done = [line for line in compile_records() if line.startswith("hf_tpu: compiled the direct trace")]
+    loop = [line for line in done if "while_loop step `shift_step`" in line]
+    jitted = [line for line in done if "`double_it`" in line]
+    assert len(loop) == 1 and len(jitted) == 1 and len(done) == 2, done
+    assert "carried 0 float32[4]" in loop[0] and "XLA" in loop[0]
+    assert "argument 0 float32[2, 4]" in jitted[0] and "XLA" in jitted[0]
+
+
 @pytest.mark.parametrize("value", ["-1", "soon", "inf"])
 def test_the_threshold_must_be_a_number_of_seconds(monkeypatch, value):
     from hf_tpu import settings

@@ -77,6 +77,55 @@ def test_a_loop_of_several_chunks_compiles_once(traced):
     assert len(loop_compiles) == 1, loop_compiles
 
 
+def test_a_loop_compiled_ahead_is_run_later_without_another_compile():
+    """`while_loop(..., run=False)` traces the step and compiles the loop on a thread of its own while this
+    thread goes on (here: compiling an op); the call that runs it, with other values of the same shapes, waits
+    for that compile and compiles nothing more. Asking again compiles nothing either."""
+    import threading
+
+    from jax._src import monitoring
+
+    loop_compiles = []
+
+    def on_duration(event, seconds, **kwargs):
+        if event.endswith("backend_compile_duration") and "loop" in kwargs.get("fun_name", ""):
+            loop_compiles.append(threading.current_thread().name)
+
+    class Scale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.tensor([0.5], device="tpu"), requires_grad=False)
+
+    scale = Scale()
+
+    def halve_and_add_one(x, i):
+        return x * scale.weight + 1, i + 1
+
+    cond = _counting_to(5)
+    monitoring.register_event_duration_secs_listener(on_duration)
+    try:
+        assert hf_tpu.while_loop(cond, halve_and_add_one, (torch.zeros(3, device="tpu"), torch.tensor([0], device="tpu")),
+                                 state=(scale,), run=False) is None
+        (torch.arange(7, device="tpu") * 3).cpu()  # this thread compiles meanwhile
+        x, i = hf_tpu.while_loop(cond, halve_and_add_one, (torch.full((3,), 4.0, device="tpu"),
+                                                           torch.tensor([0], device="tpu")), state=(scale,))
+        hf_tpu.while_loop(cond, halve_and_add_one, (torch.zeros(3, device="tpu"), torch.tensor([0], device="tpu")),
+                          state=(scale,), run=False)
+    finally:
+        monitoring.unregister_event_duration_listener(on_duration)
+    expected, _ = _python_loop(cond, lambda x, i: (x * 0.5 + 1, i + 1), (torch.full((3,), 4.0), torch.tensor([0])))
+    torch.testing.assert_close(x.cpu(), expected)
+    assert i.item() == 5
+    assert loop_compiles == ["hf_tpu background compile"], loop_compiles
+
+
+def test_a_loop_asked_ahead_without_state_compiles_nothing():
+    carried = (torch.zeros(2, device="tpu"), torch.tensor([0], device="tpu"))
+    hf_tpu.reset_metrics()
+    assert hf_tpu.while_loop(_counting_to(3), lambda x, i: (x + 1, i + 1), carried, run=False) is None
+    assert hf_tpu.metrics()["compiles_by_mode"].get("COMPILE", 0) == 0
+
+
 def test_tensors_updated_in_place_keep_their_final_values():
     cache = torch.zeros(4, 6, device="tpu")
     total = torch.zeros((), device="tpu")
