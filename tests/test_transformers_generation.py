@@ -419,9 +419,16 @@ def test_the_prefill_attends_to_the_prompt_not_to_the_whole_static_cache(models,
         calls.clear()
         assert torch.equal(models[1].generate(prompt.to("tpu"), **kwargs).cpu(), expected)
         layers = models[1].config.num_hidden_layers
-        assert calls[:layers] == [(28, 28, True)] * layers
-        cache_length = calls[layers][1]
-        assert calls[layers][0] == 1 and cache_length > 28  # a decode step: the whole cache, masked
+        # traced once each, the decode loop's step first: it compiles while the prefill traces and compiles
+        # (`_compile_loop_ahead`)
+        assert [call for call in calls if call[0] == 28] == [(28, 28, True)] * layers
+        decode_steps = [call for call in calls if call[0] != 28]
+        assert decode_steps and all(query == 1 and keys > 28 and not unmasked  # the whole cache, masked
+                                    for query, keys, unmasked in decode_steps)
+        assert calls[0][0] == 1
+        calls.clear()
+        assert torch.equal(models[1].generate(prompt.to("tpu"), **kwargs).cpu(), expected)
+        assert calls == []  # a second call traces nothing, ahead or not
         padded = torch.tensor([[0, 0, 0, 4, 5, 6], [7, 8, 9, 10, 11, 12]])
         mask = (padded != 0).long()
         expected, actual = (model.generate(padded.to(model.device), attention_mask=mask.to(model.device),
