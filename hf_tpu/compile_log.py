@@ -23,6 +23,7 @@ starts tracing a function; the XLA compile that follows closes it. A compile han
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import dataclasses
 import logging
@@ -131,8 +132,22 @@ def in_background(work) -> concurrent.futures.Future:
             with _lock:
                 _elsewhere.pop(threading.get_ident(), None)
 
-    threading.Thread(target=run, name="hf_tpu background compile", daemon=True).start()
+    thread = threading.Thread(target=run, name="hf_tpu background compile", daemon=True)
+    _background.add(thread)
+    future.add_done_callback(lambda _: _background.discard(thread))
+    thread.start()
     return future
+
+
+_background: set = set()  # the threads `in_background` started, until their work ends
+
+
+@atexit.register
+def _wait_for_background_compiles() -> None:
+    """A process that ends while a compile runs on a thread of its own (a loop compiled ahead that the call never
+    ran) waits for it: a daemon thread still inside XLA when the interpreter finalises can crash it."""
+    for thread in list(_background):
+        thread.join()
 
 
 def _under_way() -> Compile | None:
