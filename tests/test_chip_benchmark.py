@@ -115,6 +115,17 @@ def test_report_sets_the_sides_side_by_side():
     assert "[decode] 64x4096: needs ~303 GB" in text
 
 
+def test_a_per_expert_loop_stopped_by_max_time_bounds_the_ratio_from_below():
+    """On the chip the per-expert loop compiles at every step and is stopped by `max_time`: its time per token
+    holds those compiles, so the ratio is printed as a bound."""
+    figures = [f if f.get("implementation") != "eager" else dict(f, step_seconds=2.4, first_call=150.0, capped_tokens=62)
+               for f in _figures()]
+    text = chip.report(figures, chip.SIZES["1b"])
+    assert "grouped_mm is at least 200.0x the per-expert loop (eager, stopped by max_time, every step compiling)" in text
+    line = chip.describe(next(f for f in figures if f.get("implementation") == "eager"), chip.SIZES["1b"], None)
+    assert line.endswith("stopped by max_time after 150 s with 62 new tokens (every step compiles)"), line
+
+
 def test_saved_figures_are_reported_and_plotted(tmp_path):
     """Each device call's run of some groups is saved to a file of its own; the report takes them together."""
     first, second, png = tmp_path / "forward.json", tmp_path / "decode.json", tmp_path / "chip.png"
@@ -191,3 +202,17 @@ def test_the_cache_write_benchmark_times_both_writes_and_they_agree(tmp_path):
     new = jax.random.normal(jax.random.key(1), (2, 3, 5, 4)).astype(jnp.bfloat16)
     start = jnp.int32(7)
     assert jnp.array_equal(cache_write._scatter(cache, new, start), cache_write._update_slice(cache, new, start))
+
+
+def test_a_capped_call_stops_at_max_time_and_counts_what_it_made():
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM._from_config(Qwen3MoeConfig(**chip.SIZES["tiny"]["moe"])).eval().to("tpu")
+    model.set_experts_implementation("eager")
+    ids = torch.randint(0, 128, (2, 16)).to("tpu")
+    step, seconds, made = chip._capped_step_seconds(model, ids, 8, 1e-6)  # stopped after the first token
+    assert made == 1 and step == seconds > 0
+    step, seconds, made = chip._capped_step_seconds(model, ids, 2, 600.0)
+    assert made == 3 and step == seconds / 3
