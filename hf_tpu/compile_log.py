@@ -68,6 +68,7 @@ _lock = threading.Lock()
 _wake = threading.Condition(_lock)
 _current: list = [None]  # the Compile under way, or None
 _elsewhere: dict = {}  # thread ident -> the Compile that thread runs in the background (`in_background`)
+_background: set = set()  # the threads `in_background` started, until their work ends
 _slow_kinds: dict = {}  # kind -> seconds the last slow compile of that kind took
 _watcher: list = [None]
 
@@ -138,8 +139,6 @@ def in_background(work) -> concurrent.futures.Future:
     thread.start()
     return future
 
-
-_background: set = set()  # the threads `in_background` started, until their work ends
 
 
 @atexit.register

@@ -593,8 +593,6 @@ def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state
             first = loops.first_chunk(mutated, carried_arrays, keep_going)
             program.loop_compiling = compile_log.in_background(
                 lambda: jitted.lower(first[0], others, key_data, slots, *first[1:]).compile())
-        else:
-            compile_log.end(finished=False)  # only traced, if at all: nothing to say
         return None
     _wait_for_compile_ahead(program)
 

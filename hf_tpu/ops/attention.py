@@ -57,9 +57,8 @@ def _attention(query, key, value, attn_mask, is_causal, scale):
     row_max = jnp.where(row_max == -jnp.inf, 0, row_max)  # a fully masked row: every weight is 0
     weights = jnp.exp(scores - row_max)
     total = jnp.sum(weights, -1, keepdims=True)
-    out = jnp.einsum("...ls,...se->...le", weights, value, precision=matmul_precision()) / jnp.where(total == 0, 1,
-                                                                                                      total)
-    return out, (row_max + jnp.log(total))[..., 0]
+    out = jnp.einsum("...ls,...se->...le", weights, value, precision=matmul_precision())
+    return out / jnp.where(total == 0, 1, total), (row_max + jnp.log(total))[..., 0]
 
 
 def _no_dropout(dropout_p):

@@ -328,7 +328,7 @@ def _decode_loop(model, input_ids, finished, steps: int, eos, logits_processor, 
     if model_kwargs.get("attention_mask") is not None:
         prompt_mask = model_kwargs["attention_mask"]
         mask[:, :prompt_mask.shape[1]] = prompt_mask
-    seen = torch.ones((batch, 1), dtype=torch.long, device=device)  # the mask's entry for each token fed
+    visible = torch.ones((batch, 1), dtype=torch.long, device=device)  # the mask's entry for each token fed
     do_sample = generation_config.do_sample
     first_position, limit = torch.tensor([length - 1], device=device), torch.tensor([steps], device=device)
     if eos is not None:
@@ -350,7 +350,7 @@ def _decode_loop(model, input_ids, finished, steps: int, eos, logits_processor, 
     has_positions = model_kwargs.get("position_ids") is not None  # models like Bloom take none
 
     def body(tokens, position_ids, mask, unfinished, generated, index):
-        mask = torch.ops.hf_tpu.dynamic_update_slice(mask, 1, first_position + index, seen)
+        mask = torch.ops.hf_tpu.dynamic_update_slice(mask, 1, first_position + index, visible)
         inputs = model.prepare_inputs_for_generation(tokens[:, None], next_sequence_length=1, attention_mask=mask,
                                                      position_ids=position_ids if has_positions else None, **kwargs)
         logits = model(**inputs, return_dict=True).logits[:, -1].to(torch.float32)
