@@ -3,9 +3,10 @@
 A Llama-shaped model (by default hidden 512, 8 layers, random weights) generates from a fresh process
 twice: with an empty `HF_TPU_CACHE_DIR`, then with the one the first filled; each makes one token, then
 nine. A third fresh process makes nine tokens in its first call, as a user's first call usually does: there
-the decode loop compiles while the prefill does. Each reports its first `generate()`'s seconds, split per JAX program into trace, lowering and XLA compile (JAX times these), and
-the rest, which for a `torch.compile` graph is Dynamo and AOT autograd's capture; then its time to first
-token once warm against a compiled forward of the same prompt. `generate()` traces its prefill and decode
+the decode loop compiles while the prefill does. Each reports its first `generate()`'s seconds, split per
+JAX program into trace, lowering and XLA compile (JAX times these), and the rest, which for a
+`torch.compile` graph is Dynamo and AOT autograd's capture; then its time to first token once warm against
+a compiled forward of the same prompt. `generate()` traces its prefill and decode
 loop straight from Python (`hf_tpu.jit`: `trace_*` is that Python trace, `traced_*` and `loop_*` the
 programs made of it); `--compare` runs the pair of processes again with `HF_TPU_DIRECT_TRACE=0`, where
 `generate()` compiles them with `torch.compile` (`_trace`, `_loop`), alternating the two so that both see

@@ -81,7 +81,7 @@ def main(argv=None) -> None:
     from benchmarks.common import table
 
     with tempfile.TemporaryDirectory() as folder:
-        # the last run is a second process that loads the programs the one before it saved to the disk cache
+        # the last run is a second process that loads the programs the first tpu run saved to the disk cache
         cache = {"HF_TPU_CACHE_DIR": os.path.join(folder, "cache")}
         runs = [("cpu", "cpu", {}), ("tpu, buckets", "tpu", cache), ("tpu, no buckets", "tpu", {"HF_TPU_ENCODE_BUCKETS": ""}),
                 ("tpu, buckets, 2nd process", "tpu", cache)]
