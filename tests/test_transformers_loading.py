@@ -125,6 +125,7 @@ def test_compiled_model_returns_hidden_states_without_a_graph_break(checkpoint):
 
     cpu = AutoModelForCausalLM.from_pretrained(checkpoint)
     tpu = AutoModelForCausalLM.from_pretrained(checkpoint, device_map="tpu")
+    torch._dynamo.reset()  # past Dynamo's recompile limit (earlier tests' graphs) the forward would run eagerly
     compiled = torch.compile(tpu, backend="tpu")
     prompt = torch.tensor([[3, 14, 15, 92, 65]])
     counters.clear()
@@ -159,6 +160,7 @@ def test_hooks_a_model_installed_itself_are_not_installed_twice(tmp_path):
         expected = cpu(ids, output_hidden_states=True).hidden_states
         tpu(ids.to("tpu"), output_hidden_states=True)
         install_output_capturing_hooks(tpu)
+        torch._dynamo.reset()  # past Dynamo's recompile limit (earlier tests' graphs) the forward would run eagerly
         compiled = torch.compile(tpu, backend="tpu")
         counters.clear()
         actual = compiled(ids.to("tpu"), output_hidden_states=True).hidden_states
