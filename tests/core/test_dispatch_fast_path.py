@@ -123,25 +123,30 @@ def test_strict_eager_launches_a_common_call_from_c():
 
 def test_a_direct_launch_that_raises_is_made_again_by_pythons_path():
     """XLA's errors (out of memory) are reported in PyTorch's terms by `modes.raise_out_of_memory` on
-    the Python path, which makes the launch again; a BaseException (Ctrl-C) is not caught."""
+    the Python path, which makes the launch again; a BaseException (Ctrl-C) is not caught. Every (3,) add
+    program made so far is patched: earlier tests in the process may have made others of that shape."""
     a, b = torch.randn(3, device="tpu"), torch.randn(3, device="tpu")
     with torch.tpu.use_eager_mode("DEFER_NEVER"):
         expected = (a + b).cpu()
-        program = next(p for p in programs.PROGRAMS.values()
-                       if p.direct_launch is not None and p.name == "aten::add.Tensor" and p.direct_launch[1] == (3,))
-        direct = program.direct_launch
+        direct = {p: p.direct_launch for p in programs.PROGRAMS.values()
+                  if p.direct_launch is not None and p.name == "aten::add.Tensor" and p.direct_launch[1] == (3,)}
 
         def fails(*arrays, error):
             raise error
 
+        def launches_raising(error):
+            for program, launch in direct.items():
+                program.direct_launch = (functools.partial(fails, error=error), *launch[1:])
+
         try:
-            program.direct_launch = (functools.partial(fails, error=RuntimeError("XLA failed")), *direct[1:])
+            launches_raising(RuntimeError("XLA failed"))
             assert torch.equal((a + b).cpu(), expected)
-            program.direct_launch = (functools.partial(fails, error=KeyboardInterrupt()), *direct[1:])
+            launches_raising(KeyboardInterrupt())
             with pytest.raises(KeyboardInterrupt):
                 a + b
         finally:
-            program.direct_launch = direct
+            for program, launch in direct.items():
+                program.direct_launch = launch
 
 
 def _configure_fails(match, **changes):
