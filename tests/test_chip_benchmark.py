@@ -3,6 +3,7 @@ it is measured, a group past its time limit is stopped without losing the others
 put the sides together (the torchax side is not installed here; its figures are fed to `report` directly)."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -202,6 +203,43 @@ def test_the_cache_write_benchmark_times_both_writes_and_they_agree(tmp_path):
     new = jax.random.normal(jax.random.key(1), (2, 3, 5, 4)).astype(jnp.bfloat16)
     start = jnp.int32(7)
     assert jnp.array_equal(cache_write._scatter(cache, new, start), cache_write._update_slice(cache, new, start))
+
+
+def test_the_float32_compile_benchmark_compiles_each_precision_in_its_own_process(tmp_path):
+    """`benchmarks.float32_compile` in its small form: one row per (depth, precision), each compiled in a process
+    of its own; and its encoder computes BERT's layer, checked against a NumPy forward of one layer."""
+    import jax
+    import numpy as np
+
+    from benchmarks import float32_compile
+
+    float32_compile.main(["--layers", "1", "--precisions", "highest,default", "--json", str(tmp_path / "rows.json")])
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert list(rows) == ["1 layer, highest", "1 layer, default"]
+    assert all(row["compile"] > 0 and row["ms"] > 0 for row in rows.values()) and rows["1 layer, highest"]["max_diff"] == 0
+
+    rng = np.random.default_rng(0)
+    hidden, heads, batch, length = 8, 2, 2, 3
+    x = rng.standard_normal((batch, length, hidden))
+    weights = [rng.standard_normal(s) for s in [(hidden, hidden)] * 4 + [(hidden, 16), (16, hidden)]]
+    query, key, value, output, up, down = weights
+
+    def norm(t):
+        return (t - t.mean(-1, keepdims=True)) / np.sqrt(t.var(-1, keepdims=True) + 1e-12)
+
+    def split(t):
+        return t.reshape(batch, length, heads, -1).transpose(0, 2, 1, 3)
+
+    scores = split(x @ query) @ split(x @ key).transpose(0, 1, 3, 2) / np.sqrt(hidden // heads)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    attended = (probs / probs.sum(-1, keepdims=True)) @ split(x @ value)
+    h = norm(x + attended.transpose(0, 2, 1, 3).reshape(batch, length, hidden) @ output)
+    inner = h @ up
+    gelu = 0.5 * inner * (1 + np.vectorize(math.erf)(inner / np.sqrt(2)))
+    expected = norm(h + gelu @ down)
+    encoder = float32_compile._encoder(1, jax.lax.Precision.HIGHEST, heads)
+    actual = encoder(x.astype(np.float32), [tuple(w.astype(np.float32) for w in weights)])
+    np.testing.assert_allclose(np.asarray(actual), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_a_capped_call_stops_at_max_time_and_counts_what_it_made():
