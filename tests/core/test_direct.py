@@ -285,3 +285,81 @@ def test_a_jax_object_in_the_state_is_not_searched(model, fallbacks):
     with torch.no_grad():
         torch.testing.assert_close(traced(x).cpu(), (model(x) * holder.scale).cpu())
     assert fallbacks() == []
+
+
+def _forward(model, x):
+    return model(x) * getattr(model[0], "scale", 1)
+
+
+def _full_walk_key(model, x):
+    """The key of `_forward(model, x)` walked in full, the kept walks forgotten."""
+    direct._module_walks.clear()
+    return direct._prepare("site", (_forward,), (model, x), {}, ())[1]
+
+
+@torch.no_grad()
+def test_a_replayed_module_walk_gives_the_full_walks_key_and_inputs(model, monkeypatch):
+    """A module's walk is kept and replayed by the next call: the same key and the same inputs, in the same
+    order, without walking its submodules again."""
+    cache = KVCache()
+    x = torch.randn(2, 4, device="tpu")
+    full_inputs, full_key = direct._prepare("site", (_forward,), (model, x), {}, (model, cache))
+    walked = []
+    monkeypatch.setattr(direct._Inputs, "_module", lambda self, m: walked.append(m))
+    inputs, key = direct._prepare("site", (_forward,), (model, x), {}, (model, cache))
+    assert not walked and key == full_key
+    for name in ("buffers", "users", "buffer_keys", "objects", "device_index"):
+        assert getattr(inputs, name) == getattr(full_inputs, name), name
+    assert inputs.slots == full_inputs.slots and inputs.tensor_index == full_inputs.tensor_index
+    assert [(id(t), slot) for t, slot in inputs.tensors] == [(id(t), slot) for t, slot in full_inputs.tensors]
+
+
+@pytest.mark.parametrize("change", ["new parameter", "parameter .data", "tensor attribute", "new buffer",
+                                    "train", "new submodule", "resized parameter", "transposed in place"])
+@torch.no_grad()
+def test_a_change_to_a_module_after_its_walk_was_kept_is_seen(model, change):
+    """Each change the key depends on makes the kept walk's replay fail: the call after it keys as a full walk
+    would, and computes with the module as it is now."""
+    traced = hf_tpu.jit(_forward)
+    x = torch.randn(2, 4, device="tpu")
+    traced(model, x)
+    key = _full_walk_key(model, x)
+    traced(model, x)  # the walk kept, and replayed
+    first = model[0]
+    if change == "new parameter":
+        first.weight = torch.nn.Parameter(torch.ones(4, 4, device="tpu"))
+    elif change == "parameter .data":
+        first.weight.data = torch.full((4, 4), 2.0, device="tpu")
+    elif change == "tensor attribute":
+        first.scale = torch.tensor(3.0, device="tpu")
+    elif change == "new buffer":
+        first.register_buffer("offset", torch.ones(4, device="tpu"))
+    elif change == "train":
+        model.eval()
+    elif change == "new submodule":
+        model.append(torch.nn.Linear(4, 4).to("tpu"))
+    elif change == "transposed in place":
+        first.weight.requires_grad_(False).t_()  # the same tensor and buffer, another view of it
+    else:
+        first.weight.requires_grad_(False).resize_(4, 2)  # the same tensor object, with another shape
+        first.in_features = 2
+        x = torch.randn(2, 2, device="tpu")
+    assert torch.allclose(traced(model, x).cpu(), _forward(model, x).cpu())
+    replayed = direct._prepare("site", (_forward,), (model, x), {}, ())[1]
+    assert replayed == _full_walk_key(model, x)
+    # new weights of the same shapes run the same program (with those weights); the other changes key anew
+    assert (replayed == key) == (change in ("new parameter", "parameter .data"))
+
+
+@torch.no_grad()
+def test_a_kept_module_walk_does_not_keep_its_module_alive():
+    import gc
+    import weakref
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4)).to("tpu")
+    hf_tpu.jit(_forward)(model, torch.randn(2, 4, device="tpu"))
+    assert model in direct._module_walks
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None and not len(direct._module_walks)
