@@ -59,7 +59,7 @@ import torch
 from jax.extend import core as jax_core
 from torch.utils import _pytree as pytree
 
-from . import compile_log, loops, modes
+from . import compile_log, loops, modes, platform
 from .compile import UNTRACEABLE, _Tracing, _Untraceable, count_trace, donatable, finish_call, launching, loop_chunk
 from .device import rng
 from .memory import buffer, donation
@@ -377,6 +377,10 @@ class _Program:
         self.jitted = {True: jax.jit(call, donate_argnums=(0,)), False: jax.jit(call)}
         self.loop_jitted = None
         self.loop_compiling = None  # the loop's XLA compile started ahead (`while_loop(..., run=False)`)
+        # `hf_tpu.jit(..., host_while_compiling=True)`: the device's compile per donation, on a thread of its own,
+        # and the program as the host's CPU runs it meanwhile (None once the host cannot: a TPU kernel in it)
+        self.device_compiles = {}
+        self.host_jitted = jax.jit(_named(f"host_{name}", self.step))
 
     def step(self, mutated_arrays, other_arrays, rng_base):
         """([the overwritten buffers' new arrays, the new output arrays], the checked values)."""
@@ -558,9 +562,10 @@ def _arrays(inputs: _Inputs) -> list:
     return buffer.place_together(arrays) if buffer.sharded_arrays_exist else arrays
 
 
-def call(fn, args: tuple, kwargs: dict, state=(), fallback=None):
+def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, host_while_compiling: bool = False):
     """`fn(*args, **kwargs)` as one traced program (see the module's docstring); `fallback(*args, **kwargs)`
-    where it cannot be."""
+    where it cannot be. With `host_while_compiling`, a call whose program the device is still compiling runs it
+    on the host (`_on_host_while_compiling`)."""
     fallback = fn if fallback is None else fallback
     name = _name_of(fn)
     description = f"the direct trace of `{name}`"
@@ -578,8 +583,13 @@ def call(fn, args: tuple, kwargs: dict, state=(), fallback=None):
         program = _traced_program(key, name, lambda: fn(*args, **kwargs), inputs, arrays, description,
                                   lambda: _arguments_text(args, kwargs, inputs.state), f"traced_{name}")
         mutated, others = donation.split(arrays, program.mutated)
-        with launching(inputs.device_index, description):
-            new, checked = program.jitted[donatable(mutated)](mutated, others, rng.current_key(inputs.device_index))
+        donate, key_data = donatable(mutated), rng.current_key(inputs.device_index)
+        on_host = _on_host_while_compiling(program, donate, mutated, others, key_data) if host_while_compiling else None
+        if on_host is not None:
+            new, checked = on_host
+        else:
+            with launching(inputs.device_index, description):
+                new, checked = program.jitted[donate](mutated, others, key_data)
     except UNTRACEABLE as e:
         compile_log.end()
         _programs[key] = _NOT_TRACEABLE
@@ -591,6 +601,58 @@ def call(fn, args: tuple, kwargs: dict, state=(), fallback=None):
     return program.results(new[len(program.mutated):], inputs)
 
 
+def _host_is_another_device() -> bool:
+    """Whether `tpu` is backed by a device other than the host's CPU (a TPU or a GPU)."""
+    return platform.name() != "cpu"
+
+
+# id(device array) -> (a weak reference to it, its copy on the host), for `_on_host_while_compiling`
+_host_copies: dict = {}
+
+
+def _on_host(array, host):
+    """`array` on the `host` device, copied once per array (arrays are immutable: the weights are copied at the
+    first call and read from the host's memory after)."""
+    if not isinstance(array, jax.Array):
+        return array
+    entry = _host_copies.get(id(array))
+    if entry is None or entry[0]() is not array:
+        ident = id(array)
+        entry = _host_copies[ident] = (weakref.ref(array, lambda _: _host_copies.pop(ident, None)),
+                                       jax.device_put(array, host))
+    return entry[1]
+
+
+def _on_host_while_compiling(program: _Program, donate: bool, mutated: list, others: list, key_data):
+    """The call's ([new arrays], [checked values]), computed on the host's CPU and put on the device, while the
+    device's compile of its program runs on a thread of its own (begun at the program's first call: an XLA compile for a
+    TPU, or its load from the disk cache, takes seconds where the host's takes a fraction of one); None once
+    that compile is done, or where the host cannot run the program (one whose arrays span several chips, or
+    with a TPU kernel in it), and the call then launches on the device as usual."""
+    arrays = [*mutated, *others]
+    if (program.host_jitted is None or not _host_is_another_device()
+            or any(len(a.devices()) != 1 for a in arrays if isinstance(a, jax.Array))):
+        return None
+    compiling = program.device_compiles.get(donate)
+    if compiling is None:
+        jitted = program.jitted[donate]
+        compiling = program.device_compiles[donate] = compile_log.in_background(
+            lambda: jitted.lower(mutated, others, key_data).compile())
+    if compiling.done():
+        return None
+    device = next(iter(next(a for a in arrays if isinstance(a, jax.Array)).devices()))
+    try:
+        host = jax.devices("cpu")[0]  # none where JAX_PLATFORMS leaves the CPU out
+        new, checked = program.host_jitted([_on_host(a, host) for a in mutated], [_on_host(a, host) for a in others],
+                                           key_data)
+    except Exception as e:  # noqa: BLE001 - what stops the host (a Mosaic kernel, no CPU backend): the device runs it
+        log.info("hf_tpu: `%s` waits for the device's compile: the host cannot run it (%s: %s)", program.name,
+                 type(e).__name__, e)
+        program.host_jitted = None
+        return None
+    return jax.device_put((new, checked), device)
+
+
 def _log_fallback(name: str, error: Exception) -> None:
     log.warning("hf_tpu: `%s` runs without hf_tpu.jit's trace (%s: %s)", name, type(error).__name__, error)
 
@@ -598,26 +660,35 @@ def _log_fallback(name: str, error: Exception) -> None:
 class Jitted:
     """What `hf_tpu.jit` returns: the function, called as one traced program."""
 
-    def __init__(self, fn, state, fallback):
+    def __init__(self, fn, state, fallback, host_while_compiling):
         self.fn = fn
         self.state = state
         self.fallback = fallback
+        self.host_while_compiling = host_while_compiling
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args, **kwargs):
         state = self.state(*args, **kwargs) if callable(self.state) else self.state
-        return call(self.fn, args, kwargs, state, self.fallback)
+        return call(self.fn, args, kwargs, state, self.fallback, self.host_while_compiling)
 
 
-def jit(fn, *, state=(), fallback=None) -> Jitted:
+def jit(fn, *, state=(), fallback=None, host_while_compiling: bool = False) -> Jitted:
     """`fn` run as one XLA program over its `tpu` tensors, traced from Python without Dynamo.
 
     `state` names the objects whose tensors the function reads or writes besides its arguments (a tuple,
     or a function of the call's arguments that returns one): a module's parameters and buffers, a KV
     cache's tensors. Tensors written in place become outputs of the program, donated to XLA and rebound
     after the call. `fallback` (by default `fn`, run eagerly) runs any call that cannot be traced. See
-    `hf_tpu.direct` for what is keyed and what is not guarded."""
-    return Jitted(fn, state, fallback)
+    `hf_tpu.direct` for what is keyed and what is not guarded.
+
+    `host_while_compiling`: a call whose program the chip has not compiled yet runs it on the host's CPU
+    (JAX's CPU backend; the inputs copied there once per array, the results back to the chip) while the
+    chip's compile runs on a thread of its own; later calls run on the chip once it is done. For a small
+    model called with a few new shapes (an embedding model's length buckets), whose first calls would each
+    wait seconds for a compile. Off by default: the host's CPU computes float32 products in full and
+    low-precision ones its own way, so a first call's result can differ from a later one's by rounding; and
+    it pays a copy of the weights in host memory. Where the device is the host's CPU it changes nothing."""
+    return Jitted(fn, state, fallback, host_while_compiling)
 
 
 # --- hf_tpu.while_loop(..., state=...): the step traced directly, its iterations in one XLA while loop

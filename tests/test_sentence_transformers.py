@@ -93,3 +93,34 @@ def test_the_model_runs_as_one_program_per_batch_shape(checkpoint, monkeypatch):
     traced = ops_of_a_warm_encode()
     monkeypatch.setattr(adapter, "_traced_model_forward", adapter._model_forward)  # op by op
     assert traced == 0 and ops_of_a_warm_encode() > 20, traced
+
+
+def test_a_first_pass_runs_each_new_bucket_on_the_host_while_the_chip_compiles(checkpoint, monkeypatch):
+    """The adapter's traced forward opts into `hf_tpu.jit(..., host_while_compiling=True)`: while a bucket's
+    program compiles for the device (held back here; the host counted as a device of its own), its batches
+    run on the host, with the CPU's embeddings; once compiled, on the device, with the same."""
+    import concurrent.futures
+
+    from hf_tpu import compile_log, direct
+
+    held = []
+
+    def in_background(work):
+        held.append((work, concurrent.futures.Future()))
+        return held[-1][1]
+
+    monkeypatch.setattr(direct, "_host_is_another_device", lambda: True)
+    monkeypatch.setattr(compile_log, "in_background", in_background)
+    direct.reset()
+    cpu, tpu = _model(checkpoint, "cpu"), _model(checkpoint, "tpu")
+    sentences = _sentences([3, 9, 5, 12, 20, 25, 17, 28])  # batches of 4, padded to 16 and 32 tokens
+    expected = cpu.encode(sentences, batch_size=4)
+    on_host = tpu.encode(sentences, batch_size=4)
+    assert len(held) == 2  # one device compile per bucket, both still under way
+    for work, future in held:
+        future.set_result(work())
+    on_chip = tpu.encode(sentences, batch_size=4)
+    for actual in (on_host, on_chip):
+        torch.testing.assert_close(torch.from_numpy(actual), torch.from_numpy(expected), rtol=1e-5, atol=1e-5)
+    programs = [p for p in direct._programs.values() if isinstance(p, direct._Program)]
+    assert len(programs) == 2 and all(p.host_jitted._cache_size() == 1 for p in programs)

@@ -363,3 +363,78 @@ def test_a_kept_module_walk_does_not_keep_its_module_alive():
     del model
     gc.collect()
     assert alive() is None and not len(direct._module_walks)
+
+
+@pytest.fixture
+def compile_held_back(monkeypatch):
+    """The device's compile that `host_while_compiling` starts on a thread, held back until `finish()`; the host
+    counted as a device of its own (on the CPU platform it is the device, and the option does nothing)."""
+    import concurrent.futures
+
+    from hf_tpu import compile_log
+
+    started = []
+
+    def in_background(work):
+        started.append((work, concurrent.futures.Future()))
+        return started[-1][1]
+
+    def finish():
+        for work, future in started:
+            future.set_result(work())
+
+    monkeypatch.setattr(direct, "_host_is_another_device", lambda: True)
+    monkeypatch.setattr(compile_log, "in_background", in_background)
+    return started, finish
+
+
+@torch.no_grad()
+def test_while_the_device_compiles_a_call_runs_on_the_host_and_then_on_the_device(model, compile_held_back):
+    """The first calls run the traced program on the host while the device's compile (started at the first
+    call) is under way; in-place writes land in the device buffers as after a device call; once the compile is
+    done the calls launch on the device."""
+    started, finish = compile_held_back
+    cache = KVCache()
+
+    def step(x, position):
+        return _decoder(model, cache)(x, position)
+
+    traced = hf_tpu.jit(step, state=(model, cache), host_while_compiling=True)
+    eager_cache = KVCache()
+    x, position = torch.randn(2, 4, device="tpu"), torch.tensor([0], device="tpu")
+    host_calls = []
+    for i in range(3):
+        if i == 2:
+            finish()
+        out, keys = traced(x, position + i)
+        expected, expected_keys = _decoder(model, eager_cache)(x, position + i)
+        assert torch.allclose(out.cpu(), expected.cpu()) and torch.allclose(keys.cpu(), expected_keys.cpu())
+        assert torch.equal(cache.layers[1].length.cpu(), eager_cache.layers[1].length.cpu())
+        (program,) = [p for p in direct._programs.values() if isinstance(p, direct._Program)]
+        assert len(started) == 1 and started[0][1] is program.device_compiles[True]  # one compile, donating
+        if i == 0:  # from now on, count the host's runs
+            on_host = program.host_jitted
+            program.host_jitted = lambda *args: host_calls.append(1) or on_host(*args)
+            assert on_host._cache_size() == 1  # the first call ran on the host
+    assert len(host_calls) == 1  # the second call too; the third, after the compile, on the device
+
+
+@torch.no_grad()
+def test_a_program_the_host_cannot_run_waits_for_the_device(model, compile_held_back, monkeypatch):
+    started, _ = compile_held_back
+    traced = hf_tpu.jit(_forward, host_while_compiling=True)
+    x = torch.randn(2, 4, device="tpu")
+
+    def refuses(*args):
+        raise NotImplementedError("a Mosaic kernel")
+
+    original = direct._Program.__init__
+
+    def with_a_kernel(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.host_jitted = refuses
+
+    monkeypatch.setattr(direct._Program, "__init__", with_a_kernel)
+    assert torch.allclose(traced(model, x).cpu(), _forward(model, x).cpu())
+    (program,) = [p for p in direct._programs.values() if isinstance(p, direct._Program)]
+    assert program.host_jitted is None and len(started) == 1
