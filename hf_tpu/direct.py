@@ -625,10 +625,10 @@ def _on_host(array, host):
 
 def _on_host_while_compiling(program: _Program, donate: bool, mutated: list, others: list, key_data):
     """The call's ([new arrays], [checked values]), computed on the host's CPU and put on the device, while the
-    device's compile of its program runs on a thread of its own (begun at the program's first call: an XLA compile for a
-    TPU, or its load from the disk cache, takes seconds where the host's takes a fraction of one); None once
-    that compile is done, or where the host cannot run the program (one whose arrays span several chips, or
-    with a TPU kernel in it), and the call then launches on the device as usual."""
+    device's compile of its program runs on a thread of its own (begun at the program's first call: an XLA
+    compile for a TPU, or its load from the disk cache, takes seconds where the host's takes a fraction of
+    one); None once that compile is done, or where the host cannot run the program (one whose arrays span
+    several chips, or with a TPU kernel in it), and the call then launches on the device as usual."""
     arrays = [*mutated, *others]
     if (program.host_jitted is None or not _host_is_another_device()
             or any(len(a.devices()) != 1 for a in arrays if isinstance(a, jax.Array))):
