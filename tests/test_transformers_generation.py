@@ -263,6 +263,27 @@ def test_the_device_loop_generates_what_decoding_token_by_token_generates(models
     assert torch.equal(outputs[0], outputs[1])
 
 
+def test_the_compiled_decode_call_is_made_only_when_a_decode_step_calls_it(models, monkeypatch):
+    """Transformers' `_sample` asks for its compiled call before the prefill; making it is `torch.compile`,
+    whose first use in a process imports Dynamo's backends. On tpu it is made at its first call: never for
+    one token or with the device loop, and for token-by-token decoding at the first step, which then
+    generates the CPU's tokens."""
+    _, tpu = models
+    made = []
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda *args, **kwargs: made.append(1) or compile_(*args, **kwargs))
+    tpu.__dict__.pop("_compiled_call", None)
+    for max_new_tokens in (1, 6):
+        _both(models, max_new_tokens=max_new_tokens, do_sample=False)
+    assert not made
+    adapter.configure(device_loop=False)
+    try:
+        expected, actual = _both(models, max_new_tokens=6, do_sample=False)
+    finally:
+        adapter.configure(device_loop=True)
+    assert made and torch.equal(expected, actual)
+
+
 def test_sampling_in_the_device_loop_applies_the_warpers(models):
     """top_k=1 leaves one token to draw: the greedy one, however the random numbers fall."""
     cpu, tpu = models

@@ -19,7 +19,9 @@ Installed by `hf_tpu.integrations.activate()` when `transformers.modeling_utils`
   rarely compiles anew. The padding is removed from the returned sequences. The prefill of a prompt of a
   bucket's length runs compiled too, once per bucket, into a static cache whose layers are all zeroed by one
   program. The prefill and the device loop below are traced straight from Python with `hf_tpu.jit` (no
-  Dynamo), with `torch.compile` where that trace cannot be made.
+  Dynamo), with `torch.compile` where that trace cannot be made. Transformers' compiled call for the decode
+  steps (`get_compiled_call`) is made when first called, not when `_sample` asks for it: making it imports
+  Dynamo's backends, and with the device loop, or one token, it is never called.
 - continuous batching (`generate_batch`): the paged KV cache is sized from the tpu's memory
   (`continuous_batching`), not from the host's RAM.
 - greedy search and sampling with a static cache: after Transformers' own prefill and first token, the
@@ -82,6 +84,7 @@ def install(module) -> None:
         return
     if module.__name__ == "transformers.modeling_utils":
         _patch(module.PreTrainedModel, "from_pretrained", from_pretrained.wrap)
+        _patch(module.PreTrainedModel, "get_compiled_call", generation._wrap_get_compiled_call)
         attention.register()
     elif module.__name__ == "transformers.models.auto.auto_factory":
         _patch(module._BaseAutoModelClass, "from_pretrained", from_pretrained.wrap)
