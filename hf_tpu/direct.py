@@ -629,11 +629,13 @@ def _on_host_while_compiling(program: _Program, donate: bool, mutated: list, oth
     compile for a TPU, or its load from the disk cache, takes seconds where the host's takes a fraction of
     one); None once that compile is done, or where the host cannot run the program (one whose arrays span
     several chips, or with a TPU kernel in it), and the call then launches on the device as usual."""
-    arrays = [*mutated, *others]
-    if (program.host_jitted is None or not _host_is_another_device()
-            or any(len(a.devices()) != 1 for a in arrays if isinstance(a, jax.Array))):
-        return None
     compiling = program.device_compiles.get(donate)
+    if program.host_jitted is None or (compiling is not None and compiling.done()):
+        return None  # every call once the device has its program: one lookup
+    arrays = [*mutated, *others]
+    if not _host_is_another_device() or any(len(a.devices()) != 1 for a in arrays if isinstance(a, jax.Array)):
+        program.host_jitted = None  # the host is the device, or the arrays span chips: for good
+        return None
     if compiling is None:
         jitted = program.jitted[donate]
         compiling = program.device_compiles[donate] = compile_log.in_background(
