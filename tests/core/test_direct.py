@@ -2,6 +2,7 @@
 the same function run eagerly: state tensors as inputs, in-place writes rebound and donated, the cache of
 programs and its key, and the eager fallback wherever the trace would not mean the same."""
 
+import itertools
 import logging
 
 import pytest
@@ -110,6 +111,34 @@ def test_a_new_shape_or_value_traces_anew_and_the_same_does_not():
         compiles.append(_traced())
         assert torch.equal(out.cpu(), torch.full(shape, scale))
     assert compiles == [1, 0, 1, 1, 0]
+
+
+_FRESH_SIZES = itertools.count()
+
+
+def test_a_trace_runs_an_op_programs_lowering_once_per_input_types(monkeypatch):
+    """A model's layers call the same op programs with the same shapes: the trace runs each lowering once and
+    copies its equations for the later calls (`Program.inlined`)."""
+    from hf_tpu.dispatch import program as program_module
+
+    lowered = []
+    original = program_module.lowering_function
+
+    def counting(op, low, args, kwargs):
+        lowered.append(op)
+        return original(op, low, args, kwargs)
+
+    monkeypatch.setattr(program_module, "lowering_function", counting)
+
+    def layers(a, b, c):
+        return a.sin() * 2 + b.sin() * 2 + c.sin() * 2
+
+    # a shape no other test or mode uses: no program of it was traced before in this process
+    shape = (3, 13, 100 + next(_FRESH_SIZES))
+    a, b, c = (torch.randn(shape) for _ in range(3))
+    out = hf_tpu.jit(layers)(a.to("tpu"), b.to("tpu"), c.to("tpu"))
+    assert lowered.count(torch.ops.aten.sin.default) == 1
+    torch.testing.assert_close(out.cpu(), layers(a, b, c))
 
 
 def test_a_modules_training_flag_is_keyed():
