@@ -55,7 +55,7 @@ class _Tracing:
         return rng.offset_key(self.rng_base, self.draws)
 
     def execute(self, program, key, arrays, scalars, rng, device_index):
-        return program.inlined(arrays, scalars, rng)
+        return program.nested(arrays, scalars, rng)
 
     def sync(self, reason: str) -> None:
         raise _Untraceable(reason)

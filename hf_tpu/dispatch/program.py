@@ -77,14 +77,16 @@ class Program:
                      for spec in self.out_specs)
 
     @functools.cached_property
-    def inlined(self):
-        """The program as traced into a larger one (`torch.compile`, `hf_tpu.jit`): a `jax.jit` that JAX
-        traces once per input types and whose equations it copies into the enclosing trace. A model's layers
-        call the same programs with the same shapes; each layer after the first copies them instead of
-        running the lowerings again, which took half of a 16-layer Llama's decode-step trace (0.39 to
-        0.19-0.29 s on the development CPU). The traced program is the one eager mode jits: its scalars are
-        traced in both."""
-        return jax.jit(self.fn, inline=True)
+    def nested(self):
+        """The program as a call inside a larger trace (`torch.compile`, `hf_tpu.jit`): a `jax.jit` that JAX
+        traces once per input types and that the enclosing trace records as one call of that traced program.
+        A model's layers call the same programs with the same shapes; each layer after the first adds one
+        equation instead of running the lowerings again, which took half of a 16-layer Llama's decode-step
+        trace. The call is not inlined into the trace (`inline=True` copies every equation again, which was
+        half of what was left of a decode step's trace); XLA inlines it, and the optimized program is the same
+        (on the development CPU, a tensor-parallel Llama's prefill and decode step: the same instructions and
+        collectives). It is the function eager mode jits: its scalars are traced in both."""
+        return jax.jit(self.fn)
 
     @functools.cached_property
     def some_undefined(self) -> bool:

@@ -118,7 +118,7 @@ _FRESH_SIZES = itertools.count()
 
 def test_a_trace_runs_an_op_programs_lowering_once_per_input_types(monkeypatch):
     """A model's layers call the same op programs with the same shapes: the trace runs each lowering once and
-    copies its equations for the later calls (`Program.inlined`)."""
+    calls the traced program for the later ones (`Program.nested`)."""
     from hf_tpu.dispatch import program as program_module
 
     lowered = []
