@@ -7,6 +7,7 @@ where PyTorch raises an IndexError, so checking them needs a host sync (left to 
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
@@ -45,7 +46,7 @@ def _numpy_index(indices, padded_to=None):
             out.append(slice(None))
         elif _is_mask(index):
             if padded_to is None:
-                out.extend(jnp.nonzero(index))
+                out.extend(_nonzero_coordinates(index))
             else:
                 fill = tuple(index.shape)
                 out.extend(jnp.nonzero(index, size=padded_to, fill_value=fill))
@@ -558,9 +559,51 @@ def histc(self, bins=100, min=0, max=0):
 # them again on concrete arrays (a host sync).
 
 
+@jax.jit
+def _every_coordinate_nonzero_first(array):
+    """The coordinates of every element of `array`, (size, ndim) int64, the nonzero ones first in row-major
+    order, and how many are nonzero: one program per input shape and dtype. `jnp.nonzero` on a concrete array
+    runs about twenty one-op programs, five of them again for each new count, whose unravelling divides int64
+    indices; on a TPU, which has no 64-bit integer unit, each such division compiled for 5-7 s (a MoE layer's
+    per-expert `torch.where`, one count per expert). Here the index arithmetic is int32 (a mask of fewer than
+    2**31 elements) and only the count varies with the data."""
+    nonzero = array.reshape(-1) != 0
+    size = nonzero.size
+    index_dtype = jnp.int32 if size < 2**31 else jnp.int64
+    rank = jnp.cumsum(nonzero, dtype=index_dtype) - 1  # each nonzero element's place among them
+    flat = jnp.zeros(size, index_dtype).at[jnp.where(nonzero, rank, size)].set(
+        jnp.arange(size, dtype=index_dtype), mode="drop")
+    coordinates, stride = [], size
+    for extent in array.shape:
+        stride //= extent
+        coordinates.append((flat // stride) % extent)
+    return jnp.stack(coordinates, axis=1).astype(jnp.int64), jnp.sum(nonzero, dtype=index_dtype)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _first_rows(coordinates, count: int):
+    return coordinates[:count]
+
+
+def _nonzero_coordinates_stacked(array):
+    """`jnp.stack(jnp.nonzero(array), axis=1)`, in two programs: one per shape, one per shape and count (a
+    host sync reads the count between them; traced, that read raises JAX's concretization error, which
+    makes the core run the op on concrete arrays)."""
+    if array.size == 0:
+        return jnp.zeros((0, array.ndim), jnp.int64)
+    coordinates, count = _every_coordinate_nonzero_first(array)
+    return _first_rows(coordinates, int(count))
+
+
+def _nonzero_coordinates(array) -> tuple:
+    """`jnp.nonzero(array)`: one int64 array of coordinates per dim (see `_nonzero_coordinates_stacked`)."""
+    stacked = _nonzero_coordinates_stacked(array)
+    return tuple(stacked[:, d] for d in range(array.ndim))
+
+
 @lowering(aten.nonzero.default)
 def nonzero(self):
-    return jnp.stack(jnp.nonzero(self), axis=1) if self.ndim else jnp.zeros((int(self != 0), 0), jnp.int64)
+    return _nonzero_coordinates_stacked(self) if self.ndim else jnp.zeros((int(self != 0), 0), jnp.int64)
 
 
 @lowering(aten.nonzero_static.default)

@@ -2,6 +2,7 @@
 
 import copy
 import io
+import itertools
 import math
 import pickle
 
@@ -209,3 +210,35 @@ def test_clamp_bounds_of_another_type_or_sign_compile_their_own_program():
     x = torch.tensor([-1.0, 2.0], device="tpu")
     assert x.clamp(min=0.0).reciprocal().cpu().tolist() == [math.inf, 0.5]
     assert x.clamp(min=-0.0).reciprocal().cpu().tolist() == [-math.inf, 0.5]
+
+
+_NEW_WIDTHS = itertools.count()
+
+
+def test_nonzero_of_a_new_count_compiles_one_slice():
+    """A MoE layer's per-expert `torch.where(mask)` meets a new count of routed tokens at each expert. Through
+    `jnp.nonzero` each new count compiled five programs, two of them int64 divisions (5-7 s each on a TPU v5e);
+    now only the first rows of the coordinates, already computed for the mask's shape, are taken anew."""
+    from jax._src import monitoring
+
+    compiled = []
+
+    def on_duration(event, seconds, **kwargs):
+        if event.endswith("backend_compile_duration"):
+            compiled.append(kwargs.get("fun_name"))
+
+    width = 41 + next(_NEW_WIDTHS)  # a shape no earlier run of this test compiled for (each mode runs it)
+    mask = torch.zeros(3, width, dtype=torch.bool)
+    mask[0, 0] = mask[2, -1] = True
+    assert torch.equal(torch.nonzero(mask.to("tpu")).cpu(), torch.nonzero(mask))  # this shape's programs
+    monitoring.register_event_duration_secs_listener(on_duration)
+    try:
+        for count in (5, 9):
+            mask[1, :count] = True
+            rows, columns = torch.where(mask.to("tpu"))
+            expected_rows, expected_columns = torch.where(mask)
+            assert torch.equal(rows.cpu(), expected_rows) and torch.equal(columns.cpu(), expected_columns)
+    finally:
+        monitoring.unregister_event_duration_listener(on_duration)
+    slices = [name for name in compiled if "first_rows" in name]
+    assert len(slices) == 2 and not {"floor_divide", "remainder", "cumsum"} & set(compiled), compiled
