@@ -310,12 +310,13 @@ def test_a_warm_generate_of_one_token_costs_a_fixed_number_of_device_ops(models,
     the compiled prefill, one program (every layer's cache zeroed at once), the host reads of the ids and of the
     first token's logits, and the uploads of the padded ids, their mask and positions and of the result. An op
     or a transfer more per layer (Transformers' own cache allocation: 3 ops and an upload a layer) or per call
-    shows here."""
+    shows here. The cache zeroed is the one the previous call kept."""
     from hf_tpu.memory import buffer
 
     _, tpu = models
     prompt = PROMPT.to("tpu")
-    tpu.generate(prompt, max_new_tokens=1, do_sample=False)  # compiles the prefill
+    for _ in range(2):  # compiles the prefill, then the zeroing of the kept static cache
+        tpu.generate(prompt, max_new_tokens=1, do_sample=False)
     uploads = []
     from_host = buffer.from_host
     monkeypatch.setattr(buffer, "from_host", lambda *args: uploads.append(args) or from_host(*args))
@@ -324,6 +325,30 @@ def test_a_warm_generate_of_one_token_costs_a_fixed_number_of_device_ops(models,
     metrics = hf_tpu.metrics()
     assert metrics["compiles"] == 0
     assert (metrics["ops_dispatched"], metrics["host_syncs"], len(uploads)) <= (1, 2, 4)
+
+
+def test_a_second_call_of_the_same_shape_reuses_the_static_cache_zeroed(models, monkeypatch):
+    """The static cache of a call whose result does not hold it is zeroed and used by the next call of its shape,
+    instead of a new `StaticCache` built and allocated layer by layer; a cache handed out in a dict output is
+    never touched again."""
+    from transformers import StaticCache
+
+    cpu, tpu = models
+    other = torch.tensor([[9, 8, 7, 6, 5]])
+    expected, actual = _both(models, max_new_tokens=6, do_sample=False)
+    assert torch.equal(actual, expected)
+    built = []
+    init = StaticCache.__init__
+    monkeypatch.setattr(StaticCache, "__init__", lambda self, *a, **k: built.append(self) or init(self, *a, **k))
+    expected, actual = _both(models, prompt=other, max_new_tokens=6, do_sample=False)
+    assert torch.equal(actual, expected) and not built
+    handed_out = tpu.generate(other.to("tpu"), max_new_tokens=6, do_sample=False, return_dict_in_generate=True).cache
+    assert len(built) == 1
+    keys = [layer.keys.cpu() for layer in handed_out.layers]
+    for prompt in (PROMPT, other):
+        expected, actual = _both(models, prompt=prompt, max_new_tokens=6, do_sample=False)
+        assert torch.equal(actual, expected)
+    assert all(torch.equal(layer.keys.cpu(), before) for layer, before in zip(handed_out.layers, keys))
 
 
 def test_a_static_cache_allocated_at_once_holds_what_transformers_allocates(models):

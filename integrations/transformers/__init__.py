@@ -95,6 +95,7 @@ def install(module) -> None:
         _patch(mixin, "_prefill", generation._wrap_prefill)
         _patch(mixin, "_prepare_generation_config", cache._wrap_prepare_generation_config)
         _patch(mixin, "_prepare_cache_for_generation", cache._wrap_prepare_cache_for_generation)
+        _patch(mixin, "_prepare_static_cache", cache._wrap_prepare_static_cache)
         from transformers.cache_utils import Cache, StaticLayer  # imported by generation.utils already
 
         _patch(StaticLayer, "lazy_initialization", cache._wrap_static_layer_allocation)

@@ -7,12 +7,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import weakref
 
 import torch
 
 from hf_tpu import model_patches
 
+from .cache import ALLOCATED_WHOLE, allocated_ahead, static_cache_kept
 from .loading import _on_tpu, prepare_model
 from .settings import settings
 
@@ -155,11 +155,21 @@ def _wrap_generate(original):
             if host_mask is None:
                 host_mask = _prompt_mask(host_ids, resolved)
             host_ids, host_mask = _left_pad(host_ids, host_mask, padding)
-        with _step_inputs_on_the_model(self), _config_resolved_once(self, resolved, model_kwargs, resolved_kwargs):
+        with _step_inputs_on_the_model(self), _config_resolved_once(self, resolved, model_kwargs, resolved_kwargs), \
+                static_cache_kept(self, keep=_prefill_reuses_the_cache(resolved, host_ids.shape[1])):
             output = original(self, host_ids, generation_config, attention_mask=host_mask, **kwargs)
         return _to_device(_strip_padding(output, padding), input_ids.device)
 
     return generate
+
+
+def _prefill_reuses_the_cache(generation_config, length: int) -> bool:
+    """Whether a call keeps its static cache for the next and may take the previous one's
+    (`cache.static_cache_kept`): where its result does not hold the cache, and its prompt's length is a
+    bucket's, so that its prefill is the compiled one, which writes into an allocated cache. An eager prefill
+    reads a cache's length from the device once its layers are allocated (three host reads more)."""
+    return (not generation_config.return_dict_in_generate and bool(settings.prompt_buckets)
+            and bucketed_length(length) == length)
 
 
 # what configs call the longest sequence their position tables (GPT-Neo's causal mask, MPT's ALiBi
@@ -417,8 +427,6 @@ def _decode_loop(model, input_ids, finished, steps: int, eos, logits_processor, 
     return generated[:, :int(index)]
 
 
-# Static caches allocated ahead of their prefill, for the decode loop's trace (`_compile_loop_ahead`)
-_ALLOCATED_AHEAD = weakref.WeakSet()
 _LOOPS_AHEAD = "_hf_tpu_loops_compiled_ahead"
 
 
@@ -440,12 +448,14 @@ def _compile_loop_ahead(model, input_ids, eos, max_length: int, logits_processor
             tuple(type(p) for p in logits_processor), model_kwargs.get("attention_mask") is not None,
             model_kwargs.get("position_ids") is not None)
     seen = model.__dict__.setdefault(_LOOPS_AHEAD, set())
+    if kind in seen:
+        return
     shape = model._get_static_cache_init_shape()
-    if kind in seen or shape is None:  # no shape: the prefill runs eagerly, and the loop compiles after it
+    if shape is None:  # the prefill runs eagerly, and the loop compiles after it
         return
     seen.add(kind)
     _allocate_static_cache(model, cache, input_ids.shape[0], shape)
-    _ALLOCATED_AHEAD.add(cache)
+    allocated_ahead.add(cache)
     batch, length = input_ids.shape
     ids = input_ids.new_zeros((batch, length + 1))  # the prompt and its first new token
     finished = None if eos is None else torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
@@ -459,6 +469,7 @@ def _allocate_static_cache(model, cache, batch: int, shape: tuple) -> None:
     graph, they would be its outputs, not the fixed inputs the decode step holds."""
     cache.early_initialization(batch_size=batch, num_heads=shape[0], head_dim=shape[1], dtype=model.dtype,
                                device=model.device)
+    setattr(cache, ALLOCATED_WHOLE, True)
 
 
 # --- The prefill compiled once per prompt bucket
@@ -542,7 +553,7 @@ def _compiles_the_prefill(model, input_ids, generation_config, model_kwargs) -> 
         and bool(settings.prompt_buckets) and bucketed_length(length) == length
         and cache is not None and not getattr(cache, "_is_user_defined", False)
         and bool(getattr(cache, "layers", None))
-        and all(type(layer) is StaticLayer and (cache in _ALLOCATED_AHEAD or not layer.is_initialized)
+        and all(type(layer) is StaticLayer and (cache in allocated_ahead or not layer.is_initialized)
                 for layer in cache.layers)
         and model._valid_auto_compile_criteria(model_kwargs, generation_config)
     )
@@ -559,10 +570,10 @@ def _wrap_prefill(original):
         # Transformers cannot always tell the cache's shape ahead (layers on several devices, distinct key and
         # value sizes): those prefill eagerly. A cache `_compile_loop_ahead` allocated is allocated already.
         cache = model_kwargs["cache"]
-        allocated = cache in _ALLOCATED_AHEAD
-        _ALLOCATED_AHEAD.discard(cache)
-        shape = self._get_static_cache_init_shape()
-        if shape is None:
+        allocated = cache in allocated_ahead
+        allocated_ahead.discard(cache)
+        shape = None if allocated else self._get_static_cache_init_shape()
+        if not allocated and shape is None:
             return original(self, input_ids, generation_config, model_kwargs, is_first_iteration)
         # Transformers' `_prefill` for a fresh cache (nothing cached: `past_length` is 0), with the compiled call
         attention_mask = model_kwargs.get("attention_mask")
