@@ -270,9 +270,9 @@ class _ModuleWalk:
     The key depends only on the dicts the walk reads (each submodule's `__dict__`, `_parameters`, `_buffers`
     and `_modules`: its parameters, buffers, tensor attributes, `training` and children) and on each tensor's
     storage and layout and its buffer's shape and dtype. `replay` checks that the dicts hold the same keys
-    and the very same objects (C-level passes over their contents), that each tensor's storage and layout are
-    unchanged and each storage's buffer has its shape and dtype, and then adds the kept inputs again, with
-    the buffers as they are now. Anything else takes the full walk, and keeps it.
+    and the very same objects or equal plain values (C-level passes over their contents), that each tensor's
+    storage and layout are unchanged and each storage's buffer has its shape and dtype, and then adds the kept
+    inputs again, with the buffers as they are now. Anything else takes the full walk, and keeps it.
 
     What is held: the dicts and what they hold (as the module does), not the root module (the walk is kept
     in a WeakKeyDictionary under it) and not the buffers (found again by their storage's address)."""
@@ -300,8 +300,15 @@ class _ModuleWalk:
         if list(itertools.chain.from_iterable(self.dicts)) != self.keys:
             return False
         values = list(itertools.chain.from_iterable(map(dict.values, self.dicts)))
-        if len(values) != len(self.values) or not all(map(operator.is_, values, self.values)):
+        if len(values) != len(self.values):
             return False
+        # the very same objects, or equal plain values: a model attribute set again each call to an equal int
+        # (Transformers' `_previous_max_cache_length`, 1152) is another int object past CPython's small ones
+        changed = list(itertools.compress(values, map(operator.is_not, values, self.values)))
+        if changed:
+            before = list(itertools.compress(self.values, map(operator.is_not, values, self.values)))
+            if not all(map(_same, changed, before)):
+                return False
         added = self.added
         if _layouts(added["tensors"]) != self.layouts:
             return False
