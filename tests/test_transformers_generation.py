@@ -863,3 +863,29 @@ def test_ctrl_c_stops_a_long_generate_and_the_device_is_free_at_once():
     _, interrupted, next_op = out.split()
     assert float(interrupted) - sent < 1.5  # the chunk running and the one queued behind it
     assert float(next_op) < 1.5
+
+
+@torch.no_grad()
+def test_a_model_running_the_per_expert_loop_decodes_eagerly_with_the_cpu_tokens():
+    """Transformers' per-expert loop (`experts_implementation="eager"`) routes a count of tokens to each expert
+    that depends on the data: on tpu `generate()` runs it eagerly, where compiled decoding broke the graph at
+    every expert and compiled the pieces again for every new count (the direct trace cannot take it, and its
+    fallback is Dynamo)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                            head_dim=16, intermediate_size=64, moe_intermediate_size=16, num_experts=8,
+                            num_experts_per_tok=2, vocab_size=128, max_position_embeddings=256)
+    torch.manual_seed(0)
+    cpu = Qwen3MoeForCausalLM(config).eval()
+    tpu = Qwen3MoeForCausalLM(config).eval()
+    tpu.load_state_dict(cpu.state_dict())
+    tpu.to("tpu")
+    prompt = torch.randint(3, 128, (4, 8), generator=torch.Generator().manual_seed(0))
+    for model in (cpu, tpu):
+        model.set_experts_implementation("eager")
+    torch._dynamo.utils.counters.clear()
+    expected = cpu.generate(prompt, max_new_tokens=6, do_sample=False)
+    actual = tpu.generate(prompt.to("tpu"), max_new_tokens=6, do_sample=False)
+    assert torch.equal(actual.cpu(), expected)
+    assert not torch._dynamo.utils.counters["frames"], dict(torch._dynamo.utils.counters["frames"])

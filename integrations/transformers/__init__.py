@@ -93,6 +93,7 @@ def install(module) -> None:
         _patch(mixin, "generate", generation._wrap_generate)
         _patch(mixin, "_sample", generation._wrap_sample)
         _patch(mixin, "_prefill", generation._wrap_prefill)
+        _patch(mixin, "_valid_auto_compile_criteria", generation._wrap_valid_auto_compile_criteria)
         _patch(mixin, "_prepare_generation_config", cache._wrap_prepare_generation_config)
         _patch(mixin, "_prepare_cache_for_generation", cache._wrap_prepare_cache_for_generation)
         _patch(mixin, "_prepare_static_cache", cache._wrap_prepare_static_cache)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import weakref
 
 import torch
 
@@ -321,6 +322,34 @@ def _wrap_sample(original):
         return torch.cat([input_ids, new_tokens.to(input_ids.device)], dim=-1)
 
     return _sample
+
+
+def _wrap_valid_auto_compile_criteria(original):
+    @functools.wraps(original)
+    def _valid_auto_compile_criteria(self, model_kwargs, generation_config):
+        """On tpu, a model running Transformers' per-expert loop (`experts_implementation="eager"`) decodes
+        without compiling: each expert takes the tokens routed to it (`torch.where`), a shape that depends on
+        the data, so no step is one program. Compiled, Dynamo breaks the graph at every expert and compiles the
+        pieces again for every new count; on the v5e a Qwen3-MoE-shaped model at batch 64 made no token in
+        400 s that way. Run eagerly, each op's program is compiled once per count it meets."""
+        if _on_tpu(self) and _runs_the_per_expert_loop(self):
+            return False
+        return original(self, model_kwargs, generation_config)
+
+    return _valid_auto_compile_criteria
+
+
+# model -> whether it holds experts modules (Transformers' `use_experts_implementation` classes)
+_HAS_EXPERTS = weakref.WeakKeyDictionary()
+
+
+def _runs_the_per_expert_loop(model) -> bool:
+    if getattr(model.config, "_experts_implementation", None) != "eager":
+        return False
+    has_experts = _HAS_EXPERTS.get(model)
+    if has_experts is None:  # the decorated experts classes set `_is_expert_parallel` in their `__init__`
+        has_experts = _HAS_EXPERTS[model] = any(hasattr(m, "_is_expert_parallel") for m in model.modules())
+    return has_experts
 
 
 def _wrap_get_compiled_call(original):
