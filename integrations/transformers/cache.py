@@ -122,9 +122,9 @@ def _wrap_prepare_static_cache(original):
                               model_kwargs):
         """On tpu, the static cache the adapter chose for the previous call is zeroed and used again when this
         call asks for the same one (batch size, length after Transformers' rounding up to the longest seen,
-        dtype, device), instead of a new `StaticCache` built from the config and allocated layer by layer: on the v5e
-        that took about 3 ms of a 14 ms `generate()` of one token after a 128-token prompt. Only calls within
-        `static_cache_kept` (the adapter's own `generate()` path) keep and take a cache, one call at a time."""
+        dtype, device), instead of a new `StaticCache` built from the config and allocated layer by layer: on
+        the v5e that took about 3 ms of a 14 ms `generate()` of one token after a 128-token prompt. Only calls
+        within `static_cache_kept` (the adapter's own `generate()` path) keep and take a cache, one at a time."""
         kept = _static_caches.get(self, {})
         reusable = ("in use" in kept  # within `static_cache_kept`
                     and cache_implementation == "static" and prefill_chunk_size is None
@@ -151,9 +151,11 @@ def _wrap_prepare_static_cache(original):
 def static_cache_kept(model, keep: bool):
     """Within it, the static cache `generate()` makes or reuses is noted, and at its end kept for the next call
     of its shape when the call ended without an error. With `keep` False (a result that holds the cache, a
-    prefill that does not write into an allocated one: `generation._prefill_reuses_the_cache`) it does nothing. Like the `_cache` Transformers 4.x kept on the model, the cache stays allocated
-    between calls. Kept are only caches allocated whole ahead of a compiled prefill (`ALLOCATED_WHOLE`) whose
-    layers are all plain static layers on one device (not a tensor-parallel model's, sharded by heads)."""
+    prefill that does not write into an allocated one: `generation._prefill_reuses_the_cache`) it does
+    nothing. Like the `_cache` Transformers 4.x kept on the model, the cache stays allocated between calls
+    (one per model; `del model` frees it). Kept are only caches allocated whole ahead of a compiled prefill
+    (`ALLOCATED_WHOLE`) whose layers are all plain static layers on one device (not a tensor-parallel
+    model's, sharded by heads)."""
     from transformers.cache_utils import StaticLayer
 
     if not keep:  # neither takes a kept cache nor keeps its own
