@@ -2,6 +2,7 @@
 compiled decoding that compiles nothing on a second call, prompt-length buckets, and activation of the
 adapter on `import hf_tpu` in either import order."""
 
+import copy
 import json
 import logging
 import subprocess
@@ -878,9 +879,7 @@ def test_a_model_running_the_per_expert_loop_decodes_eagerly_with_the_cpu_tokens
                             num_experts_per_tok=2, vocab_size=128, max_position_embeddings=256)
     torch.manual_seed(0)
     cpu = Qwen3MoeForCausalLM(config).eval()
-    tpu = Qwen3MoeForCausalLM(config).eval()
-    tpu.load_state_dict(cpu.state_dict())
-    tpu.to("tpu")
+    tpu = copy.deepcopy(cpu).to("tpu")
     prompt = torch.randint(3, 128, (4, 8), generator=torch.Generator().manual_seed(0))
     for model in (cpu, tpu):
         model.set_experts_implementation("eager")

@@ -580,25 +580,27 @@ def _every_coordinate_nonzero_first(array):
     return jnp.stack(coordinates, axis=1).astype(jnp.int64), jnp.sum(nonzero, dtype=index_dtype)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _first_rows(coordinates, count: int):
-    return coordinates[:count]
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _first_rows(coordinates, count: int, by_dim: bool = False):
+    """The first `count` rows of `coordinates`: stacked, or one array per dim (an index tuple)."""
+    rows = coordinates[:count]
+    return tuple(rows[:, d] for d in range(rows.shape[1])) if by_dim else rows
 
 
-def _nonzero_coordinates_stacked(array):
-    """`jnp.stack(jnp.nonzero(array), axis=1)`, in two programs: one per shape, one per shape and count (a
-    host sync reads the count between them; traced, that read raises JAX's concretization error, which
-    makes the core run the op on concrete arrays)."""
+def _nonzero_coordinates_stacked(array, by_dim: bool = False):
+    """`jnp.stack(jnp.nonzero(array), axis=1)`, or with `by_dim` `jnp.nonzero(array)`, in two programs: one per
+    shape, one per shape and count (a host sync reads the count between them; traced, that read raises JAX's
+    concretization error, which makes the core run the op on concrete arrays)."""
     if array.size == 0:
-        return jnp.zeros((0, array.ndim), jnp.int64)
+        empty = jnp.zeros((0, array.ndim), jnp.int64)
+        return tuple(empty[:, d] for d in range(array.ndim)) if by_dim else empty
     coordinates, count = _every_coordinate_nonzero_first(array)
-    return _first_rows(coordinates, int(count))
+    return _first_rows(coordinates, int(count), by_dim)
 
 
 def _nonzero_coordinates(array) -> tuple:
     """`jnp.nonzero(array)`: one int64 array of coordinates per dim (see `_nonzero_coordinates_stacked`)."""
-    stacked = _nonzero_coordinates_stacked(array)
-    return tuple(stacked[:, d] for d in range(array.ndim))
+    return _nonzero_coordinates_stacked(array, by_dim=True)
 
 
 @lowering(aten.nonzero.default)
