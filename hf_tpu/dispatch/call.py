@@ -37,6 +37,7 @@ LIVE = buffer.allocator.live
 _analyse_common = _entry.analyse
 matmul_precision = torch._C._get_float32_matmul_precision
 _view_of = buffer.view_of
+_keyed_view = buffer.keyed_view
 
 
 def device_mismatch(sig, a, b) -> RuntimeError:
@@ -49,12 +50,13 @@ def device_mismatch(sig, a, b) -> RuntimeError:
 class Call:
     """One op call split into operands, scalars and a hashable key."""
 
-    __slots__ = ("sig", "values", "operands", "arrays", "scalars", "key", "device_index", "rng")
+    __slots__ = ("sig", "values", "operands", "arrays", "scalars", "starts", "key", "device_index", "rng")
 
     def __init__(self, sig: Signature, values: list, analysed=None):
         self.sig = sig
         self.values = values
         self.scalars = []
+        self.starts = []  # the starts of views read at a start the program is given (`buffer.keyed_view`)
         self.rng = False
         # the float32 matmul precision is read while a program is traced, so it decides the program
         precision = matmul_precision()
@@ -118,6 +120,7 @@ class Call:
         self.operands = operands
         if ints and sig.lowering.promote is not None:
             _convert_ints(sig, values, operands, scalars, key, ints)
+        scalars.extend(self.starts)
         self.key = tuple(key)
         self.device_index = device_index
 
@@ -140,7 +143,9 @@ class Call:
             buf = buffer.buffer_of(t)  # raises its error for a storage hf_tpu did not create
         if device_index is not None and buf.device_index != device_index:
             raise device_mismatch(self.sig, f"tpu:{device_index}", f"tpu:{buf.device_index}")
-        view = _view_of(t, buf)
+        view, start = _keyed_view(_view_of(t, buf), buf.shape, buf.dtype)
+        if start is not None:  # the program's last scalars, in the operands' order
+            self.starts.append(start)
         operands.append(_operand((t, buf, view)))
         array = buf._array
         self.arrays.append(array)

@@ -164,6 +164,11 @@ def build_program(call: Call) -> Program:
     compute_dtype = promotion(sig, call.values)
     template = _template(call)
     views = [op.view if op.buf is not None else None for op in call.operands]
+    # per operand: the index among the scalars of its view's start, where the program is given it
+    start_of = [None] * len(views)
+    first_start = len(call.scalars) - len(call.starts)
+    for k in (k for k, v in enumerate(views) if v is not None and v.offset == buffer.START_IS_AN_INPUT):
+        start_of[k], first_start = first_start, first_start + 1
     blank = [(op.buf.shape, dtypes.to_jax(op.buf.dtype)) if op.buf is not None else None for op in call.operands]
     names = sig.names
     slot_of_arg = {}
@@ -195,8 +200,9 @@ def build_program(call: Call) -> Program:
     def fn(arrays, scalars, rng_data):
         rng_key = rng.key_from_data(rng_data) if rng_data is not None else None
         arrays = [jnp.zeros(*blank[i]) if a is None else a for i, a in enumerate(arrays)]
-        vals = [buffer.read(a, v) if whole is None else buffer.Transposed(a.reshape(whole))
-                for a, v, whole in zip(arrays, views, transposed)]
+        starts = [None if k is None else scalars[k] for k in start_of]
+        vals = [buffer.read(a, v, s) if whole is None else buffer.Transposed(a.reshape(whole))
+                for a, v, s, whole in zip(arrays, views, starts, transposed)]
         if jax_compute is not None:
             vals = [v.astype(jax_compute) if _promotable(v) else v for v in vals]
 
@@ -228,7 +234,8 @@ def build_program(call: Call) -> Program:
             result = [r for x in result for r in (x if isinstance(x, (list, tuple)) else [x])]
             written = {}  # elements may be views of one buffer: their writes compose
             for (k, base, dtype), r in zip(written_slots, result):
-                written[base] = buffer.write(written.get(base, arrays[k]), views[k], dtypes.cast(jnp.asarray(r), dtype))
+                written[base] = buffer.write(written.get(base, arrays[k]), views[k], dtypes.cast(jnp.asarray(r), dtype),
+                                             starts[k])
             return [written[base] for _, base, _ in written_slots]
         outs = []
         for j, r in enumerate(result):
@@ -243,7 +250,7 @@ def build_program(call: Call) -> Program:
             target = returns_mutated[j] if j < len(returns_mutated) else None
             if target is not None:
                 k = slot_of_arg[target]
-                r = buffer.write(arrays[k], views[k], r)
+                r = buffer.write(arrays[k], views[k], r, starts[k])
             outs.append(r)
         return outs
 

@@ -478,15 +478,20 @@ def _flat(array, dtype):
     return _reinterpret(array.reshape(-1), dtypes.to_jax(dtype))
 
 
+def _blocks(plan: _Dense, total: int):
+    """The buffer of `total` elements in the plan's block shape, or None where it does not divide."""
+    outer = math.prod(plan.block[1:])
+    return None if total % outer else (total // outer,) + plan.block[1:]
+
+
 def _aligned(plan: _Dense, offset: int, total: int):
     """The plan's block laid over the whole buffer instead of over a segment starting at `offset`:
     (the buffer's shape as blocks, the view's start in it), or None when the view's range crosses a
     block boundary there. Reads and writes then reshape and slice the buffer's own array, which XLA's
     partitioner follows through a sharded array; a flat segment of it would make it gather the whole."""
-    outer = math.prod(plan.block[1:])
-    if total % outer:
+    whole = _blocks(plan, total)
+    if whole is None:
         return None
-    whole = (total // outer,) + plan.block[1:]
     start, rest = [], offset
     for i in range(len(whole)):
         radix = math.prod(whole[i + 1:])
@@ -495,6 +500,57 @@ def _aligned(plan: _Dense, offset: int, total: int):
         if start[-1] + plan.take[i] > whole[i]:
             return None
     return whole, tuple(start)
+
+
+# `View.offset` of a view that a program reads at a start it is given (`keyed_view`)
+START_IS_AN_INPUT = -1
+# offsets of one view shape compiled into programs before the next ones are given as inputs
+_OFFSETS_COMPILED_IN = 2
+
+_KEYED_VIEWS: dict = {}  # (view, the buffer's shape and dtype) -> `keyed_view`'s answer
+_OFFSETS_SEEN: dict = {}  # (the view keyed without its offset, the buffer's shape and dtype) -> offsets keyed
+_KEYED_VIEWS_CACHED = 4096
+
+
+def keyed_view(view: View | None, buffer_shape: tuple, buffer_dtype: torch.dtype):
+    """(the view as a program is keyed by it, the start the program is given or None).
+
+    A loop over `w[i]` (Transformers' eager Mixture-of-Experts layer takes each expert's weights so) compiled
+    one program per i for the row and for every op that read it, each offset compiled in. So once views of
+    one shape and strides have come at `_OFFSETS_COMPILED_IN` offsets, a view at a further one whose range
+    the aligned read covers (a row, a column, a narrow) is keyed with its offset as `START_IS_AN_INPUT`, and
+    its program reads it with `lax.dynamic_slice` at the start per block dim (an int32 or int64 array) it is
+    given: one program for every later i. The first offsets stay compiled in, since a start given costs each
+    call an input (about 5 us in strict eager on the development CPU), which a view always taken at the same
+    offset (`logits[:, -1]`, the second half of a `chunk`) would pay for nothing. Views stay compiled in
+    once sharded arrays exist: XLA's partitioner follows a constant slice of a sharded array, where a
+    slice at a start known only when the program runs may gather the whole array."""
+    if view is None or not view.offset or sharded_arrays_exist:
+        return view, None
+    key = (view, buffer_shape, buffer_dtype)
+    entry = _KEYED_VIEWS.get(key)
+    if entry is None:
+        if len(_KEYED_VIEWS) >= _KEYED_VIEWS_CACHED:
+            _KEYED_VIEWS.clear()
+            _OFFSETS_SEEN.clear()
+        entry = _KEYED_VIEWS[key] = _keyed_view(view, buffer_shape, buffer_dtype)
+    return entry
+
+
+def _keyed_view(view: View, buffer_shape: tuple, buffer_dtype: torch.dtype):
+    total = math.prod(buffer_shape)
+    plain = view.dtype == buffer_dtype and not view.conj and not view.neg and math.prod(view.shape)
+    plan = _dense_plan(view) if plain else None
+    aligned = None if plan is None else _aligned(plan, view.offset, total)
+    if aligned is None:
+        return view, None
+    movable = view._replace(offset=START_IS_AN_INPUT)
+    family = (movable, buffer_shape, buffer_dtype)
+    seen = _OFFSETS_SEEN.get(family, 0)
+    if seen < _OFFSETS_COMPILED_IN:
+        _OFFSETS_SEEN[family] = seen + 1
+        return view, None
+    return movable, np.asarray(aligned[1], np.int32 if total < 2**31 else np.int64)
 
 
 def _shaped(array, flat, shape):
@@ -521,8 +577,9 @@ def _gather_index(view: View, limit: int):
     return idx
 
 
-def read(array, view: View | None):
-    """The value of a tensor given its buffer's array (inside or outside jit)."""
+def read(array, view: View | None, start=None):
+    """The value of a tensor given its buffer's array (inside or outside jit); `start`: the view's start
+    where its offset is `START_IS_AN_INPUT` (`keyed_view`)."""
     if view is None:
         return array
     if view.conj or view.neg:
@@ -536,6 +593,10 @@ def read(array, view: View | None):
     if view.offset == 0 and numel == flat.shape[0] and view.strides == _contiguous_strides(view.shape):
         return _shaped(array, flat, view.shape)
     plan = _dense_plan(view)
+    if start is not None:
+        whole = _blocks(plan, flat.shape[0])
+        value = lax.dynamic_slice(_shaped(array, flat, whole), start, plan.take)
+        return _arranged(value, plan, view)
     if plan is None:
         return flat[_gather_index(view, flat.shape[0])]
     aligned = _aligned(plan, view.offset, flat.shape[0])
@@ -545,6 +606,11 @@ def read(array, view: View | None):
     else:
         block = _segment(flat, view.offset, plan.length).reshape(plan.block)
         value = lax.slice(block, (0,) * len(plan.block), plan.take)
+    return _arranged(value, plan, view)
+
+
+def _arranged(value, plan: _Dense, view: View):
+    """The plan's block of the view's elements in the view's own shape."""
     value = value.reshape(plan.take[:-1])
     # sorted dims -> the view's order, then size-1 and broadcast dims back in
     order = sorted(range(len(plan.dims)), key=lambda i: plan.dims[i])
@@ -560,17 +626,18 @@ def array_of(t: torch.Tensor, buf: Buffer | None = None):
     """A tpu tensor's value as one array: its buffer's, read through the tensor's view (inside a trace
     too, where the buffer holds a tracer)."""
     buf = buffer_of(t) if buf is None else buf
-    view = view_of(t, buf)
+    view, start = keyed_view(view_of(t, buf), buf.shape, buf.dtype)
     if view is None:
         return buf.value()
     reader = _READERS.get(view)
     if reader is None:
         reader = _READERS[view] = jax.jit(functools.partial(read, view=view))
-    return reader(buf.value())
+    return reader(buf.value()) if start is None else reader(buf.value(), start=start)
 
 
-def write(array, view: View | None, value):
-    """The buffer's new array after writing `value` (of the view's shape and dtype) through `view`."""
+def write(array, view: View | None, value, start=None):
+    """The buffer's new array after writing `value` (of the view's shape and dtype) through `view` (`start` as
+    in `read`)."""
     if view is None:
         return value.reshape(array.shape).astype(array.dtype)
     if view.conj or view.neg:  # what is stored is the conjugate / negation of what the view shows
@@ -595,7 +662,7 @@ def write(array, view: View | None, value):
     squeezed = value.reshape([view.shape[d] for d in sorted(plan.dims)])
     rank = {d: i for i, d in enumerate(sorted(plan.dims))}
     sorted_value = jnp.transpose(squeezed, [rank[d] for d in plan.dims]) if plan.dims else squeezed
-    aligned = _aligned(plan, view.offset, flat.shape[0])
+    aligned = (_blocks(plan, flat.shape[0]), start) if start is not None else _aligned(plan, view.offset, flat.shape[0])
     if aligned is not None:
         whole, start = aligned
         written = lax.dynamic_update_slice(_shaped(array, flat, whole), sorted_value.reshape(plan.take), start)
