@@ -59,10 +59,13 @@ _QWEN3_MOE = dict(hidden_size=2048, num_hidden_layers=5, num_attention_heads=32,
                   intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
                   norm_topk_prob=True, vocab_size=151936, max_position_embeddings=4096)
 
-# the models and the grid each group runs at
+# the models and the grid each group runs at. The MoE model's prompt is one token: its prefill then routes
+# the counts a decode step routes (64 tokens x 8 experts over 128), so the per-expert loop's eager prefill
+# compiles the programs its decode steps use; a 16-token prompt's prefill (1024 tokens) routes counts of about
+# 64, and on the v5e (2026-12-05) it compiled for 315 s before its first token.
 SIZES = {
     "1b": dict(model=_LLAMA_1B, moe=_QWEN3_MOE, batches=[1, 8, 64], lengths=[128, 1024, 4096], eager=(1, 1024),
-               decode_steps=64, moe_batch=64, moe_prompt=16, moe_steps=8, moe_eager_seconds=150, matmul=8192,
+               decode_steps=64, moe_batch=64, moe_prompt=1, moe_steps=8, moe_eager_seconds=150, matmul=8192,
                hbm_bytes=2 << 30, iters=10),
     "tiny": dict(model=dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                             intermediate_size=128, vocab_size=256, max_position_embeddings=512),
@@ -559,6 +562,9 @@ def _group_moe(spec: dict, rows: _Rows) -> None:
         model.set_experts_implementation(implementation)
         if implementation == "eager" and spec["moe_eager_seconds"]:
             step, first, made = _capped_step_seconds(model, ids, steps, spec["moe_eager_seconds"])
+            if step is None:
+                rows.skip(f"{implementation} {batch}x{prompt}", _BELOW_NOISE)
+                continue
             stopped = {} if made is None else {"capped_tokens": made}
             rows.emit("moe", side="hf-tpu", implementation=implementation, batch=batch, length=prompt,
                       step_seconds=step, first_call=first, context=prompt + steps // 2, **stopped)
@@ -571,13 +577,14 @@ def _group_moe(spec: dict, rows: _Rows) -> None:
                   step_seconds=step, first_call=first, context=prompt + steps // 2)
 
 
-def _capped_step_seconds(model, ids, steps: int, seconds: float) -> tuple[float, float, int | None]:
+def _capped_step_seconds(model, ids, steps: int, seconds: float) -> tuple[float | None, float, int | None]:
     """(seconds a decode step takes, seconds of the first call, new tokens made where a call was stopped) of
     Transformers' per-expert loop, each `generate()` stopped after `seconds` (`max_time`). Each step routes
     another number of tokens to each expert, and eager mode compiles each op of the loop once per new count, so
     a first call may not end (on the v5e at commit `483fb46` its first 9-token call did not end within 200 s).
     Where the first call of `1 + steps` tokens makes them all, a call of 2 and one of `1 + steps` tokens are
-    timed as in `_step_seconds` (the same prompt routes the same counts again: warm). Where a call stops early,
+    timed as in `_step_seconds` (the same prompt routes the same counts again: warm; None where the difference
+    is below the timing noise). Where a call stops early,
     its time per token made, compiles included, is what a user waits: against a warm `grouped_mm` step it
     bounds their ratio from below."""
     import torch
@@ -597,7 +604,8 @@ def _capped_step_seconds(model, ids, steps: int, seconds: float) -> tuple[float,
     full, made = call(1 + steps)
     if made < 1 + steps:
         return full / max(made, 1), first, made
-    return (full - short) / (steps - 1), first, None
+    step = (full - short) / (steps - 1)
+    return (step if step > 0 else None), first, None
 
 
 GROUPS = {  # name: (the worker, its default time limit in seconds)
