@@ -584,9 +584,8 @@ def _capped_step_seconds(model, ids, steps: int, seconds: float) -> tuple[float 
     a first call may not end (on the v5e at commit `483fb46` its first 9-token call did not end within 200 s).
     Where the first call of `1 + steps` tokens makes them all, a call of 2 and one of `1 + steps` tokens are
     timed as in `_step_seconds` (the same prompt routes the same counts again: warm; None where the difference
-    is below the timing noise). Where a call stops early,
-    its time per token made, compiles included, is what a user waits: against a warm `grouped_mm` step it
-    bounds their ratio from below."""
+    is below the timing noise). Where a call stops early, its time per token made, compiles included, is what
+    a user waits: against a warm `grouped_mm` step it bounds their ratio from below."""
     import torch
 
     def call(tokens: int) -> tuple[float, int]:

@@ -521,7 +521,7 @@ def keyed_view(view: View | None, buffer_shape: tuple, buffer_dtype: torch.dtype
     the aligned read covers (a row, a column, a narrow) is keyed with its offset as `START_IS_AN_INPUT`, and
     its program reads it with `lax.dynamic_slice` at the start per block dim (an int32 or int64 array) it is
     given: one program for every later i. The first offsets stay compiled in, since a start given costs each
-    call an input (about 5 us in strict eager on the development CPU), which a view always taken at the same
+    call an input (a few microseconds in strict eager on the development CPU), which a view always taken at the same
     offset (`logits[:, -1]`, the second half of a `chunk`) would pay for nothing. Views stay compiled in
     once sharded arrays exist: XLA's partitioner follows a constant slice of a sharded array, where a
     slice at a start known only when the program runs may gather the whole array."""
