@@ -593,24 +593,16 @@ def read(array, view: View | None, start=None):
     if view.offset == 0 and numel == flat.shape[0] and view.strides == _contiguous_strides(view.shape):
         return _shaped(array, flat, view.shape)
     plan = _dense_plan(view)
-    if start is not None:
-        whole = _blocks(plan, flat.shape[0])
-        value = lax.dynamic_slice(_shaped(array, flat, whole), start, plan.take)
-        return _arranged(value, plan, view)
     if plan is None:
         return flat[_gather_index(view, flat.shape[0])]
-    aligned = _aligned(plan, view.offset, flat.shape[0])
-    if aligned is not None:
+    if start is not None:  # a start given: the view is aligned (`keyed_view`)
+        value = lax.dynamic_slice(_shaped(array, flat, _blocks(plan, flat.shape[0])), start, plan.take)
+    elif (aligned := _aligned(plan, view.offset, flat.shape[0])) is not None:
         whole, start = aligned
         value = lax.slice(_shaped(array, flat, whole), start, tuple(a + n for a, n in zip(start, plan.take)))
     else:
         block = _segment(flat, view.offset, plan.length).reshape(plan.block)
         value = lax.slice(block, (0,) * len(plan.block), plan.take)
-    return _arranged(value, plan, view)
-
-
-def _arranged(value, plan: _Dense, view: View):
-    """The plan's block of the view's elements in the view's own shape."""
     value = value.reshape(plan.take[:-1])
     # sorted dims -> the view's order, then size-1 and broadcast dims back in
     order = sorted(range(len(plan.dims)), key=lambda i: plan.dims[i])
