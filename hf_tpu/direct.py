@@ -44,6 +44,7 @@ program traced before it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import enum
 import functools
 import gc
@@ -59,7 +60,7 @@ import torch
 from jax.extend import core as jax_core
 from torch.utils import _pytree as pytree
 
-from . import compile_log, loops, modes, platform
+from . import compile_log, loops, modes
 from .compile import UNTRACEABLE, _Tracing, _Untraceable, count_trace, donatable, finish_call, launching, loop_chunk
 from .device import rng
 from .memory import buffer, donation
@@ -87,6 +88,7 @@ def reset() -> None:
     Dynamo forget its graphs."""
     _programs.clear()
     _site_counts.clear()
+    _untraced_calls.clear()
 
 
 def _plain_object(x) -> bool:
@@ -384,10 +386,8 @@ class _Program:
         self.jitted = {True: jax.jit(call, donate_argnums=(0,)), False: jax.jit(call)}
         self.loop_jitted = None
         self.loop_compiling = None  # the loop's XLA compile started ahead (`while_loop(..., run=False)`)
-        # `hf_tpu.jit(..., host_while_compiling=True)`: the device's compile per donation, on a thread of its own,
-        # and the program as the host's CPU runs it meanwhile (None once the host cannot: a TPU kernel in it)
+        # `hf_tpu.jit(..., meanwhile=)`: the device's compile per donation, on a thread of its own
         self.device_compiles = {}
-        self.host_jitted = jax.jit(_named(f"host_{name}", self.step))
 
     def step(self, mutated_arrays, other_arrays, rng_base):
         """([the overwritten buffers' new arrays, the new output arrays], the checked values)."""
@@ -560,6 +560,7 @@ def _traced_program(key, name: str, run, inputs: _Inputs, arrays: list, descript
         raise
     _programs[key] = program
     _site_counts[site] = _site_counts.get(site, 0) + 1
+    _untraced_calls.pop(key, None)
     return program
 
 
@@ -569,10 +570,10 @@ def _arrays(inputs: _Inputs) -> list:
     return buffer.place_together(arrays) if buffer.sharded_arrays_exist else arrays
 
 
-def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, host_while_compiling: bool = False):
+def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, meanwhile=None, compile_from_call: int = 1):
     """`fn(*args, **kwargs)` as one traced program (see the module's docstring); `fallback(*args, **kwargs)`
-    where it cannot be. With `host_while_compiling`, a call whose program the device is still compiling runs it
-    on the host (`_on_host_while_compiling`)."""
+    where it cannot be. With `meanwhile`, a call whose program the device has not compiled yet returns
+    `meanwhile(*args, **kwargs)` instead (see `jit`)."""
     fallback = fn if fallback is None else fallback
     name = _name_of(fn)
     description = f"the direct trace of `{name}`"
@@ -581,85 +582,67 @@ def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, host_while_comp
     except (_Unkeyable, TypeError) as e:
         _log_fallback(name, e)
         return fallback(*args, **kwargs)
-    if _programs.get(key) is _NOT_TRACEABLE:
+    program = _programs.get(key)
+    if program is _NOT_TRACEABLE or inputs.device_index is None:  # untraceable, or no tpu tensor to trace for
         return fallback(*args, **kwargs)
+    if meanwhile is not None and program is None and _calls_before_trace(key) < compile_from_call:
+        result = meanwhile(*args, **kwargs)
+        if result is not NotImplemented:
+            return result
     arrays = _arrays(inputs)
-    if inputs.device_index is None:  # no tpu tensor at all: nothing to trace for
-        return fallback(*args, **kwargs)
     try:
         program = _traced_program(key, name, lambda: fn(*args, **kwargs), inputs, arrays, description,
                                   lambda: _arguments_text(args, kwargs, inputs.state), f"traced_{name}")
         mutated, others = donation.split(arrays, program.mutated)
         donate, key_data = donatable(mutated), rng.current_key(inputs.device_index)
-        on_host = _on_host_while_compiling(program, donate, mutated, others, key_data) if host_while_compiling else None
-        if on_host is not None:
-            new, checked = on_host
-        else:
-            with launching(inputs.device_index, description):
-                new, checked = program.jitted[donate](mutated, others, key_data)
+        compiling = None if meanwhile is None else _device_compile(program, donate, mutated, others, key_data)
     except UNTRACEABLE as e:
-        compile_log.end()
-        _programs[key] = _NOT_TRACEABLE
-        _log_fallback(name, e)
-        return fallback(*args, **kwargs)
+        return _untraceable(key, name, e, fallback, args, kwargs)
+    if compiling is not None and not compiling.done():
+        result = meanwhile(*args, **kwargs)
+        if result is not NotImplemented:
+            return result
+        concurrent.futures.wait([compiling])  # the launch then finds the program compiled
+    try:
+        with launching(inputs.device_index, description):
+            new, checked = program.jitted[donate](mutated, others, key_data)
+    except UNTRACEABLE as e:
+        return _untraceable(key, name, e, fallback, args, kwargs)
     for slot, array in zip(program.mutated, new):
         inputs.buffers[slot].array = array
     finish_call(inputs.device_index, program.draws, program.checks, checked)
     return program.results(new[len(program.mutated):], inputs)
 
 
-def _host_is_another_device() -> bool:
-    """Whether `tpu` is backed by a device other than the host's CPU (a TPU or a GPU)."""
-    return platform.name() != "cpu"
+def _untraceable(key, name: str, error: Exception, fallback, args: tuple, kwargs: dict):
+    """A call whose trace or launch failed: its key marked, and the fallback's result."""
+    compile_log.end()
+    _programs[key] = _NOT_TRACEABLE
+    _log_fallback(name, error)
+    return fallback(*args, **kwargs)
 
 
-# id(device array) -> (a weak reference to it, its copy on the host), for `_on_host_while_compiling`
-_host_copies: dict = {}
+# (site, key) -> the calls of a key not traced yet, for `compile_from_call`; dropped at its trace
+_untraced_calls: dict = {}
 
 
-def _on_host(array, host):
-    """`array` on the `host` device, copied once per array (arrays are immutable: the weights are copied at the
-    first call and read from the host's memory after)."""
-    if not isinstance(array, jax.Array):
-        return array
-    entry = _host_copies.get(id(array))
-    if entry is None or entry[0]() is not array:
-        ident = id(array)
-        entry = _host_copies[ident] = (weakref.ref(array, lambda _: _host_copies.pop(ident, None)),
-                                       jax.device_put(array, host))
-    return entry[1]
+def _calls_before_trace(key) -> int:
+    """How many calls of `key` there have been while it had no program, this one included."""
+    if len(_untraced_calls) >= 4096:  # keys of shapes seen once, never traced: forgotten, not kept for good
+        _untraced_calls.clear()
+    count = _untraced_calls[key] = _untraced_calls.get(key, 0) + 1
+    return count
 
 
-def _on_host_while_compiling(program: _Program, donate: bool, mutated: list, others: list, key_data):
-    """The call's ([new arrays], [checked values]), computed on the host's CPU and put on the device, while the
-    device's compile of its program runs on a thread of its own (begun at the program's first call: an XLA
-    compile for a TPU, or its load from the disk cache, takes seconds where the host's takes a fraction of
-    one); None once that compile is done, or where the host cannot run the program (one whose arrays span
-    several chips, or with a TPU kernel in it), and the call then launches on the device as usual."""
+def _device_compile(program: _Program, donate: bool, mutated: list, others: list, key_data):
+    """The future of the device's compile of `program` (donating or not), started at its first call on a thread
+    of its own: an XLA compile for a TPU, or its load from the disk cache, takes seconds."""
     compiling = program.device_compiles.get(donate)
-    if program.host_jitted is None or (compiling is not None and compiling.done()):
-        return None  # every call once the device has its program: one lookup
-    arrays = [*mutated, *others]
-    if not _host_is_another_device() or any(len(a.devices()) != 1 for a in arrays if isinstance(a, jax.Array)):
-        program.host_jitted = None  # the host is the device, or the arrays span chips: for good
-        return None
     if compiling is None:
         jitted = program.jitted[donate]
         compiling = program.device_compiles[donate] = compile_log.in_background(
             lambda: jitted.lower(mutated, others, key_data).compile())
-    if compiling.done():
-        return None
-    device = next(iter(next(a for a in arrays if isinstance(a, jax.Array)).devices()))
-    try:
-        host = jax.devices("cpu")[0]  # none where JAX_PLATFORMS leaves the CPU out
-        new, checked = program.host_jitted([_on_host(a, host) for a in mutated], [_on_host(a, host) for a in others],
-                                           key_data)
-    except Exception as e:  # noqa: BLE001 - what stops the host (a Mosaic kernel, no CPU backend): the device runs it
-        log.info("hf_tpu: `%s` waits for the device's compile: the host cannot run it (%s: %s)", program.name,
-                 type(e).__name__, e)
-        program.host_jitted = None
-        return None
-    return jax.device_put((new, checked), device)
+    return compiling
 
 
 def _log_fallback(name: str, error: Exception) -> None:
@@ -669,19 +652,20 @@ def _log_fallback(name: str, error: Exception) -> None:
 class Jitted:
     """What `hf_tpu.jit` returns: the function, called as one traced program."""
 
-    def __init__(self, fn, state, fallback, host_while_compiling):
+    def __init__(self, fn, state, fallback, meanwhile, compile_from_call):
         self.fn = fn
         self.state = state
         self.fallback = fallback
-        self.host_while_compiling = host_while_compiling
+        self.meanwhile = meanwhile
+        self.compile_from_call = compile_from_call
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args, **kwargs):
         state = self.state(*args, **kwargs) if callable(self.state) else self.state
-        return call(self.fn, args, kwargs, state, self.fallback, self.host_while_compiling)
+        return call(self.fn, args, kwargs, state, self.fallback, self.meanwhile, self.compile_from_call)
 
 
-def jit(fn, *, state=(), fallback=None, host_while_compiling: bool = False) -> Jitted:
+def jit(fn, *, state=(), fallback=None, meanwhile=None, compile_from_call: int = 1) -> Jitted:
     """`fn` run as one XLA program over its `tpu` tensors, traced from Python without Dynamo.
 
     `state` names the objects whose tensors the function reads or writes besides its arguments (a tuple,
@@ -690,14 +674,18 @@ def jit(fn, *, state=(), fallback=None, host_while_compiling: bool = False) -> J
     after the call. `fallback` (by default `fn`, run eagerly) runs any call that cannot be traced. See
     `hf_tpu.direct` for what is keyed and what is not guarded.
 
-    `host_while_compiling`: a call whose program the chip has not compiled yet runs it on the host's CPU
-    (JAX's CPU backend; the inputs copied there once per array, the results back to the chip) while the
-    chip's compile runs on a thread of its own; later calls run on the chip once it is done. For a small
-    model called with a few new shapes (an embedding model's length buckets), whose first calls would each
-    wait seconds for a compile. Off by default: the host's CPU computes float32 products in full and
-    low-precision ones its own way, so a first call's result can differ from a later one's by rounding; and
-    it pays a copy of the weights in host memory. Where the device is the host's CPU it changes nothing."""
-    return Jitted(fn, state, fallback, host_while_compiling)
+    `meanwhile`: a function of the same arguments whose result a call returns while the device has not
+    compiled the call's program: the device's compile runs on a thread of its own, and the calls after it
+    has ended run the program. For a small model called with a few new shapes (an embedding model's length
+    buckets), whose first calls would each wait seconds for the chip's compile where the host's CPU computes
+    them in a fraction of one: `meanwhile` runs the model there, in PyTorch. It must compute what `fn` does
+    (its in-place writes included), or return `NotImplemented`, and the call then waits for the compile.
+    `compile_from_call`: with `meanwhile`, the call of a new key (the shapes and values above) that traces its
+    program and starts its compile; the calls before it return `meanwhile`'s result and trace nothing. At 2, a
+    shape met once (the last, smaller batch of a pass over a dataset) never costs a trace and a compile."""
+    if not isinstance(compile_from_call, int) or compile_from_call < 1:
+        raise ValueError(f"hf_tpu.jit: compile_from_call must be an int of at least 1, not {compile_from_call!r}")
+    return Jitted(fn, state, fallback, meanwhile, compile_from_call)
 
 
 # --- hf_tpu.while_loop(..., state=...): the step traced directly, its iterations in one XLA while loop

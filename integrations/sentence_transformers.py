@@ -23,8 +23,11 @@ programs, where tracing the encoder alone left 24 more for the ops after it).
 from __future__ import annotations
 
 import functools
+import itertools
+import weakref
 
 import torch
+from torch.utils import _pytree as pytree
 
 import hf_tpu
 from hf_tpu import settings as _environment
@@ -117,6 +120,8 @@ def _wrap_preprocess(original):
 
 # `BaseModel.forward` as Sentence Transformers defines it, set when the adapter replaces it
 _untraced_forward = None
+# set while `_forward_on_the_host` runs the model: its forward is then the untraced one
+_running_on_the_host = [False]
 
 
 def _model_forward(model, features: dict, kwargs: dict):
@@ -125,10 +130,46 @@ def _model_forward(model, features: dict, kwargs: dict):
     return _untraced_forward(model, dict(features), **kwargs)
 
 
+# model -> {name: (its tpu tensor, that tensor's storage and version, the tensor's copy on the host)}
+_host_weights: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _weights_on_the_host(model) -> dict:
+    """The model's parameters and buffers by name, copied to the host's CPU once each: a copy serves until its
+    tensor is written in place (its version moves) or replaced (`.data =` moves its storage)."""
+    kept, copies, by_tensor = _host_weights.get(model, {}), {}, {}
+    for name, tensor in itertools.chain(model.named_parameters(remove_duplicate=False),
+                                        model.named_buffers(remove_duplicate=False)):
+        stamp = (tensor.untyped_storage().data_ptr(), tensor._version)
+        entry = kept.get(name)
+        if entry is None or entry[0] is not tensor or entry[1] != stamp:
+            copy = by_tensor.get(id(tensor))  # a tied weight: one copy
+            entry = (tensor, stamp, copy if copy is not None else tensor.detach().cpu())
+        by_tensor[id(tensor)] = entry[2]
+        copies[name] = entry
+    _host_weights[model] = copies
+    return {name: entry[2] for name, entry in copies.items()}
+
+
+def _forward_on_the_host(model, features: dict, kwargs: dict):
+    """`_model_forward` in PyTorch on the host's CPU, its results put on the model's device: what a batch runs
+    while the chip compiles its bucket's program (`hf_tpu.jit(meanwhile=)`). A first pass then costs what the
+    CPU's own costs, plus copying the weights to the host once."""
+    device = next(model.parameters()).device
+    on_host = {name: value.cpu() if isinstance(value, torch.Tensor) else value for name, value in features.items()}
+    _running_on_the_host[0] = True
+    try:
+        out = torch.func.functional_call(model, _weights_on_the_host(model), (on_host,), kwargs)
+    finally:
+        _running_on_the_host[0] = False
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), out)
+
+
 # one traced function for every model: its programs are keyed by the call, the model (its type and modules)
 # among it. On a TPU each length bucket's program compiles for seconds (13 s for all-MiniLM-L6-v2's on a
-# v5e, where the host's CPU embeds 100 sentences in 0.6 s): a new bucket's batches run on the host meanwhile.
-_traced_model_forward = hf_tpu.jit(_model_forward, host_while_compiling=True)
+# v5e, where the host's CPU embeds 100 sentences in 0.6 s): a bucket's batches run on the host meanwhile, and
+# a bucket met once (a pass's last, smaller batch) is not compiled at all.
+_traced_model_forward = hf_tpu.jit(_model_forward, meanwhile=_forward_on_the_host, compile_from_call=2)
 
 
 def _wrap_model_forward(original):
@@ -137,7 +178,8 @@ def _wrap_model_forward(original):
 
     @functools.wraps(original)
     def forward(self, features, **kwargs):
-        if torch.is_grad_enabled() or torch.compiler.is_compiling() or not _on_tpu(self):
+        if (_running_on_the_host[0] or torch.is_grad_enabled() or torch.compiler.is_compiling()
+                or not _on_tpu(self)):
             return original(self, features, **kwargs)  # training, a trace already, or another device: as it is
         # a plain dict: the tokenizer's BatchEncoding is unhashable, so it could not key a program
         return _traced_model_forward(self, dict(features), kwargs)

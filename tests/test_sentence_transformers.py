@@ -39,7 +39,14 @@ def _sentences(lengths):
     return [" ".join(WORDS[(i + k) % len(WORDS)] for k in range(n)) for i, n in enumerate(lengths)]
 
 
-def test_new_lengths_within_the_buckets_compile_nothing_with_the_cpu_embeddings(checkpoint):
+@pytest.fixture
+def on_the_device_only(monkeypatch):
+    """The adapter's traced forward without its host runs (`meanwhile`): every batch traces and waits for its
+    bucket's compile, so that what a test counts is the device's programs."""
+    monkeypatch.setattr(adapter, "_traced_model_forward", hf_tpu.jit(adapter._model_forward))
+
+
+def test_new_lengths_within_the_buckets_compile_nothing_with_the_cpu_embeddings(checkpoint, on_the_device_only):
     cpu, tpu = _model(checkpoint, "cpu"), _model(checkpoint, "tpu")
     first = _sentences([3, 9, 5, 12, 20, 25, 17, 28])  # batches of 4, padded to 16 and 32 tokens
     tpu.encode(first, batch_size=4)
@@ -77,7 +84,7 @@ def test_buckets_can_be_turned_off(monkeypatch):
         adapter.bucketed_length(5, None)
 
 
-def test_the_model_runs_as_one_program_per_batch_shape(checkpoint, monkeypatch):
+def test_the_model_runs_as_one_program_per_batch_shape(checkpoint, monkeypatch, on_the_device_only):
     """Without gradients the model's forward (encoder, pooling, normalisation) is traced into one program
     (`hf_tpu.jit`): a warm batch dispatches no op of its own (only the program), where op by op it dispatches
     every op of every layer, and a first pass compiles one program per batch shape."""
@@ -95,10 +102,11 @@ def test_the_model_runs_as_one_program_per_batch_shape(checkpoint, monkeypatch):
     assert traced == 0 and ops_of_a_warm_encode() > 20, traced
 
 
-def test_a_first_pass_runs_each_new_bucket_on_the_host_while_the_chip_compiles(checkpoint, monkeypatch):
-    """The adapter's traced forward opts into `hf_tpu.jit(..., host_while_compiling=True)`: while a bucket's
-    program compiles for the device (held back here; the host counted as a device of its own), its batches
-    run on the host, with the CPU's embeddings; once compiled, on the device, with the same."""
+def test_a_bucket_runs_on_the_host_in_pytorch_until_the_device_has_compiled_it(checkpoint, monkeypatch):
+    """The adapter's traced forward runs a batch in PyTorch on the host's CPU while its bucket's program is not
+    compiled (`hf_tpu.jit(meanwhile=)`; the device's compile held back here): a bucket met once traces nothing,
+    its second batch traces and starts the compile, and once compiled the batches run the program. The
+    embeddings are the CPU's all along; the weights are copied to the host once."""
     import concurrent.futures
 
     from hf_tpu import compile_log, direct
@@ -109,18 +117,37 @@ def test_a_first_pass_runs_each_new_bucket_on_the_host_while_the_chip_compiles(c
         held.append((work, concurrent.futures.Future()))
         return held[-1][1]
 
-    monkeypatch.setattr(direct, "_host_is_another_device", lambda: True)
     monkeypatch.setattr(compile_log, "in_background", in_background)
     direct.reset()
     cpu, tpu = _model(checkpoint, "cpu"), _model(checkpoint, "tpu")
     sentences = _sentences([3, 9, 5, 12, 20, 25, 17, 28])  # batches of 4, padded to 16 and 32 tokens
     expected = cpu.encode(sentences, batch_size=4)
-    on_host = tpu.encode(sentences, batch_size=4)
-    assert len(held) == 2  # one device compile per bucket, both still under way
+    on_host = []
+    monkeypatch.setattr(adapter._traced_model_forward, "meanwhile", lambda *args, run=adapter._forward_on_the_host:
+                        on_host.append(1) or run(*args))
+    first = tpu.encode(sentences, batch_size=4)
+    assert len(on_host) == 2 and not held and not direct._programs  # each bucket met once: nothing traced
+    weights = dict(adapter._host_weights[tpu])
+    second = tpu.encode(sentences, batch_size=4)
+    assert len(on_host) == 4 and len(held) == 2  # each bucket's second batch: traced, its compile under way
+    assert all(adapter._host_weights[tpu][name][2] is entry[2] for name, entry in weights.items())  # copied once
     for work, future in held:
         future.set_result(work())
     on_chip = tpu.encode(sentences, batch_size=4)
-    for actual in (on_host, on_chip):
+    assert len(on_host) == 4  # the device ran both batches
+    for actual in (first, second, on_chip):
         torch.testing.assert_close(torch.from_numpy(actual), torch.from_numpy(expected), rtol=1e-5, atol=1e-5)
-    programs = [p for p in direct._programs.values() if isinstance(p, direct._Program)]
-    assert len(programs) == 2 and all(p.host_jitted._cache_size() == 1 for p in programs)
+
+
+def test_weights_written_in_place_are_copied_to_the_host_again(checkpoint, monkeypatch):
+    """A host copy serves until its weight changes: a weight written in place (its version moves) is copied
+    again, and the host's embeddings follow it."""
+    cpu, tpu = _model(checkpoint, "cpu"), _model(checkpoint, "tpu")
+    sentences = _sentences([3, 9])
+    monkeypatch.setattr(adapter._traced_model_forward, "compile_from_call", 10 ** 9)  # always on the host
+    tpu.encode(sentences)
+    with torch.no_grad():
+        for model in (cpu, tpu):
+            next(model.parameters()).mul_(2)
+    torch.testing.assert_close(torch.from_numpy(tpu.encode(sentences)), torch.from_numpy(cpu.encode(sentences)),
+                               rtol=1e-5, atol=1e-5)

@@ -414,8 +414,7 @@ def test_a_kept_module_walk_does_not_keep_its_module_alive():
 
 @pytest.fixture
 def compile_held_back(monkeypatch):
-    """The device's compile that `host_while_compiling` starts on a thread, held back until `finish()`; the host
-    counted as a device of its own (on the CPU platform it is the device, and the option does nothing)."""
+    """The device's compile that `meanwhile` has start on a thread, held back until `finish()`."""
     import concurrent.futures
 
     from hf_tpu import compile_log
@@ -430,58 +429,70 @@ def compile_held_back(monkeypatch):
         for work, future in started:
             future.set_result(work())
 
-    monkeypatch.setattr(direct, "_host_is_another_device", lambda: True)
     monkeypatch.setattr(compile_log, "in_background", in_background)
     return started, finish
 
 
+def _forward_on_host(calls):
+    """`_forward` in PyTorch on the CPU, its result put on tpu; each call counted in `calls`."""
+    def forward(model, x):
+        calls.append(tuple(x.shape))
+        weights = {name: p.detach().cpu() for name, p in model.named_parameters()}
+        return torch.func.functional_call(model, weights, (x.cpu(),)).to("tpu")
+
+    return forward
+
+
 @torch.no_grad()
-def test_while_the_device_compiles_a_call_runs_on_the_host_and_then_on_the_device(model, compile_held_back):
-    """The first calls run the traced program on the host while the device's compile (started at the first
-    call) is under way; in-place writes land in the device buffers as after a device call; once the compile is
-    done the calls launch on the device."""
+def test_while_the_device_compiles_a_call_returns_meanwhiles_result_and_then_runs_the_program(
+        model, compile_held_back):
+    """The first call traces the program and starts the device's compile; until it has ended each call returns
+    what `meanwhile` computes; the calls after it run the program, compiled once."""
     started, finish = compile_held_back
-    cache = KVCache()
-
-    def step(x, position):
-        return _decoder(model, cache)(x, position)
-
-    traced = hf_tpu.jit(step, state=(model, cache), host_while_compiling=True)
-    eager_cache = KVCache()
-    x, position = torch.randn(2, 4, device="tpu"), torch.tensor([0], device="tpu")
-    host_calls = []
+    on_host = []
+    traced = hf_tpu.jit(_forward, meanwhile=_forward_on_host(on_host))
+    x = torch.randn(2, 4, device="tpu")
     for i in range(3):
         if i == 2:
             finish()
-        out, keys = traced(x, position + i)
-        expected, expected_keys = _decoder(model, eager_cache)(x, position + i)
-        assert torch.allclose(out.cpu(), expected.cpu()) and torch.allclose(keys.cpu(), expected_keys.cpu())
-        assert torch.equal(cache.layers[1].length.cpu(), eager_cache.layers[1].length.cpu())
-        (program,) = [p for p in direct._programs.values() if isinstance(p, direct._Program)]
-        assert len(started) == 1 and started[0][1] is program.device_compiles[True]  # one compile, donating
-        if i == 0:  # from now on, count the host's runs
-            on_host = program.host_jitted
-            program.host_jitted = lambda *args: host_calls.append(1) or on_host(*args)
-            assert on_host._cache_size() == 1  # the first call ran on the host
-    assert len(host_calls) == 1  # the second call too; the third, after the compile, on the device
+        assert torch.allclose(traced(model, x).cpu(), _forward(model, x).cpu())
+        assert len(started) == 1 and len(on_host) == min(i + 1, 2)
+    (program,) = [p for p in direct._programs.values() if isinstance(p, direct._Program)]
+    assert started[0][1] is program.device_compiles[False]
 
 
 @torch.no_grad()
-def test_a_program_the_host_cannot_run_waits_for_the_device(model, compile_held_back, monkeypatch):
-    started, _ = compile_held_back
-    traced = hf_tpu.jit(_forward, host_while_compiling=True)
-    x = torch.randn(2, 4, device="tpu")
-
-    def refuses(*args):
-        raise NotImplementedError("a Mosaic kernel")
-
-    original = direct._Program.__init__
-
-    def with_a_kernel(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        self.host_jitted = refuses
-
-    monkeypatch.setattr(direct._Program, "__init__", with_a_kernel)
+def test_a_key_traces_at_its_compile_from_call(model, compile_held_back):
+    """With `compile_from_call=2` a key's first call returns `meanwhile`'s result and traces nothing: a shape
+    met once costs no trace and no compile. Its second call traces and starts the compile."""
+    started, finish = compile_held_back
+    on_host = []
+    traced = hf_tpu.jit(_forward, meanwhile=_forward_on_host(on_host), compile_from_call=2)
+    x, y = torch.randn(2, 4, device="tpu"), torch.randn(3, 4, device="tpu")
+    for arg in (x, y):
+        traced(model, arg)
+    assert on_host == [(2, 4), (3, 4)] and not started and not direct._programs
     assert torch.allclose(traced(model, x).cpu(), _forward(model, x).cpu())
-    (program,) = [p for p in direct._programs.values() if isinstance(p, direct._Program)]
-    assert program.host_jitted is None and len(started) == 1
+    assert len(started) == 1 and len(on_host) == 3
+    finish()
+    assert torch.allclose(traced(model, x).cpu(), _forward(model, x).cpu()) and len(on_host) == 3
+
+
+@torch.no_grad()
+def test_a_call_meanwhile_declines_waits_for_the_compile(model, compile_held_back, monkeypatch):
+    """`meanwhile` returning NotImplemented: the call waits for the device's compile started for it (not a
+    compile of its own) and runs the program."""
+    import concurrent.futures
+
+    started, finish = compile_held_back
+    declined = []
+    traced = hf_tpu.jit(_forward, meanwhile=lambda model, x: declined.append(1) or NotImplemented)
+    monkeypatch.setattr(concurrent.futures, "wait", lambda futures: finish())
+    x = torch.randn(2, 4, device="tpu")
+    assert torch.allclose(traced(model, x).cpu(), _forward(model, x).cpu())
+    assert declined == [1] and len(started) == 1 and started[0][1].done()
+
+
+def test_compile_from_call_is_a_positive_int():
+    with pytest.raises(ValueError, match="compile_from_call"):
+        hf_tpu.jit(_forward, compile_from_call=0)
