@@ -688,12 +688,15 @@ def put_sharded(value, sharding):
 
 
 def host_array(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's values as a NumPy array (bit-exact, bfloat16 and float8 included)."""
-    t = t.detach().resolve_conj().resolve_neg().contiguous()
+    """A CPU tensor's values as a NumPy array of its own (bit-exact, bfloat16 and float8 included), for JAX to
+    upload. Not a view of the tensor: XLA on the CPU may alias host memory, and a TPU's transfer reads it after
+    the upload call has returned, where PyTorch lets the CPU tensor be written or freed at once (on a v5e an
+    in-place op on a CPU tensor right after its `.to("tpu")` reached the chip's copy)."""
+    t = t.detach().resolve_conj().resolve_neg()
     bits = dtypes.HOST_BITS.get(t.dtype)
     if bits is not None:
-        return t.view(bits).numpy().view(dtypes.to_jax(t.dtype))
-    return t.numpy()
+        return np.array(t.view(bits).numpy(), copy=True, order="C").view(dtypes.to_jax(t.dtype))
+    return np.array(t.numpy(), copy=True, order="C")
 
 
 def from_host(t: torch.Tensor, device_index: int):
@@ -711,10 +714,6 @@ def from_host(t: torch.Tensor, device_index: int):
             if array is not None:
                 _recurring.move_to_end(key)
                 return array
-    if platform.name() == "cpu":
-        # XLA on the CPU may alias host memory: copy, so the tpu tensor never shares the CPU tensor's
-        # storage (which PyTorch may free or overwrite)
-        host = np.array(host, copy=True)
     # the transfer jax.device_put ends in, without its ~40 us of argument handling per call: small
     # host-to-device copies happen every decoding step (jax is pinned to 0.10.x in pyproject.toml)
     device = platform.jax_device(device_index)
