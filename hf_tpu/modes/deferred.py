@@ -128,6 +128,14 @@ class _Graph:
         return ("i", position)
 
 
+# Eager ops round each result to its dtype, and a fused program must too: XLA on a TPU may keep a value cast
+# to a narrower float at the wider precision when it is cast back within one program (its excess-precision
+# rewrite; v5e, 2026-12-05: floats cast to float16 or float8 and on to another dtype in one fused program came
+# out as if never rounded). `torch.compile` and `hf_tpu.jit` programs keep XLA's default, as Inductor keeps
+# float32 between fused ops by default (`emulate_precision_casts`).
+_EAGER_ROUNDING = {"xla_allow_excess_precision": False}
+
+
 class _Fused:
     """The one jitted function replaying a graph structure."""
 
@@ -136,7 +144,7 @@ class _Fused:
         self.wirings = [node[1] for node in nodes]
         self.outputs = outputs
         self.donated = donated
-        self.jitted = jax.jit(self._run, donate_argnums=(0,) if donated else ())
+        self.jitted = jax.jit(self._run, donate_argnums=(0,) if donated else (), compiler_options=_EAGER_ROUNDING)
 
     def __call__(self, inputs, scalars, rngs):
         return self.jitted(*donation.split(inputs, self.donated), scalars, rngs)
