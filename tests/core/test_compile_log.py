@@ -42,10 +42,13 @@ def test_a_slow_compile_is_announced_while_it_runs_then_logged_with_its_phases(c
 
 
 def test_short_compiles_say_nothing_by_default(compile_records):
+    # a process's first Dynamo capture imports Dynamo's machinery (5 s on the v5e's host, and announced): first
+    torch.compile(lambda x: x - 1, backend="tpu")(torch.randn(3, device="tpu"))
+    before = len(compile_records())
     compiled = torch.compile(lambda x: torch.sin(x) + 1, backend="tpu")
     compiled(torch.randn(5, device="tpu"))
     torch.randn(7, device="tpu").cos()
-    assert compile_records() == []
+    assert compile_records()[before:] == []
 
 
 def test_a_torch_compile_graph_is_named_with_its_inputs_and_the_next_announced(compile_records, monkeypatch):

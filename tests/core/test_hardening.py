@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import hf_tpu
+from tests.util import transcendental_tolerance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -271,7 +272,7 @@ def test_ignored_and_in_range_labels_still_compute_when_checked(how, monkeypatch
         else:
             with torch.tpu.use_eager_mode("DEFER_NEVER_AND_LAUNCH_BLOCKING"):
                 actual = fn("tpu").cpu()
-        torch.testing.assert_close(actual, expected)
+        torch.testing.assert_close(actual, expected, **transcendental_tolerance())
 
 
 # --- 8. safetensors refuses the string "tpu" in its Rust core: the device index works (README)
