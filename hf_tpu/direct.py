@@ -585,10 +585,12 @@ def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, meanwhile=None,
     program = _programs.get(key)
     if program is _NOT_TRACEABLE or inputs.device_index is None:  # untraceable, or no tpu tensor to trace for
         return fallback(*args, **kwargs)
+    declined = False  # `meanwhile` returned NotImplemented: asked once per call
     if meanwhile is not None and program is None and _calls_before_trace(key) < compile_from_call:
         result = meanwhile(*args, **kwargs)
         if result is not NotImplemented:
             return result
+        declined = True
     arrays = _arrays(inputs)
     try:
         program = _traced_program(key, name, lambda: fn(*args, **kwargs), inputs, arrays, description,
@@ -599,7 +601,7 @@ def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, meanwhile=None,
     except UNTRACEABLE as e:
         return _untraceable(key, name, e, fallback, args, kwargs)
     if compiling is not None and not compiling.done():
-        result = meanwhile(*args, **kwargs)
+        result = NotImplemented if declined else meanwhile(*args, **kwargs)
         if result is not NotImplemented:
             return result
         concurrent.futures.wait([compiling])  # the launch then finds the program compiled

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import weakref
 
 import torch
@@ -31,6 +32,8 @@ from torch.utils import _pytree as pytree
 
 import hf_tpu
 from hf_tpu import settings as _environment
+
+log = logging.getLogger("hf_tpu.integrations")
 
 # powers of two and the halfway points between them (16, 32, 48, 64, 96, 128, 192, ... 8192): a batch grows by
 # at most half its length (on the CPU backend, where compute is dear, powers of two alone cost more in
@@ -151,15 +154,37 @@ def _weights_on_the_host(model) -> dict:
     return {name: entry[2] for name, entry in copies.items()}
 
 
+# the largest model whose batches run on the host while the chip compiles (its parameters and buffers, bytes):
+# a small encoder's batch takes the host's CPU a fraction of a second, where a billion-parameter model's would
+# outlast the chip's compile, and its weights would take gigabytes of host memory
+HOST_MODEL_BYTES = 1 << 30
+# models whose forward failed on the host (a tpu tensor outside their parameters and buffers): they wait
+_not_on_the_host: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _state_bytes(model) -> int:
+    tensors = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}.values()
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def _forward_on_the_host(model, features: dict, kwargs: dict):
     """`_model_forward` in PyTorch on the host's CPU, its results put on the model's device: what a batch runs
     while the chip compiles its bucket's program (`hf_tpu.jit(meanwhile=)`). A first pass then costs what the
-    CPU's own costs, plus copying the weights to the host once."""
+    CPU's own costs, plus copying the weights to the host once. `NotImplemented` (the batch waits for the
+    chip) for a model over `HOST_MODEL_BYTES`, or one the host could not run before."""
+    if model in _not_on_the_host or _state_bytes(model) > HOST_MODEL_BYTES:
+        return NotImplemented
     device = next(model.parameters()).device
     on_host = {name: value.cpu() if isinstance(value, torch.Tensor) else value for name, value in features.items()}
     _running_on_the_host[0] = True
     try:
         out = torch.func.functional_call(model, _weights_on_the_host(model), (on_host,), kwargs)
+    except Exception as e:  # noqa: BLE001 - an input error raises again when the chip runs the batch
+        log.info("hf_tpu: %s waits for the chip's compile: its forward failed on the host (%s: %s)",
+                 type(model).__name__, type(e).__name__, e)
+        _not_on_the_host.add(model)
+        _host_weights.pop(model, None)
+        return NotImplemented
     finally:
         _running_on_the_host[0] = False
     return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), out)

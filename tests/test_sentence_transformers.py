@@ -151,3 +151,26 @@ def test_weights_written_in_place_are_copied_to_the_host_again(checkpoint, monke
             next(model.parameters()).mul_(2)
     torch.testing.assert_close(torch.from_numpy(tpu.encode(sentences)), torch.from_numpy(cpu.encode(sentences)),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("why", ["too large", "fails on the host"])
+def test_a_model_the_host_should_not_run_waits_for_the_chip(checkpoint, monkeypatch, why):
+    """A model over `HOST_MODEL_BYTES` (its host forward would outlast the chip's compile), or one whose forward
+    fails on the host, is never copied there: its batches wait for the chip's compile, with the CPU's
+    embeddings."""
+    from hf_tpu import direct
+
+    direct.reset()  # no program compiled before: the first batches ask the host
+    cpu, tpu = _model(checkpoint, "cpu"), _model(checkpoint, "tpu")
+    if why == "too large":
+        monkeypatch.setattr(adapter, "HOST_MODEL_BYTES", 1024)
+    else:
+        def fails(*args, **kwargs):
+            raise RuntimeError("a tpu tensor outside the model's state")
+
+        monkeypatch.setattr(torch.func, "functional_call", fails)
+    sentences = _sentences([3, 9, 5])
+    actual = tpu.encode(sentences)
+    assert tpu not in adapter._host_weights and (tpu in adapter._not_on_the_host) == (why == "fails on the host")
+    torch.testing.assert_close(torch.from_numpy(actual), torch.from_numpy(cpu.encode(sentences)), rtol=1e-5,
+                               atol=1e-5)
