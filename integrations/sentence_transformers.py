@@ -18,6 +18,11 @@ and normalisation among them) runs as one program per batch shape, traced straig
 (`hf_tpu.jit`), instead of op by op: a first pass then compiles a program per bucket and batch size, not every
 op of the model for each of them, and a later pass launches one program per batch (100 sentences: 3
 programs, where tracing the encoder alone left 24 more for the ops after it).
+
+A program compiles for seconds on a TPU (13 s for all-MiniLM-L6-v2's buckets on a v5e, whose host embeds 100
+sentences in 0.5 s). Until a bucket's program is compiled, its batches run the model in PyTorch on the host's
+CPU, the weights copied there once (`hf_tpu.jit(meanwhile=)`); a bucket is traced and compiled at its second
+batch, so that one met once (a pass's last, smaller batch) costs no compile (`compile_from_call=2`).
 """
 
 from __future__ import annotations
@@ -191,9 +196,7 @@ def _forward_on_the_host(model, features: dict, kwargs: dict):
 
 
 # one traced function for every model: its programs are keyed by the call, the model (its type and modules)
-# among it. On a TPU each length bucket's program compiles for seconds (13 s for all-MiniLM-L6-v2's on a
-# v5e, where the host's CPU embeds 100 sentences in 0.6 s): a bucket's batches run on the host meanwhile, and
-# a bucket met once (a pass's last, smaller batch) is not compiled at all.
+# among it
 _traced_model_forward = hf_tpu.jit(_model_forward, meanwhile=_forward_on_the_host, compile_from_call=2)
 
 
