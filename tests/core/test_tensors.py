@@ -276,3 +276,22 @@ def test_rows_read_and_written_in_a_loop_share_one_program():
     weights[7] += 1
     weights[:, 2, 3] *= 3
     assert torch.equal(on_tpu.cpu(), weights)
+
+
+def test_an_uploaded_tensor_reads_back_without_waiting_for_the_device(monkeypatch):
+    """A small tensor read back as it was uploaded (a prompt's ids, a tokenized batch) is copied from the values
+    uploaded, not read from the device; the copy is the caller's, and once the tensor is written in place its
+    values come from the device."""
+    import jax
+
+    source = torch.arange(12)
+    t = source.to("tpu")
+    reads = []
+    device_get = jax.device_get
+    monkeypatch.setattr(jax, "device_get", lambda x: reads.append(1) or device_get(x))
+    back = t.cpu()
+    back.add_(100)
+    assert torch.equal(t.cpu(), source) and t.sum().item() == 66
+    assert reads == [1]  # the sum, a result of the device's; the two copies of `t` read nothing
+    t.add_(1)
+    assert torch.equal(t.cpu(), source + 1) and len(reads) == 2
