@@ -142,15 +142,20 @@ def test_a_bucket_runs_on_the_host_in_pytorch_until_the_device_has_compiled_it(c
 def test_weights_written_in_place_are_copied_to_the_host_again(checkpoint, monkeypatch):
     """A host copy serves until its weight changes: a weight written in place (its version moves) is copied
     again, and the host's embeddings follow it."""
+    from hf_tpu import direct
+
+    direct.reset()  # no program compiled before
     cpu, tpu = _model(checkpoint, "cpu"), _model(checkpoint, "tpu")
     sentences = _sentences([3, 9])
     monkeypatch.setattr(adapter._traced_model_forward, "compile_from_call", 10 ** 9)  # always on the host
     tpu.encode(sentences)
+    first = next(iter(adapter._host_weights[tpu].values()))[2]
     with torch.no_grad():
         for model in (cpu, tpu):
             next(model.parameters()).mul_(2)
     torch.testing.assert_close(torch.from_numpy(tpu.encode(sentences)), torch.from_numpy(cpu.encode(sentences)),
                                rtol=1e-5, atol=1e-5)
+    assert next(iter(adapter._host_weights[tpu].values()))[2] is not first and not direct._programs
 
 
 @pytest.mark.parametrize("why", ["too large", "fails on the host"])
