@@ -767,6 +767,16 @@ def host_copy(t: torch.Tensor) -> torch.Tensor:
     return to_host(array_of(t), t.dtype)
 
 
+def host_copies(tensors) -> list:
+    """`host_copy` of each of `tensors`, their transfers started together: a model's weights then wait for the
+    device once, not once per tensor (on a v5e, 1.7 ms a read)."""
+    arrays = [array_of(t) for t in tensors]
+    for array in arrays:
+        if id(array) not in _uploads and isinstance(array, jax.Array) and array.is_fully_addressable:
+            array.copy_to_host_async()
+    return [to_host(array, t.dtype) for array, t in zip(arrays, tensors)]
+
+
 def to_host(array, dtype: torch.dtype) -> torch.Tensor:
     """A jax.Array's values as a new CPU tensor of `dtype` (bit-exact)."""
     host = to_numpy(array)

@@ -95,6 +95,19 @@ def _copy_to_host(t) -> torch.Tensor:
     return buffer.host_copy(t)
 
 
+def to_cpu(tensors) -> list:
+    """`[t.detach().cpu() for t in tensors]`, with the tpu tensors' transfers started together, so that the
+    host waits for the device once, not once per tensor: copying a model's weights to the host
+    (`hf_tpu.to_cpu(model.parameters())`) takes one round trip to the chip. Tensors on other devices are
+    copied as `.cpu()` copies them (a CPU tensor is returned detached, not copied)."""
+    tensors = [t.detach() for t in tensors]
+    on_tpu = [t for t in tensors if t.device.type == "tpu"]
+    if on_tpu:
+        modes.host_read("copy to cpu")
+    copies = iter(buffer.host_copies(on_tpu))
+    return [next(copies) if t.device.type == "tpu" else t.cpu() for t in tensors]
+
+
 @handler(aten.copy_.default)
 def copy_(sig, values):
     dst, src = values[0], values[1]  # non_blocking: every transfer is already asynchronous

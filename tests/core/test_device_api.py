@@ -106,6 +106,29 @@ def test_moving_a_module_keeps_its_parameter_objects_like_cuda():
     assert model.head.weight is weight and weight.device.type == "tpu"
 
 
+def test_to_cpu_copies_many_tensors_with_one_host_read(monkeypatch):
+    """`hf_tpu.to_cpu(tensors)` is `[t.detach().cpu() for t in tensors]` (every dtype bit for bit, views, CPU
+    tensors), counted as one host read, and the tpu arrays' transfers are started before the first is read."""
+    from hf_tpu.memory import buffer
+
+    model = torch.nn.Linear(3, 5).to(torch.bfloat16)
+    mask = torch.tensor([True, False, True])
+    big = torch.randn(64, 512)  # past the uploads kept on the host: read from the device
+    on_tpu = [p.to("tpu") for p in model.parameters()] + [mask.to("tpu"), big.to("tpu")]
+    view = on_tpu[0].t()[1:]
+    started = []
+    monkeypatch.setattr(type(buffer.array_of(on_tpu[-1])), "copy_to_host_async",
+                        lambda array: started.append(array.shape), raising=False)
+    hf_tpu.reset_metrics()
+    copies = hf_tpu.to_cpu([*on_tpu, view, big])
+    assert hf_tpu.metrics()["host_syncs"] == 1 and (64, 512) in started
+    expected = [*model.parameters(), mask, big, model.weight.t()[1:], big]
+    for copy, want in zip(copies, expected):
+        assert copy.device.type == "cpu" and copy.dtype == want.dtype and not copy.requires_grad
+        assert torch.equal(copy, want.detach())
+    assert copies[-1] is not big and copies[-1].data_ptr() == big.data_ptr()  # a CPU tensor: detached, not copied
+
+
 def test_storages_move_and_say_where_they_are():
     host = torch.arange(3.0).untyped_storage()
     moved = host.tpu()
