@@ -88,7 +88,8 @@ def reset() -> None:
     Dynamo forget its graphs."""
     _programs.clear()
     _site_counts.clear()
-    _untraced_calls.clear()
+    _host_seconds.clear()
+    _trace_seconds.clear()
 
 
 def _plain_object(x) -> bool:
@@ -549,7 +550,8 @@ def _traced_program(key, name: str, run, inputs: _Inputs, arrays: list, descript
     site = key[0]
     if _site_counts.get(site, 0) >= _PROGRAMS_PER_SITE:
         raise _Untraceable(f"{_PROGRAMS_PER_SITE} programs were traced for it already")
-    pending = compile_log.begin(description, "hf_tpu.jit", function, time.perf_counter(), captured=True,
+    started = time.perf_counter()
+    pending = compile_log.begin(description, "hf_tpu.jit", function, started, captured=True,
                                 capture="Python trace")
     compile_log.describe(description, "hf_tpu.jit", inputs_text)
     try:
@@ -560,7 +562,8 @@ def _traced_program(key, name: str, run, inputs: _Inputs, arrays: list, descript
         raise
     _programs[key] = program
     _site_counts[site] = _site_counts.get(site, 0) + 1
-    _untraced_calls.pop(key, None)
+    _trace_seconds[site] = time.perf_counter() - started
+    _host_seconds.pop(key, None)
     return program
 
 
@@ -570,7 +573,7 @@ def _arrays(inputs: _Inputs) -> list:
     return buffer.place_together(arrays) if buffer.sharded_arrays_exist else arrays
 
 
-def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, meanwhile=None, compile_from_call: int = 1):
+def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, meanwhile=None, trace_after: float = 0.0):
     """`fn(*args, **kwargs)` as one traced program (see the module's docstring); `fallback(*args, **kwargs)`
     where it cannot be. With `meanwhile`, a call whose program the device has not compiled yet returns
     `meanwhile(*args, **kwargs)` instead (see `jit`)."""
@@ -586,9 +589,11 @@ def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, meanwhile=None,
     if program is _NOT_TRACEABLE or inputs.device_index is None:  # untraceable, or no tpu tensor to trace for
         return fallback(*args, **kwargs)
     declined = False  # `meanwhile` returned NotImplemented: asked once per call
-    if meanwhile is not None and program is None and _calls_before_trace(key) < compile_from_call:
+    if meanwhile is not None and program is None and not _trace_is_due(key, trace_after):
+        started = _clock()
         result = meanwhile(*args, **kwargs)
         if result is not NotImplemented:
+            _spent_on_the_host(key, _clock() - started)
             return result
         declined = True
     arrays = _arrays(inputs)
@@ -597,7 +602,7 @@ def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, meanwhile=None,
                                   lambda: _arguments_text(args, kwargs, inputs.state), f"traced_{name}")
         mutated, others = donation.split(arrays, program.mutated)
         donate, key_data = donatable(mutated), rng.current_key(inputs.device_index)
-        compiling = None if meanwhile is None else _device_compile(program, donate, mutated, others, key_data)
+        compiling = None if meanwhile is None else _device_compile(key, program, donate, mutated, others, key_data)
     except UNTRACEABLE as e:
         return _untraceable(key, name, e, fallback, args, kwargs)
     if compiling is not None and not compiling.done():
@@ -624,26 +629,40 @@ def _untraceable(key, name: str, error: Exception, fallback, args: tuple, kwargs
     return fallback(*args, **kwargs)
 
 
-# (site, key) -> the calls of a key not traced yet, for `compile_from_call`; dropped at its trace
-_untraced_calls: dict = {}
+# `jit(meanwhile=)`'s rule for when to trace a key: (site, key) -> the seconds `meanwhile` has spent on the key's
+# calls, until its trace; site -> the seconds its last trace took (the Python trace, and the lowering for the
+# device on the compile's thread)
+_host_seconds: dict = {}
+_trace_seconds: dict = {}
+_clock = time.perf_counter
 
 
-def _calls_before_trace(key) -> int:
-    """How many calls of `key` there have been while it had no program, this one included."""
-    if len(_untraced_calls) >= 4096:  # keys of shapes seen once, never traced: forgotten, not kept for good
-        _untraced_calls.clear()
-    count = _untraced_calls[key] = _untraced_calls.get(key, 0) + 1
-    return count
+def _trace_is_due(key, trace_after: float) -> bool:
+    """Whether `meanwhile` has run `key`'s calls for as long as a trace of its site takes (see `jit`)."""
+    return _host_seconds.get(key, 0.0) >= _trace_seconds.get(key[0], trace_after)
 
 
-def _device_compile(program: _Program, donate: bool, mutated: list, others: list, key_data):
+def _spent_on_the_host(key, seconds: float) -> None:
+    if len(_host_seconds) >= 4096:  # keys of shapes seen a few times, never traced: forgotten, not kept for good
+        _host_seconds.clear()
+    _host_seconds[key] = _host_seconds.get(key, 0.0) + seconds
+
+
+def _device_compile(key, program: _Program, donate: bool, mutated: list, others: list, key_data):
     """The future of the device's compile of `program` (donating or not), started at its first call on a thread
-    of its own: an XLA compile for a TPU, or its load from the disk cache, takes seconds."""
+    of its own: an XLA compile for a TPU, or its load from the disk cache, takes seconds. Its lowering counts
+    as part of the trace of `key`'s site (`_trace_seconds`): it takes the host's Python as the trace does."""
     compiling = program.device_compiles.get(donate)
     if compiling is None:
-        jitted = program.jitted[donate]
-        compiling = program.device_compiles[donate] = compile_log.in_background(
-            lambda: jitted.lower(mutated, others, key_data).compile())
+        jitted, site = program.jitted[donate], key[0]
+
+        def lower_and_compile():
+            started = time.perf_counter()
+            lowered = jitted.lower(mutated, others, key_data)
+            _trace_seconds[site] = _trace_seconds.get(site, 0.0) + time.perf_counter() - started
+            return lowered.compile()
+
+        compiling = program.device_compiles[donate] = compile_log.in_background(lower_and_compile)
     return compiling
 
 
@@ -654,20 +673,20 @@ def _log_fallback(name: str, error: Exception) -> None:
 class Jitted:
     """What `hf_tpu.jit` returns: the function, called as one traced program."""
 
-    def __init__(self, fn, state, fallback, meanwhile, compile_from_call):
+    def __init__(self, fn, state, fallback, meanwhile, trace_after):
         self.fn = fn
         self.state = state
         self.fallback = fallback
         self.meanwhile = meanwhile
-        self.compile_from_call = compile_from_call
+        self.trace_after = trace_after
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args, **kwargs):
         state = self.state(*args, **kwargs) if callable(self.state) else self.state
-        return call(self.fn, args, kwargs, state, self.fallback, self.meanwhile, self.compile_from_call)
+        return call(self.fn, args, kwargs, state, self.fallback, self.meanwhile, self.trace_after)
 
 
-def jit(fn, *, state=(), fallback=None, meanwhile=None, compile_from_call: int = 1) -> Jitted:
+def jit(fn, *, state=(), fallback=None, meanwhile=None, trace_after: float = 0.0) -> Jitted:
     """`fn` run as one XLA program over its `tpu` tensors, traced from Python without Dynamo.
 
     `state` names the objects whose tensors the function reads or writes besides its arguments (a tuple,
@@ -682,12 +701,17 @@ def jit(fn, *, state=(), fallback=None, meanwhile=None, compile_from_call: int =
     buckets), whose first calls would each wait seconds for the chip's compile where the host's CPU computes
     them in a fraction of one: `meanwhile` runs the model there, in PyTorch. It must compute what `fn` does
     (its in-place writes included), or return `NotImplemented`, and the call then waits for the compile.
-    `compile_from_call`: with `meanwhile`, the call of a new key (the shapes and values above) that traces its
-    program and starts its compile; the calls before it return `meanwhile`'s result and trace nothing. At 2, a
-    shape met once (the last, smaller batch of a pass over a dataset) never costs a trace and a compile."""
-    if not isinstance(compile_from_call, int) or compile_from_call < 1:
-        raise ValueError(f"hf_tpu.jit: compile_from_call must be an int of at least 1, not {compile_from_call!r}")
-    return Jitted(fn, state, fallback, meanwhile, compile_from_call)
+
+    With `meanwhile`, a new key (the shapes and values above) is traced, and its compile started, once its calls
+    have spent in `meanwhile` as long as a trace takes: as long as the function's last trace took (the Python
+    trace and the lowering, which hold the host's Python), or `trace_after` seconds before its first. Until
+    then its calls return `meanwhile`'s result and trace nothing. A trace is bought once the host has paid
+    its price in rent (the rent-or-buy rule): work that ends before then (a short pass over a dataset) costs
+    what the host's own run costs, a shape met once or twice (a pass's last, smaller batch) is not traced,
+    and work that goes on pays at most twice the trace it could not avoid."""
+    if isinstance(trace_after, bool) or not isinstance(trace_after, (int, float)) or not trace_after >= 0:
+        raise ValueError(f"hf_tpu.jit: trace_after must be a number of seconds of at least 0, not {trace_after!r}")
+    return Jitted(fn, state, fallback, meanwhile, float(trace_after))
 
 
 # --- hf_tpu.while_loop(..., state=...): the step traced directly, its iterations in one XLA while loop

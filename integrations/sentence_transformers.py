@@ -20,9 +20,11 @@ op of the model for each of them, and a later pass launches one program per batc
 programs, where tracing the encoder alone left 24 more for the ops after it).
 
 A program compiles for seconds on a TPU (13 s for all-MiniLM-L6-v2's buckets on a v5e, whose host embeds 100
-sentences in 0.5 s). Until a bucket's program is compiled, its batches run the model in PyTorch on the host's
-CPU, the weights copied there once (`hf_tpu.jit(meanwhile=)`); a bucket is traced and compiled at its second
-batch, so that one met once (a pass's last, smaller batch) costs no compile (`compile_from_call=2`).
+sentences in 0.5 s), and its trace takes the host's Python for as long as several batches. Until a bucket's
+program is compiled, its batches run the model in PyTorch on the host's CPU, the weights copied there once
+(`hf_tpu.jit(meanwhile=)`); a bucket is traced, and its compile started, once its batches have spent on the
+host as long as a trace takes (`trace_after`): a short pass runs on the host as it would on the CPU, and
+one that goes on moves to the chip bucket by bucket.
 """
 
 from __future__ import annotations
@@ -145,16 +147,19 @@ _host_weights: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def _weights_on_the_host(model) -> dict:
     """The model's parameters and buffers by name, copied to the host's CPU once each: a copy serves until its
     tensor is written in place (its version moves) or replaced (`.data =` moves its storage)."""
-    kept, copies, by_tensor = _host_weights.get(model, {}), {}, {}
+    kept, entries, stale = _host_weights.get(model, {}), {}, {}
     for name, tensor in itertools.chain(model.named_parameters(remove_duplicate=False),
                                         model.named_buffers(remove_duplicate=False)):
         stamp = (tensor.untyped_storage().data_ptr(), tensor._version)
         entry = kept.get(name)
         if entry is None or entry[0] is not tensor or entry[1] != stamp:
-            copy = by_tensor.get(id(tensor))  # a tied weight: one copy
-            entry = (tensor, stamp, copy if copy is not None else tensor.detach().cpu())
-        by_tensor[id(tensor)] = entry[2]
-        copies[name] = entry
+            stale.setdefault(id(tensor), tensor)  # a tied weight: one copy
+            entry = (tensor, stamp, None)
+        entries[name] = entry
+    # the stale ones read back together: one wait for the chip, not one per tensor
+    fresh = dict(zip(stale, hf_tpu.to_cpu(stale.values())))
+    copies = {name: entry if entry[2] is not None else (*entry[:2], fresh[id(entry[0])])
+              for name, entry in entries.items()}
     _host_weights[model] = copies
     return {name: entry[2] for name, entry in copies.items()}
 
@@ -180,7 +185,8 @@ def _forward_on_the_host(model, features: dict, kwargs: dict):
     if model in _not_on_the_host or _state_bytes(model) > HOST_MODEL_BYTES:
         return NotImplemented
     device = next(model.parameters()).device
-    on_host = {name: value.cpu() if isinstance(value, torch.Tensor) else value for name, value in features.items()}
+    tensors = {name: value for name, value in features.items() if isinstance(value, torch.Tensor)}
+    on_host = {**features, **dict(zip(tensors, hf_tpu.to_cpu(tensors.values())))}
     _running_on_the_host[0] = True
     try:
         out = torch.func.functional_call(model, _weights_on_the_host(model), (on_host,), kwargs)
@@ -195,9 +201,13 @@ def _forward_on_the_host(model, features: dict, kwargs: dict):
     return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), out)
 
 
+# how long a bucket's batches run on the host before the model's first trace (later ones wait as long as the
+# last trace took): all-MiniLM-L6-v2's trace and lowering on the v5e's host, 0.4 s and 0.1 s, where a batch of
+# 32 sentences takes 0.12 s there
+TRACE_AFTER = 0.5
 # one traced function for every model: its programs are keyed by the call, the model (its type and modules)
 # among it
-_traced_model_forward = hf_tpu.jit(_model_forward, meanwhile=_forward_on_the_host, compile_from_call=2)
+_traced_model_forward = hf_tpu.jit(_model_forward, meanwhile=_forward_on_the_host, trace_after=TRACE_AFTER)
 
 
 def _wrap_model_forward(original):

@@ -104,9 +104,11 @@ def test_the_model_runs_as_one_program_per_batch_shape(checkpoint, monkeypatch, 
 
 def test_a_bucket_runs_on_the_host_in_pytorch_until_the_device_has_compiled_it(checkpoint, monkeypatch):
     """The adapter's traced forward runs a batch in PyTorch on the host's CPU while its bucket's program is not
-    compiled (`hf_tpu.jit(meanwhile=)`; the device's compile held back here): a bucket met once traces nothing,
-    its second batch traces and starts the compile, and once compiled the batches run the program. The
-    embeddings are the CPU's all along; the weights are copied to the host once."""
+    compiled (`hf_tpu.jit(meanwhile=)`; the device's compile held back here). A bucket is traced, and its
+    compile started, once its batches have spent on the host `trace_after` seconds (before the model's first
+    trace; then as long as that trace took; each batch takes 10 s of the test's clock here), and once compiled
+    the batches run the program. The embeddings are the CPU's all along; the weights are copied to the host
+    once."""
     import concurrent.futures
 
     from hf_tpu import compile_log, direct
@@ -122,20 +124,28 @@ def test_a_bucket_runs_on_the_host_in_pytorch_until_the_device_has_compiled_it(c
     cpu, tpu = _model(checkpoint, "cpu"), _model(checkpoint, "tpu")
     sentences = _sentences([3, 9, 5, 12, 20, 25, 17, 28])  # batches of 4, padded to 16 and 32 tokens
     expected = cpu.encode(sentences, batch_size=4)
-    on_host = []
-    monkeypatch.setattr(adapter._traced_model_forward, "meanwhile", lambda *args, run=adapter._forward_on_the_host:
-                        on_host.append(1) or run(*args))
+    now, on_host = [0.0], []
+    monkeypatch.setattr(direct, "_clock", lambda: now[0])
+
+    def ten_seconds_on_host(*args, run=adapter._forward_on_the_host):
+        now[0] += 10.0
+        on_host.append(1)
+        return run(*args)
+
+    monkeypatch.setattr(adapter._traced_model_forward, "meanwhile", ten_seconds_on_host)
+    monkeypatch.setattr(adapter._traced_model_forward, "trace_after", 15.0)
     first = tpu.encode(sentences, batch_size=4)
-    assert len(on_host) == 2 and not held and not direct._programs  # each bucket met once: nothing traced
     weights = dict(adapter._host_weights[tpu])
     second = tpu.encode(sentences, batch_size=4)
-    assert len(on_host) == 4 and len(held) == 2  # each bucket's second batch: traced, its compile under way
+    assert len(on_host) == 4 and not held and not direct._programs  # 10 s per bucket, then 20 s: nothing traced
+    third = tpu.encode(sentences, batch_size=4)
+    assert len(on_host) == 6 and len(held) == 2  # each bucket traced, its compile under way
     assert all(adapter._host_weights[tpu][name][2] is entry[2] for name, entry in weights.items())  # copied once
     for work, future in held:
         future.set_result(work())
     on_chip = tpu.encode(sentences, batch_size=4)
-    assert len(on_host) == 4  # the device ran both batches
-    for actual in (first, second, on_chip):
+    assert len(on_host) == 6  # the device ran both batches
+    for actual in (first, second, third, on_chip):
         torch.testing.assert_close(torch.from_numpy(actual), torch.from_numpy(expected), rtol=1e-5, atol=1e-5)
 
 
@@ -147,7 +157,7 @@ def test_weights_written_in_place_are_copied_to_the_host_again(checkpoint, monke
     direct.reset()  # no program compiled before
     cpu, tpu = _model(checkpoint, "cpu"), _model(checkpoint, "tpu")
     sentences = _sentences([3, 9])
-    monkeypatch.setattr(adapter._traced_model_forward, "compile_from_call", 10 ** 9)  # always on the host
+    monkeypatch.setattr(adapter._traced_model_forward, "trace_after", float("inf"))  # always on the host
     tpu.encode(sentences)
     first = next(iter(adapter._host_weights[tpu].values()))[2]
     with torch.no_grad():

@@ -462,20 +462,33 @@ def test_while_the_device_compiles_a_call_returns_meanwhiles_result_and_then_run
 
 
 @torch.no_grad()
-def test_a_key_traces_at_its_compile_from_call(model, compile_held_back):
-    """With `compile_from_call=2` a key's first call returns `meanwhile`'s result and traces nothing: a shape
-    met once costs no trace and no compile. Its second call traces and starts the compile."""
+def test_a_key_traces_once_meanwhile_has_run_it_as_long_as_a_trace_takes(model, compile_held_back, monkeypatch):
+    """With `meanwhile`, a key's calls return its result and trace nothing until they have spent there
+    `trace_after` seconds (before the function's first trace), then as long as the last trace took: a shape
+    met once or twice costs no trace and no compile. Here each host run takes 10 s of a clock of the test's."""
     started, finish = compile_held_back
-    on_host = []
-    traced = hf_tpu.jit(_forward, meanwhile=_forward_on_host(on_host), compile_from_call=2)
+    now, on_host = [0.0], []
+    monkeypatch.setattr(direct, "_clock", lambda: now[0])
+
+    def ten_seconds_on_host(model, x, run=_forward_on_host(on_host)):
+        now[0] += 10.0
+        return run(model, x)
+
+    traced = hf_tpu.jit(_forward, meanwhile=ten_seconds_on_host, trace_after=15)
     x, y = torch.randn(2, 4, device="tpu"), torch.randn(3, 4, device="tpu")
-    for arg in (x, y):
+    for arg in (x, y, x):
         traced(model, arg)
-    assert on_host == [(2, 4), (3, 4)] and not started and not direct._programs
-    assert torch.allclose(traced(model, x).cpu(), _forward(model, x).cpu())
-    assert len(started) == 1 and len(on_host) == 3
+    assert on_host == [(2, 4), (3, 4), (2, 4)] and not started and not direct._programs
+    assert torch.allclose(traced(model, x).cpu(), _forward(model, x).cpu())  # 20 s on the host: traced
+    assert len(started) == 1 and len(on_host) == 4
+    # the trace took far less than the 10 s `y` has spent on the host: its next call traces
+    assert direct._trace_seconds[direct._function_parts(_forward)[0]] < 10
+    traced(model, y)
+    assert len(started) == 2 and len(on_host) == 5
     finish()
-    assert torch.allclose(traced(model, x).cpu(), _forward(model, x).cpu()) and len(on_host) == 3
+    for arg in (x, y):
+        assert torch.allclose(traced(model, arg).cpu(), _forward(model, arg).cpu())
+    assert len(on_host) == 5
 
 
 @torch.no_grad()
@@ -493,6 +506,7 @@ def test_a_call_meanwhile_declines_waits_for_the_compile(model, compile_held_bac
     assert declined == [1] and len(started) == 1 and started[0][1].done()
 
 
-def test_compile_from_call_is_a_positive_int():
-    with pytest.raises(ValueError, match="compile_from_call"):
-        hf_tpu.jit(_forward, compile_from_call=0)
+@pytest.mark.parametrize("trace_after", [-1, "1", None, True, float("nan")])
+def test_trace_after_is_a_number_of_seconds(trace_after):
+    with pytest.raises(ValueError, match="trace_after"):
+        hf_tpu.jit(_forward, trace_after=trace_after)
