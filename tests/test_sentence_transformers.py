@@ -176,10 +176,10 @@ def test_a_model_the_host_should_not_run_waits_for_the_chip(checkpoint, monkeypa
     from hf_tpu import direct
 
     direct.reset()  # no program compiled before: the first batches ask the host
-    cpu, tpu = _model(checkpoint, "cpu"), _model(checkpoint, "tpu")
     if why == "too large":
         monkeypatch.setattr(adapter, "HOST_MODEL_BYTES", 1024)
-    else:
+    cpu, tpu = _model(checkpoint, "cpu"), _model(checkpoint, "tpu")
+    if why != "too large":
         def fails(*args, **kwargs):
             raise RuntimeError("a tpu tensor outside the model's state")
 
@@ -189,3 +189,40 @@ def test_a_model_the_host_should_not_run_waits_for_the_chip(checkpoint, monkeypa
     assert tpu not in adapter._host_weights and (tpu in adapter._not_on_the_host) == (why == "fails on the host")
     torch.testing.assert_close(torch.from_numpy(actual), torch.from_numpy(cpu.encode(sentences)), rtol=1e-5,
                                atol=1e-5)
+
+
+def test_a_model_moved_from_the_cpu_keeps_its_cpu_weights_as_the_host_copy(checkpoint):
+    """`.to("tpu")` of a small model keeps the CPU tensors it moved as the host path's copies: the first batch
+    reads no weight back from the chip; a weight written on tpu afterwards is read back as before."""
+    from hf_tpu import direct
+
+    direct.reset()
+    tpu = _model(checkpoint, "tpu")
+    kept = dict(adapter._host_weights[tpu])
+    assert set(kept) == set(adapter._state(tpu)) and all(entry[2].device.type == "cpu" for entry in kept.values())
+    for name, (tensor, _, copy) in kept.items():
+        assert torch.equal(copy, tensor.cpu())
+    tpu.encode(_sentences([3, 9]))
+    assert all(adapter._host_weights[tpu][name][2] is entry[2] for name, entry in kept.items())
+    with torch.no_grad():
+        next(tpu.parameters()).add_(1)
+    tpu.encode(_sentences([3, 9]))
+    name = next(iter(kept))
+    assert adapter._host_weights[tpu][name][2] is not kept[name][2]
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_the_host_runs_the_batch_without_its_bucket_padding(side):
+    """The host path cuts the trailing columns no row attends to (the bucket's padding): it computes the
+    tokenizer's batch, as the CPU does. Left padding, and a batch with an input the adapter does not pad, stay."""
+    ids = torch.tensor([[2, 5, 6, 3], [2, 7, 3, 0]])
+    features = {"input_ids": ids, "attention_mask": (ids != 0).long(), "token_type_ids": torch.zeros_like(ids)}
+    padded = adapter.pad_to_bucket(features, 0, side, None)
+    assert padded["input_ids"].shape == (2, 16)
+    cut = adapter._without_bucket_padding(padded)
+    if side == "right":
+        assert all(torch.equal(cut[name], features[name]) for name in features)
+    else:
+        assert cut is padded
+    other = {**padded, "pixel_values": torch.zeros(2, 3)}
+    assert adapter._without_bucket_padding(other) is other
