@@ -140,26 +140,42 @@ def _model_forward(model, features: dict, kwargs: dict):
     return _untraced_forward(model, dict(features), **kwargs)
 
 
-# model -> {name: (its tpu tensor, that tensor's storage and version, the tensor's copy on the host)}
+# model -> {name: (its tpu tensor, that tensor's storage and version, the tensor's copy on the host, the copy's
+# version)}
 _host_weights: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _state(model) -> dict:
+    """The model's parameters and buffers by name, tied ones under each of their names."""
+    return dict(itertools.chain(model.named_parameters(remove_duplicate=False),
+                                model.named_buffers(remove_duplicate=False)))
+
+
+def _version(t) -> int | None:
+    """A tensor's version counter; None for an inference tensor (a copy read back under `torch.inference_mode`,
+    as `encode` runs), which has none."""
+    return None if t.is_inference() else t._version
+
+
+def _host_entry(tensor, copy) -> tuple:
+    return (tensor, (tensor.untyped_storage().data_ptr(), _version(tensor)), copy, _version(copy))
 
 
 def _weights_on_the_host(model) -> dict:
     """The model's parameters and buffers by name, copied to the host's CPU once each: a copy serves until its
-    tensor is written in place (its version moves) or replaced (`.data =` moves its storage)."""
-    kept, entries, stale = _host_weights.get(model, {}), {}, {}
-    for name, tensor in itertools.chain(model.named_parameters(remove_duplicate=False),
-                                        model.named_buffers(remove_duplicate=False)):
-        stamp = (tensor.untyped_storage().data_ptr(), tensor._version)
+    tensor is written in place (its version moves) or replaced (`.data =` moves its storage), or the copy itself
+    is written (one kept from the CPU the model was moved from, `_wrap_to`, that the caller still holds)."""
+    state, kept, entries, stale = _state(model), _host_weights.get(model, {}), {}, {}
+    for name, tensor in state.items():
         entry = kept.get(name)
-        if entry is None or entry[0] is not tensor or entry[1] != stamp:
+        if (entry is None or entry[0] is not tensor or _version(entry[2]) != entry[3]
+                or entry[1] != (tensor.untyped_storage().data_ptr(), _version(tensor))):
             stale.setdefault(id(tensor), tensor)  # a tied weight: one copy
-            entry = (tensor, stamp, None)
+            entry = None
         entries[name] = entry
     # the stale ones read back together: one wait for the chip, not one per tensor
     fresh = dict(zip(stale, hf_tpu.to_cpu(stale.values())))
-    copies = {name: entry if entry[2] is not None else (*entry[:2], fresh[id(entry[0])])
-              for name, entry in entries.items()}
+    copies = {name: entries[name] or _host_entry(tensor, fresh[id(tensor)]) for name, tensor in state.items()}
     _host_weights[model] = copies
     return {name: entry[2] for name, entry in copies.items()}
 
@@ -247,11 +263,6 @@ def _wrap_model_forward(original):
     return forward
 
 
-def _state(model) -> dict:
-    return dict(itertools.chain(model.named_parameters(remove_duplicate=False),
-                                model.named_buffers(remove_duplicate=False)))
-
-
 def _wrap_to(original):
     @functools.wraps(original)
     def to(self, *args, **kwargs):
@@ -268,10 +279,8 @@ def _wrap_to(original):
         before = {name: aliases[id(t)] for name, t in before.items()}
         result = original(self, *args, **kwargs)
         if _on_tpu(self):
-            _host_weights[self] = {
-                name: (t, (t.untyped_storage().data_ptr(), t._version), before[name])
-                for name, t in _state(self).items()
-                if name in before and (before[name].shape, before[name].dtype) == (t.shape, t.dtype)}
+            _host_weights[self] = {name: _host_entry(t, before[name]) for name, t in _state(self).items()
+                                   if name in before and (before[name].shape, before[name].dtype) == (t.shape, t.dtype)}
         return result
 
     to._hf_tpu = True

@@ -200,7 +200,7 @@ def test_a_model_moved_from_the_cpu_keeps_its_cpu_weights_as_the_host_copy(check
     tpu = _model(checkpoint, "tpu")
     kept = dict(adapter._host_weights[tpu])
     assert set(kept) == set(adapter._state(tpu)) and all(entry[2].device.type == "cpu" for entry in kept.values())
-    for name, (tensor, _, copy) in kept.items():
+    for name, (tensor, _, copy, _) in kept.items():
         assert torch.equal(copy, tensor.cpu())
     tpu.encode(_sentences([3, 9]))
     assert all(adapter._host_weights[tpu][name][2] is entry[2] for name, entry in kept.items())
@@ -209,6 +209,27 @@ def test_a_model_moved_from_the_cpu_keeps_its_cpu_weights_as_the_host_copy(check
     tpu.encode(_sentences([3, 9]))
     name = next(iter(kept))
     assert adapter._host_weights[tpu][name][2] is not kept[name][2]
+
+
+def test_a_kept_cpu_weight_written_through_another_reference_is_read_back(checkpoint):
+    """A model whose parameters cannot be swapped (a weak reference to one) moves to tpu as new Parameters, and
+    its caller may still hold the CPU ones the host copies alias: a copy written that way is not used."""
+    import weakref
+
+    from hf_tpu import direct
+
+    direct.reset()
+    model = _model(checkpoint, "cpu")
+    cpu_weight = next(model.parameters())
+    held = weakref.ref(cpu_weight)  # noqa: F841 - keeps `Module.to` from swapping the parameters
+    model.to("tpu")
+    name = next(iter(adapter._state(model)))
+    assert next(model.parameters()) is not cpu_weight and adapter._host_weights[model][name][2].data_ptr() == \
+        cpu_weight.data_ptr()
+    expected = model.encode(_sentences([3, 9]))
+    with torch.no_grad():
+        cpu_weight.copy_(torch.randn_like(cpu_weight))  # not the model's weight any more
+    torch.testing.assert_close(torch.from_numpy(model.encode(_sentences([3, 9]))), torch.from_numpy(expected))
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
