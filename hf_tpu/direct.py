@@ -60,7 +60,7 @@ import torch
 from jax.extend import core as jax_core
 from torch.utils import _pytree as pytree
 
-from . import compile_log, loops, modes
+from . import _replay, compile_log, loops, modes
 from .compile import UNTRACEABLE, _Tracing, _Untraceable, count_trace, donatable, finish_call, launching, loop_chunk
 from .device import rng
 from .memory import buffer, donation
@@ -258,22 +258,28 @@ class _Inputs:
                 + [(c, c.copy(), f"the contents of a {type(c).__name__}") for c in self.containers])
 
 
-def _layouts(tensors) -> list:
-    """What a tensor's place among the inputs depends on besides its buffer's shape and dtype: its storage,
-    shape, strides, offset and dtype (`.data =`, `set_` or `resize_` change them on the same tensor object)."""
-    return [(t.untyped_storage().data_ptr(), t.shape, t.stride(), t.storage_offset(), t.dtype) for t, _ in tensors]
+def _layouts(tensors: list) -> list:
+    """What a tensor's place among the inputs depends on besides its buffer's shape and dtype: its storage and
+    offset, shape, strides and dtype (`.data =`, `set_` or `resize_` change them on the same tensor object).
+    The storage and offset are one number, the data pointer: the allocator hands out no address twice, and a
+    storage's span is longer than its bytes, so a pointer lies within one storage's span only."""
+    return list(zip(map(torch.Tensor.data_ptr, tensors), map(torch.Tensor.size, tensors),
+                    map(torch.Tensor.stride, tensors), map(_dtype_of, tensors)))
+
+
+_dtype_of = operator.attrgetter("dtype")
 
 
 class _ModuleWalk:
     """A module's walk from an empty `_Inputs` (`_Inputs._root_module`): its key and what it added to the
     inputs, kept to be replayed. A large model's walk runs Python over every submodule, parameter and buffer
-    (1.8 ms of a 16-layer Llama's `generate()` of one token on the development CPU, where a replay takes
-    0.8 ms), on every call of a traced prefill or decode loop.
+    (a 16-layer Llama's: about 1 ms on the development CPU, where a replay takes 0.2 ms; the v5e's host runs
+    such Python several times slower), on every call of a traced prefill or decode loop.
 
     The key depends only on the dicts the walk reads (each submodule's `__dict__`, `_parameters`, `_buffers`
     and `_modules`: its parameters, buffers, tensor attributes, `training` and children) and on each tensor's
     storage and layout and its buffer's shape and dtype. `replay` checks that the dicts hold the same keys
-    and the very same objects or equal plain values (C-level passes over their contents), that each tensor's
+    and the very same objects or equal plain values (one pass in C: `hf_tpu/_replay.c`), that each tensor's
     storage and layout are unchanged and each storage's buffer has its shape and dtype, and then adds the kept
     inputs again, with the buffers as they are now. Anything else takes the full walk, and keeps it.
 
@@ -290,7 +296,8 @@ class _ModuleWalk:
         self.dicts = attributes + [d[name] for d in attributes for name in ("_parameters", "_buffers", "_modules")]
         self.keys = list(itertools.chain.from_iterable(self.dicts))
         self.values = list(itertools.chain.from_iterable(map(dict.values, self.dicts)))
-        self.layouts = _layouts(inputs.tensors)
+        self.tensors = [t for t, _ in inputs.tensors]
+        self.layouts = _layouts(self.tensors)
         self.storages = [buf.address for buf in inputs.buffers]
         self.added = {name: (list(value) if isinstance(value, list) else dict(value))
                       for name, value in vars(inputs).items() if name in _ModuleWalk.REPLAYED}
@@ -300,21 +307,14 @@ class _ModuleWalk:
     def replay(self, inputs: "_Inputs", root: torch.nn.Module) -> bool:
         """Add the kept walk of `root` to `inputs` (empty so far) if nothing it read changed; False if
         something did."""
-        if list(itertools.chain.from_iterable(self.dicts)) != self.keys:
-            return False
-        values = list(itertools.chain.from_iterable(map(dict.values, self.dicts)))
-        if len(values) != len(self.values):
-            return False
+        changed = _replay.changed_entries(self.dicts, self.keys, self.values)
         # the very same objects, or equal plain values: a model attribute set again each call to an equal int
         # (Transformers' `_previous_max_cache_length`, 1152) is another int object past CPython's small ones
-        changed = list(itertools.compress(values, map(operator.is_not, values, self.values)))
-        if changed:
-            before = list(itertools.compress(self.values, map(operator.is_not, values, self.values)))
-            if not all(map(_same, changed, before)):
-                return False
-        added = self.added
-        if _layouts(added["tensors"]) != self.layouts:
+        if changed is None or not all(_same(now, before) for now, before in changed):
             return False
+        if _layouts(self.tensors) != self.layouts:
+            return False
+        added = self.added
         live = buffer.allocator.live
         buffers = [live.get(address) for address in self.storages]
         if (any(buf is None for buf in buffers)

@@ -398,6 +398,28 @@ def test_a_change_to_a_module_after_its_walk_was_kept_is_seen(model, change):
     assert (replayed == key) == (change in ("new parameter", "parameter .data"))
 
 
+def test_the_replay_check_finds_what_changed_in_the_dicts_a_walk_read():
+    """`_replay.changed_entries`: None when the dicts' keys differ from the walk's (one more, one fewer, another
+    order), else the (now, before) pairs of the entries holding another object. A key built at run time is the
+    same key as the equal string the walk read."""
+    from hf_tpu import _replay
+
+    weight, bias = object(), object()
+    first, second = {"weight": weight, "length": 256}, {"bias": bias}
+    keys, values = list(first) + list(second), [weight, 256, bias]
+    assert _replay.changed_entries([first, second], keys, values) == []
+    first["length"] = 1152
+    assert _replay.changed_entries([first, second], keys, values) == [(1152, 256)]
+    first["length"] = 256
+    second["scale"] = weight
+    assert _replay.changed_entries([first, second], keys, values) is None
+    del second["scale"], first["weight"]
+    first["weight"] = weight  # the same keys, in another order
+    assert _replay.changed_entries([first, second], keys, values) is None
+    rebuilt = {"".join(["wei", "ght"]): weight, "length": 256}
+    assert _replay.changed_entries([rebuilt, second], keys, values) == []
+
+
 @torch.no_grad()
 def test_a_kept_module_walk_does_not_keep_its_module_alive():
     import gc
