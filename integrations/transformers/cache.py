@@ -106,8 +106,8 @@ def _wrap_prepare_cache_for_generation(original):
 
 # --- The static cache kept from one `generate()` to the next
 
-# Static caches whose keys and values are allocated ahead of their prefill (by `_compile_loop_ahead`, or zeroed
-# for reuse): the compiled prefill writes into them as it does into a fresh cache's
+# Static caches whose keys and values are allocated ahead of their prefill (by `_compile_loop_ahead`, or kept from
+# the previous call): the compiled prefill zeroes them and writes into them as it does into a fresh cache's
 allocated_ahead = weakref.WeakSet()
 # set on a static cache allocated whole ahead of its compiled prefill (the model's cache shape is known)
 ALLOCATED_WHOLE = "_hf_tpu_allocated_whole"
@@ -120,11 +120,13 @@ def _wrap_prepare_static_cache(original):
     @functools.wraps(original)
     def _prepare_static_cache(self, cache_implementation, batch_size, max_cache_len, prefill_chunk_size,
                               model_kwargs):
-        """On tpu, the static cache the adapter chose for the previous call is zeroed and used again when this
-        call asks for the same one (batch size, length after Transformers' rounding up to the longest seen,
-        dtype, device), instead of a new `StaticCache` built from the config and allocated layer by layer: on
-        the v5e that took about 3 ms of a 14 ms `generate()` of one token after a 128-token prompt. Only calls
-        within `static_cache_kept` (the adapter's own `generate()` path) keep and take a cache, one at a time."""
+        """On tpu, the static cache the adapter chose for the previous call is used again when this call asks
+        for the same one (batch size, length after Transformers' rounding up to the longest seen, dtype,
+        device), instead of a new `StaticCache` built from the config and allocated layer by layer: on the v5e
+        that took about 3 ms of a 14 ms `generate()` of one token after a 128-token prompt. It still holds the
+        previous call's keys, values and lengths: its prefill zeroes them (`generation._prefill_forward`, inside
+        the compiled prefill's program). Only calls within `static_cache_kept` (the adapter's own `generate()`
+        path) keep and take a cache, one at a time."""
         kept = _static_caches.get(self, {})
         reusable = ("in use" in kept  # within `static_cache_kept`
                     and cache_implementation == "static" and prefill_chunk_size is None
@@ -134,8 +136,6 @@ def _wrap_prepare_static_cache(original):
         spare = kept.pop("spare", None) if reusable else None
         if spare is not None and spare[0] == key:
             cache = spare[1]
-            tensors = [t for layer in cache.layers for t in (layer.keys, layer.values, layer.cumulative_length)]
-            torch._foreach_zero_(tensors)
             allocated_ahead.add(cache)
             self._previous_max_cache_length = length
         else:
@@ -145,6 +145,11 @@ def _wrap_prepare_static_cache(original):
         return cache
 
     return _prepare_static_cache
+
+
+def zero_static_cache(cache) -> None:
+    """Zero a static cache's keys, values and lengths, every layer's in one op."""
+    torch._foreach_zero_([t for layer in cache.layers for t in (layer.keys, layer.values, layer.cumulative_length)])
 
 
 @contextlib.contextmanager
