@@ -768,20 +768,51 @@ def _sharding(device):
     return jax.sharding.SingleDeviceSharding(device)
 
 
+def _whole_buffer(view: View | None, buf: Buffer) -> bool:
+    """Whether a tensor of `view` reads its buffer's elements in order (none: the buffer itself; or the buffer
+    under another shape, as `logits[:, -1]` of logits shaped [batch, 1, vocab])."""
+    return view is None or (not view.offset and not view.conj and not view.neg and view.dtype == buf.dtype
+                            and math.prod(view.shape) == math.prod(buf.shape)
+                            and view.strides == _contiguous_strides(view.shape))
+
+
+def _host_source(t: torch.Tensor):
+    """The array a host copy of `t` transfers: the buffer's own where `t` reads it whole (reshaped on the host
+    then: no device program makes a copy to transfer, and a transfer `start_host_copies` began is the one
+    read), else its view's values."""
+    buf = buffer_of(t)
+    return buf.value() if _whole_buffer(view_of(t, buf), buf) else array_of(t, buf)
+
+
+def _start_transfer(array) -> None:
+    """Start `array`'s copy to the host, unless its values are kept on the host already (an upload)."""
+    if _uploaded_values(array) is None and isinstance(array, jax.Array) and array.is_fully_addressable:
+        array.copy_to_host_async()
+
+
 def host_copy(t: torch.Tensor) -> torch.Tensor:
     """A tpu tensor's value as a new CPU tensor, for a caller at a sync point already: no host sync
     is counted (a check on a device value, the copy behind `.cpu()`)."""
-    return to_host(array_of(t), t.dtype)
+    return to_host(_host_source(t), t.dtype).reshape(t.shape)
 
 
 def host_copies(tensors) -> list:
     """`host_copy` of each of `tensors`, their transfers started together: a model's weights then wait for the
     device once, not once per tensor (on a v5e, 1.7 ms a read)."""
-    arrays = [array_of(t) for t in tensors]
+    arrays = [_host_source(t) for t in tensors]
     for array in arrays:
-        if _uploaded_values(array) is None and isinstance(array, jax.Array) and array.is_fully_addressable:
-            array.copy_to_host_async()
-    return [to_host(array, t.dtype) for array, t in zip(arrays, tensors)]
+        _start_transfer(array)
+    return [to_host(array, t.dtype).reshape(t.shape) for array, t in zip(arrays, tensors)]
+
+
+def start_host_copies(tensors) -> None:
+    """Start copying each of `tensors` that reads its buffer whole to the host, without waiting: its later host
+    copy then finds the values there or on their way. A value still deferred (DEFER_AND_FUSE) is not computed
+    for it, and a view of part of a buffer (whose copy a device program makes when it is read) is skipped."""
+    for t in tensors:
+        buf = buffer_of(t)
+        if type(buf.array) is not Lazy and buf.array is not None and _whole_buffer(view_of(t, buf), buf):
+            _start_transfer(buf.array)
 
 
 def to_host(array, dtype: torch.dtype) -> torch.Tensor:

@@ -108,6 +108,16 @@ def to_cpu(tensors) -> list:
     return [next(copies) if t.device.type == "tpu" else t.cpu() for t in tensors]
 
 
+def prefetch_to_cpu(tensors) -> None:
+    """Start copying tpu tensors' values to the host without waiting for them: a later `.cpu()` (or `to_cpu`)
+    of them reads values already there or on their way, where it would wait for the whole transfer (on a
+    v5e about 0.7 ms for a small array already computed). For a result the host reads after other work: the
+    first token's logits, which `generate()` reads after its bookkeeping. Nothing else changes: tensors on other
+    devices, views of part of a buffer, and values not computed yet (in DEFER_AND_FUSE, where this would
+    compute them) are left alone."""
+    buffer.start_host_copies([t for t in tensors if t.device.type == "tpu"])
+
+
 @handler(aten.copy_.default)
 def copy_(sig, values):
     dst, src = values[0], values[1]  # non_blocking: every transfer is already asynchronous

@@ -129,6 +129,37 @@ def test_to_cpu_copies_many_tensors_with_one_host_read(monkeypatch):
     assert copies[-1] is not big and copies[-1].data_ptr() == big.data_ptr()  # a CPU tensor: detached, not copied
 
 
+def test_prefetch_to_cpu_starts_the_transfers_a_later_copy_reads(monkeypatch):
+    """`hf_tpu.prefetch_to_cpu(tensors)` starts transfers and waits for none (no host read is counted); a later
+    `.cpu()` reads the same array. A view that is its buffer under another shape (`logits[:, -1]`) is copied as
+    its buffer, reshaped on the host, with no device program; a view of part of a buffer, a CPU tensor and a
+    deferred value (which a transfer would compute) are left alone."""
+    from hf_tpu.memory import buffer
+
+    logits = torch.randn(2, 1, 700).to("tpu") * 2  # computed on the device, not an upload kept on the host
+    part = (torch.randn(4, 700).to("tpu") * 2)[1:]
+    started = []
+    monkeypatch.setattr(type(buffer.array_of(logits)), "copy_to_host_async", lambda array: started.append(array),
+                        raising=False)
+    hf_tpu.reset_metrics()
+    hf_tpu.prefetch_to_cpu([logits[:, -1], part, torch.ones(2)])
+    assert hf_tpu.metrics()["host_syncs"] == 0
+    assert len(started) == 1 and started[0] is buffer.buffer_of(logits).array
+    expected = logits.cpu()[:, -1]
+
+    def no_device_copy(*args):
+        raise AssertionError("the whole buffer is read, not a copy the device makes of the view")
+
+    monkeypatch.setattr(buffer, "array_of", no_device_copy)
+    assert torch.equal(logits[:, -1].cpu(), expected)
+    monkeypatch.undo()
+    with torch.tpu.use_eager_mode("DEFER_AND_FUSE"):
+        deferred = logits * 3
+        hf_tpu.prefetch_to_cpu([deferred])
+        assert type(buffer.buffer_of(deferred).array) is buffer.Lazy
+        assert torch.equal(deferred.cpu(), logits.cpu() * 3)
+
+
 def test_storages_move_and_say_where_they_are():
     host = torch.arange(3.0).untyped_storage()
     moved = host.tpu()
