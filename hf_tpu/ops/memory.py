@@ -111,7 +111,7 @@ def to_cpu(tensors) -> list:
 def prefetch_to_cpu(tensors) -> None:
     """Start copying tpu tensors' values to the host without waiting for them: a later `.cpu()` (or `to_cpu`)
     of them reads values already there or on their way, where it would wait for the whole transfer (on a
-    v5e about 0.7 ms for a small array already computed). For a result the host reads after other work: the
+    v5e 0.5-0.7 ms for a small array already computed). For a result the host reads after other work: the
     first token's logits, which `generate()` reads after its bookkeeping. Nothing else changes: tensors on other
     devices, views of part of a buffer, and values not computed yet (in DEFER_AND_FUSE, where this would
     compute them) are left alone."""
