@@ -23,6 +23,7 @@ from ..memory import buffer, donation
 from ..memory.out_of_memory import raise_out_of_memory  # noqa: F401  (modes.raise_out_of_memory)
 from .deferred import Deferred
 from .kinds import EagerMode, ModeKind
+from .scalars import on_device
 
 _counters = counters.counters
 log = logging.getLogger("hf_tpu.compile")
@@ -68,6 +69,7 @@ class _Eager:
         else:
             _counters["compile_cache_hits"] += 1
             _counters["compile_cache_hits_by_mode"][self.counter_key] += 1
+        scalars = on_device(scalars, device_index)
         try:
             if donating:
                 out = jitted(*donation.split(arrays, overwritten), scalars, rng)

@@ -31,6 +31,7 @@ from .. import counters, platform
 from ..memory import buffer, donation
 from ..memory.out_of_memory import raise_out_of_memory
 from .kinds import ModeKind
+from .scalars import on_device
 
 Lazy = buffer.Lazy
 
@@ -236,7 +237,7 @@ class Deferred:
             _counters["compile_cache_hits_by_mode"][self.counter_key] += 1
         if buffer.sharded_arrays_exist:  # a sharded tensor (hf_tpu.distributed) may meet single-chip ones
             graph.inputs = buffer.place_together(graph.inputs)
-        scalars = [node[2] for node in graph.nodes]
+        scalars = on_device([node[2] for node in graph.nodes], graph.device_index)
         rngs = [node[3] for node in graph.nodes]
         try:
             if graph.inputs:
