@@ -7,6 +7,8 @@ one second to the next, and alternating lets every column see the same phases.
 Run: python -m benchmarks.dispatch_overhead   (tpu strict eager should stay within 3x raw JAX dispatch)
      python -m benchmarks.dispatch_overhead --budget   (where a strict and a deferred add's time goes:
      docs/design/deferred-speedup-ceiling.md)
+     python -m benchmarks.dispatch_overhead --numbers   (what Python numbers as jitted arguments cost, raw
+     JAX: the reason hf_tpu/modes/scalars.py passes them as device arrays)
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 
 import hf_tpu
@@ -61,6 +64,8 @@ def main():
     for name, shape, op, jop in [
         ("add 1x1024", (1, 1024), lambda a, b: a + b, lambda a, b: a + b),
         ("matmul 64x64", (64, 64), lambda a, b: a @ b, lambda a, b: a @ b),
+        # raw jax.jit is given the number as a Python float, as a call site would; tpu keeps it on the device
+        ("multiply by a number 1x1024", (1, 1024), lambda a, b: a * 0.37, lambda a, b: a * 0.37),
     ]:
         a, b = torch.randn(shape), torch.randn(shape)
         ja, jb = jnp.asarray(a.numpy()), jnp.asarray(b.numpy())
@@ -166,7 +171,48 @@ def budget():
           "eager (free recording aside, its other parts also run warmer without launches between them)")
 
 
+def numbers(count: int = 141) -> None:
+    """Milliseconds of one jitted call given `count` Python numbers (AdamW's fused step on the modes benchmark's
+    tiny Llama passes 141), against the same values packed in two NumPy arrays and as device arrays."""
+    arrays = [jnp.full((64, 64), float(i)) for i in range(8)]
+    values = [i * 0.5 for i in range(count)]
+
+    @jax.jit
+    def take(arrays, values):
+        total = arrays[0]
+        for v in values:
+            total = total + v
+        return total
+
+    @jax.jit
+    def take_packed(arrays, packed):
+        return arrays[0] + packed.sum()
+
+    on_device = [jax.device_put(v) for v in values]
+    cases = [("Python numbers", lambda: take(arrays, values)),
+             ("one NumPy array", lambda: take_packed(arrays, np.asarray(values))),
+             ("device arrays", lambda: take(arrays, on_device))]
+    rows = []
+    for name, call in cases:
+        for _ in range(3):
+            call().block_until_ready()
+        best = min(_timed_calls(call) for _ in range(7))
+        rows.append([name, f"{best * 1e3:.3f}"])
+    print(f"backend {jax.default_backend()}, one jitted call with {count} numbers")
+    print(table(["numbers given as", "ms per call"], rows))
+
+
+def _timed_calls(call, calls: int = 20) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        out = call()
+    out.block_until_ready()
+    return (time.perf_counter() - start) / calls
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", action="store_true", help="time the parts of one add instead")
-    budget() if parser.parse_args().budget else main()
+    parser.add_argument("--numbers", action="store_true", help="time Python numbers as jitted arguments instead")
+    args = parser.parse_args()
+    budget() if args.budget else numbers() if args.numbers else main()
