@@ -15,7 +15,7 @@ JAX places with the program's sharding.
 
 from __future__ import annotations
 
-import jax
+from jax import device_put
 
 from .. import platform
 from ..memory import buffer
@@ -42,7 +42,7 @@ def _array(device_index: int, v):
     if array is None:
         if len(_KEPT) >= KEPT_VALUES:
             _KEPT.clear()
-        array = _KEPT[key] = jax.device_put(v, platform.jax_device(device_index))
+        array = _KEPT[key] = device_put(v, platform.jax_device(device_index))
     return array
 
 
