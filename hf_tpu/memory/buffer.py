@@ -720,27 +720,62 @@ def from_host(t: torch.Tensor, device_index: int):
     key = None
     if host.nbytes <= _RECURRING_BYTES:
         key = (host.dtype, host.shape, host.tobytes(), device_index)
-        with allocator.lock:
-            array = _recurring.get(key)
-            if array is not None:
-                _recurring.move_to_end(key)
-                return array
-    # the transfer jax.device_put ends in, without its ~40 us of argument handling per call: small
-    # host-to-device copies happen every decoding step (jax is pinned to 0.10.x in pyproject.toml)
-    device = platform.jax_device(device_index)
-    aval = jax.core.ShapedArray(host.shape, host.dtype)
-    array = pxla.batched_device_put(aval, _sharding(device), [host], [device])
+        array = _recurring_array(key)
+        if array is not None:
+            return array
+    array = _upload(host, jax.core.ShapedArray(host.shape, host.dtype), device_index)
     if host.nbytes <= _UPLOADS_KEPT_BYTES:
         ident = id(array)
         _uploads[ident] = (weakref.ref(array, lambda _: _uploads.pop(ident, None)), host)
     if key is not None:
-        with allocator.lock:
-            if key not in _recurring:  # another thread may have uploaded the same value meanwhile
-                allocator.hold(array)
-                _recurring[key] = array
-                if len(_recurring) > _RECURRING_KEPT:
-                    allocator.let_go(_recurring.popitem(last=False)[1])
+        _keep_recurring(key, array)
     return array
+
+
+# the dtype NumPy gives a Python number, before JAX's canonicalisation (float32 and int32 without 64-bit types)
+_NUMBER_DTYPES = {bool: np.bool_, int: np.int64, float: np.float64, complex: np.complex128}
+
+
+def from_number(v, device_index: int):
+    """A Python number as the array JAX makes of it when a jitted call is given it (its canonical dtype; weakly
+    typed, but for a bool), on `tpu:device_index`, kept as `from_host` keeps recurring values: a jitted call given
+    it traces the same program, and uploads nothing. Its type and bits are its key: 1, 1.0 and True differ, -0.0
+    is not 0.0, a NaN finds itself. An int beyond int64 raises OverflowError, as the jitted call would."""
+    kind = type(v)
+    bits = v.hex() if kind is float else (v.real.hex(), v.imag.hex()) if kind is complex else v
+    key = (kind, bits, device_index)  # read without NumPy: a kept number is found in about 1 us
+    array = _recurring_array(key)
+    if array is None:
+        weak = kind is not bool
+        host = np.asarray(v, dtype=jax.dtypes.canonicalize_dtype(_NUMBER_DTYPES[kind]))
+        array = _upload(host, jax.core.ShapedArray((), host.dtype, weak_type=weak), device_index)
+        _keep_recurring(key, array)
+    return array
+
+
+def _upload(host: np.ndarray, aval, device_index: int):
+    """The transfer jax.device_put ends in, without its ~40 us of argument handling per call: small
+    host-to-device copies happen every decoding step (jax is pinned to 0.10.x in pyproject.toml)."""
+    device = platform.jax_device(device_index)
+    return pxla.batched_device_put(aval, _sharding(device), [host], [device])
+
+
+def _recurring_array(key):
+    """The kept array of a recurring value, now the most recently used; None if it is not kept."""
+    with allocator.lock:
+        array = _recurring.get(key)
+        if array is not None:
+            _recurring.move_to_end(key)
+        return array
+
+
+def _keep_recurring(key, array) -> None:
+    with allocator.lock:
+        if key not in _recurring:  # another thread may have uploaded the same value meanwhile
+            allocator.hold(array)
+            _recurring[key] = array
+            if len(_recurring) > _RECURRING_KEPT:
+                allocator.let_go(_recurring.popitem(last=False)[1])
 
 
 # id(uploaded array) -> (a weak reference to it, the host values it was made from), for arrays of at most
@@ -750,10 +785,12 @@ def from_host(t: torch.Tensor, device_index: int):
 _UPLOADS_KEPT_BYTES = 1 << 16
 _uploads: dict = {}
 
-# values of at most this many bytes are kept once uploaded, the last `_RECURRING_KEPT` of them
+# values of at most this many bytes are kept once uploaded, the last `_RECURRING_KEPT` of them (tensors' and the
+# Python numbers ops pass to their programs, `from_number`)
 _RECURRING_BYTES = 64
 _RECURRING_KEPT = 256
-_recurring: collections.OrderedDict = collections.OrderedDict()  # (dtype, shape, bytes, chip) -> jax.Array
+# (dtype, shape, bytes, chip) of a tensor's values, or (type, bits, chip) of a Python number -> jax.Array
+_recurring: collections.OrderedDict = collections.OrderedDict()
 
 
 def let_go_of_kept_uploads() -> None:

@@ -7,21 +7,22 @@ import math
 import pytest
 import torch
 
-from hf_tpu.modes import scalars
+from hf_tpu.memory import buffer
 
 
 @pytest.fixture
 def uploads(monkeypatch):
-    """The numbers uploaded, in order, from an empty table."""
+    """The numbers uploaded, in order, from no kept value on."""
     seen = []
-    put = scalars.device_put
+    upload = buffer._upload
 
-    def device_put(value, device):
-        seen.append(value)
-        return put(value, device)
+    def counted(host, aval, device_index):
+        if aval.shape == () and not isinstance(host, torch.Tensor):
+            seen.append(host.item())
+        return upload(host, aval, device_index)
 
-    monkeypatch.setattr(scalars, "device_put", device_put)
-    monkeypatch.setattr(scalars, "_KEPT", {})
+    buffer.let_go_of_kept_uploads()
+    monkeypatch.setattr(buffer, "_upload", counted)
     return seen
 
 
@@ -82,10 +83,15 @@ def test_a_bfloat16_tensor_times_a_number_stays_bfloat16():
     torch.testing.assert_close(result.cpu(), x * 0.1)
 
 
-def test_the_table_starts_again_when_full(uploads, monkeypatch):
-    monkeypatch.setattr(scalars, "KEPT_VALUES", 2)
+def test_the_least_recently_used_value_is_let_go_first(uploads, monkeypatch):
+    monkeypatch.setattr(buffer, "_RECURRING_KEPT", 2)
     x = torch.randn(3, device="tpu")
-    for k in range(5):
-        torch.testing.assert_close((x * (k + 0.5)).cpu(), x.cpu() * (k + 0.5))
-    assert len(scalars._KEPT) <= 2
-    assert uploads == [0.5, 1.5, 2.5, 3.5, 4.5]
+    for k in (0.5, 1.5, 0.5, 2.5, 0.5, 1.5):
+        torch.testing.assert_close((x * k).cpu(), x.cpu() * k)
+    # 0.5 stays kept as it is used again; 1.5 was let go for 2.5
+    assert uploads == [0.5, 1.5, 2.5, 1.5]
+
+
+def test_a_number_beyond_int64_raises_overflow_error():
+    with pytest.raises(OverflowError):
+        buffer.from_number(2**63, 0)
