@@ -5,7 +5,8 @@ from __future__ import annotations
 import collections
 import copy
 
-_COUNTERS = ("ops_dispatched", "compiles", "compile_cache_hits", "host_syncs", "xla_compiles", "disk_cache_hits")
+_COUNTERS = ("ops_dispatched", "compiles", "compile_cache_hits", "host_syncs", "xla_compiles", "disk_cache_hits",
+             "disk_cache_prefetched")
 
 counters: dict = {}
 
@@ -23,7 +24,8 @@ def reset_metrics() -> None:
 def metrics() -> dict:
     """A snapshot of the counters: ops_dispatched, compiles (programs traced), compile_cache_hits,
     host_syncs, cpu_fallbacks (per op name), the compile counts per execution mode, xla_compiles
-    (XLA backend compilations), disk_cache_hits (executables loaded from HF_TPU_CACHE_DIR) and
+    (XLA backend compilations), disk_cache_hits (executables loaded from HF_TPU_CACHE_DIR), disk_cache_prefetched
+    (those of them loaded while the `hf_tpu.jit` call that needed them traced: `hf_tpu.disk_cache`) and
     flushes_by_reason (DEFER_AND_FUSE: the fused programs launched, by what made each run: a cut point,
     a host read, ...)."""
     snap = copy.deepcopy(counters)

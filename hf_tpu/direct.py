@@ -60,7 +60,7 @@ import torch
 from jax.extend import core as jax_core
 from torch.utils import _pytree as pytree
 
-from . import _replay, compile_log, loops, modes
+from . import _replay, compile_log, disk_cache, loops, modes
 from .compile import UNTRACEABLE, _Tracing, _Untraceable, count_trace, donatable, finish_call, launching, loop_chunk
 from .device import rng
 from .memory import buffer, donation
@@ -389,6 +389,8 @@ class _Program:
         self.loop_compiling = None  # the loop's XLA compile started ahead (`while_loop(..., run=False)`)
         # `hf_tpu.jit(..., meanwhile=)`: the device's compile per donation, on a thread of its own
         self.device_compiles = {}
+        # its key's name in the disk cache's prefetch entries (`disk_cache.expect`), until its first compile
+        self.disk_digest = None
 
     def step(self, mutated_arrays, other_arrays, rng_base):
         """([the overwritten buffers' new arrays, the new output arrays], the checked values)."""
@@ -539,9 +541,10 @@ def _prepare(site, functions, args, kwargs, state) -> tuple:
 
 
 def _traced_program(key, name: str, run, inputs: _Inputs, arrays: list, description: str, inputs_text,
-                    function: str):
-    """The program cached for `key`, traced now if there is none; raises what a failed trace raised (and every
-    later call with this key gets `_Untraceable` at once)."""
+                    function: str, disk_digest: str | None):
+    """The program cached for `key`, traced now if there is none (its first compile then named `disk_digest` in
+    the disk cache); raises what a failed trace raised (and every later call with this key gets `_Untraceable` at
+    once)."""
     program = _programs.get(key)
     if program is _NOT_TRACEABLE:
         raise _Untraceable("an earlier call with these inputs could not be traced")
@@ -560,6 +563,7 @@ def _traced_program(key, name: str, run, inputs: _Inputs, arrays: list, descript
         compile_log.end(pending, finished=False)
         _programs[key] = _NOT_TRACEABLE
         raise
+    program.disk_digest = disk_digest
     _programs[key] = program
     _site_counts[site] = _site_counts.get(site, 0) + 1
     _trace_seconds[site] = time.perf_counter() - started
@@ -596,10 +600,12 @@ def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, meanwhile=None,
             _spent_on_the_host(key, _clock() - started)
             return result
         declined = True
+    # a key new to this process: its program's load from the disk cache starts now, beside the trace
+    disk_digest = disk_cache.expect(key, inputs.device_index) if program is None else None
     arrays = _arrays(inputs)
     try:
         program = _traced_program(key, name, lambda: fn(*args, **kwargs), inputs, arrays, description,
-                                  lambda: _arguments_text(args, kwargs, inputs.state), f"traced_{name}")
+                                  lambda: _arguments_text(args, kwargs, inputs.state), f"traced_{name}", disk_digest)
         mutated, others = donation.split(arrays, program.mutated)
         donate, key_data = donatable(mutated), rng.current_key(inputs.device_index)
         compiling = None if meanwhile is None else _device_compile(key, program, donate, mutated, others, key_data)
@@ -611,10 +617,11 @@ def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, meanwhile=None,
             return result
         concurrent.futures.wait([compiling])  # the launch then finds the program compiled
     try:
-        with launching(inputs.device_index, description):
+        with launching(inputs.device_index, description), disk_cache.compiling(program.disk_digest):
             new, checked = program.jitted[donate](mutated, others, key_data)
     except UNTRACEABLE as e:
         return _untraceable(key, name, e, fallback, args, kwargs)
+    program.disk_digest = None  # compiled: another donation's program is not the one named
     for slot, array in zip(program.mutated, new):
         inputs.buffers[slot].array = array
     finish_call(inputs.device_index, program.draws, program.checks, checked)
@@ -654,13 +661,14 @@ def _device_compile(key, program: _Program, donate: bool, mutated: list, others:
     as part of the trace of `key`'s site (`_trace_seconds`): it takes the host's Python as the trace does."""
     compiling = program.device_compiles.get(donate)
     if compiling is None:
-        jitted, site = program.jitted[donate], key[0]
+        jitted, site, disk_digest = program.jitted[donate], key[0], program.disk_digest
 
         def lower_and_compile():
             started = time.perf_counter()
             lowered = jitted.lower(mutated, others, key_data)
             _trace_seconds[site] = _trace_seconds.get(site, 0.0) + time.perf_counter() - started
-            return lowered.compile()
+            with disk_cache.compiling(disk_digest):
+                return lowered.compile()
 
         compiling = program.device_compiles[donate] = compile_log.in_background(lower_and_compile)
     return compiling
@@ -740,6 +748,7 @@ def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state
         inputs, key = _prepare(site, (body_fn, cond_fn), carried, {}, state)
     except (_Unkeyable, TypeError) as e:
         raise loops.NotLoopable(f"{type(e).__name__}: {e}") from e
+    disk_digest = disk_cache.expect(key, inputs.device_index) if _programs.get(key) is None else None
     carried_slots = [inputs.tensors[inputs.tensor_index[id(t)]][1] for t in carried]
     for t, slot in zip(carried, carried_slots):
         if inputs.users[slot] != 1 or buffer.view_of(t, inputs.buffers[slot]) is not None:
@@ -747,7 +756,8 @@ def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state
     arrays = _arrays(inputs)
     try:
         program = _traced_program(key, name, lambda: step(*carried), inputs, arrays, description,
-                                  lambda: _arguments_text(carried, {}, inputs.state, "carried"), f"loop_{name}")
+                                  lambda: _arguments_text(carried, {}, inputs.state, "carried"), f"loop_{name}",
+                                  disk_digest)
         _check_loopable(program, carried, carried_slots)
     except UNTRACEABLE as e:
         compile_log.end(finished=False)
@@ -767,14 +777,22 @@ def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state
     jitted = program.loop_jitted[donatable(mutated)]
     key_data = rng.current_key(inputs.device_index)
 
+    disk_digest, program.disk_digest = program.disk_digest, None  # the loop's first compile is the one named
+
     def launch(loop_state, steps):
-        return jitted(loop_state[0], others, key_data, slots, *loop_state[1:], steps)
+        with disk_cache.compiling(disk_digest):
+            return jitted(loop_state[0], others, key_data, slots, *loop_state[1:], steps)
 
     if not run:
         if not compiled_before:  # lowered as the first chunk's launch will be: the compile serves it
             first = loops.first_chunk(mutated, carried_arrays, keep_going)
-            program.loop_compiling = compile_log.in_background(
-                lambda: jitted.lower(first[0], others, key_data, slots, *first[1:]).compile())
+
+            def compile_ahead():
+                lowered = jitted.lower(first[0], others, key_data, slots, *first[1:])
+                with disk_cache.compiling(disk_digest):
+                    return lowered.compile()
+
+            program.loop_compiling = compile_log.in_background(compile_ahead)
         return None
     _wait_for_compile_ahead(program)
 

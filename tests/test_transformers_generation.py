@@ -771,7 +771,8 @@ def test_adapter_installs_in_either_import_order(order):
 
 def test_a_second_process_loads_every_program_of_generate_from_the_disk_cache(checkpoint, tmp_path):
     """Every program the first generate() compiles (prefill, decode loop, the ops around them) is written to
-    HF_TPU_CACHE_DIR: a second process with the same folder compiles none and makes the same tokens."""
+    HF_TPU_CACHE_DIR: a second process with the same folder compiles none and makes the same tokens, and loads
+    the prefill's and the decode loop's programs while it traces them (`hf_tpu.disk_cache`)."""
     code = f"""
         import json, torch, hf_tpu
         from transformers import AutoModelForCausalLM
@@ -781,12 +782,12 @@ def test_a_second_process_loads_every_program_of_generate_from_the_disk_cache(ch
         metrics = hf_tpu.metrics()
         import torch._dynamo.utils
         print(json.dumps([tokens.cpu().tolist(), metrics["xla_compiles"], metrics["disk_cache_hits"],
-                          sum(torch._dynamo.utils.counters["frames"].values())]))
+                          sum(torch._dynamo.utils.counters["frames"].values()), metrics["disk_cache_prefetched"]]))
     """
     first = json.loads(_run(code, HF_TPU_CACHE_DIR=str(tmp_path)).splitlines()[-1])
     second = json.loads(_run(code, HF_TPU_CACHE_DIR=str(tmp_path)).splitlines()[-1])
-    assert first[1] > 0 and first[2] == 0
-    assert second[1] == 0 and second[2] == first[1] and second[0] == first[0]
+    assert first[1] > 0 and first[2] == first[4] == 0
+    assert second[1] == 0 and second[2] == first[1] and second[0] == first[0] and second[4] == 2
     assert first[3] == second[3] == 0  # traced straight from Python: no frame for Dynamo to capture
 
 

@@ -1,0 +1,211 @@
+"""A traced call's program loaded from the disk cache (`HF_TPU_CACHE_DIR`) while the call traces.
+
+JAX finds a program in its disk cache by a key it hashes from the lowered program, so a process must trace and
+lower a call before it can look, and only then reads the executable and deserialises it. For a large program the
+deserialisation takes longer than the trace: on a TPU v5e, the 1.1B Llama's prefill (an executable of 40 MB,
+2.4 MB compressed) took 1.9 s to deserialise after about 1.2 s of Python trace and lowering, in a second process's
+first token of 3.2 s. Deserialising runs no Python (JAX releases the GIL for it), so it can run beside the trace,
+once something names the key before the trace does.
+
+That name is written by the process before. An `hf_tpu.jit` call's key (`hf_tpu.direct`: its code, the shapes,
+dtypes and plain values it is keyed by) becomes a digest that is the same in every process (`expect`), and the
+first compile of the call's program writes, as `HF_TPU_CACHE_DIR/prefetch/<digest>.json`, the JAX key it found
+or wrote the executable under, with the compile options it was built with. At a later process's first trace of
+an equal call, that executable is read and deserialised on a thread; when JAX then asks its disk cache for a key
+(`jax._src.compiler._cache_read`), the call's program gets the loaded executable if JAX's key is the one named.
+The key JAX computed is the check: a stale or wrong name costs a load that is thrown away, never another
+program. Where the disk cache is off, nothing here runs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import enum
+import hashlib
+import json
+import logging
+import os
+import threading
+import types
+
+import jax
+import torch
+
+from . import platform
+from .counters import counters
+
+log = logging.getLogger("hf_tpu.compile")
+
+_FOLDER = "prefetch"
+_PENDING_MOST = 8  # loads kept for calls that have not compiled yet (a call that fell back never takes its own)
+
+_local = threading.local()  # .digest: the call whose program this thread compiles, named by `compiling`
+_lock = threading.Lock()
+_pending: dict = {}  # digest -> (JAX key, device id, future of (executable, compile time) or None)
+_written: dict = {}  # digest -> the entry on disk, as read or last written by this process
+_loader: concurrent.futures.ThreadPoolExecutor | None = None
+_jax_read = None  # JAX's `compiler._cache_read`, wrapped by `_cache_read` from the first `expect`
+
+
+def expect(key, device_index: int) -> str | None:
+    """The digest of a call's key (`hf_tpu.direct`), about to be traced for the first time in this process, with
+    the load of its program started where an earlier process named one; None where the disk cache is off."""
+    folder = platform.cache_dir()
+    if not folder or not _hook_jax():
+        return None
+    device = platform.jax_device(device_index)
+    digest = _digest(key, device)
+    entry = _read_entry(folder, digest)
+    if entry is not None:
+        _start_load(digest, entry, device)
+    return digest
+
+
+def compiling(digest: str | None):
+    """Within it, JAX's disk-cache lookups on this thread are the program of the call `digest` names: the one a
+    first launch compiles, or a compile on a thread of its own. Nothing for None."""
+    return contextlib.nullcontext() if digest is None else _Compiling(digest)
+
+
+class _Compiling:
+    __slots__ = ("digest", "outer")
+
+    def __init__(self, digest: str):
+        self.digest = digest
+
+    def __enter__(self):
+        self.outer = getattr(_local, "digest", None)
+        _local.digest = self.digest
+
+    def __exit__(self, *exc):
+        _local.digest = self.outer
+
+
+def _digest(key, device) -> str:
+    """A name of `key` that is the same in every process: code by file, name and line, types by module and name,
+    plain values by their repr, and an object keyed by identity by its type alone (the JAX key checks the rest)."""
+    parts = [device.platform, device.device_kind, jax.__version__, torch.__version__]
+    _describe(key, parts)
+    return hashlib.blake2b("\x1f".join(parts).encode(), digest_size=16).hexdigest()
+
+
+_PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.layout,
+          torch.memory_format, enum.Enum)
+
+
+def _describe(x, parts: list) -> None:
+    if isinstance(x, (tuple, list)):
+        parts.append("(")
+        for item in x:
+            _describe(item, parts)
+        parts.append(")")
+    elif isinstance(x, _PLAIN):
+        parts.append(repr(x))
+    elif isinstance(x, type):
+        parts.append(f"{x.__module__}.{x.__qualname__}")
+    elif isinstance(x, types.CodeType):
+        parts.append(f"{x.co_filename}:{x.co_qualname}:{x.co_firstlineno}")
+    else:
+        parts.append(f"<{type(x).__module__}.{type(x).__qualname__}>")
+
+
+def _path(folder: str, digest: str) -> str:
+    return os.path.join(folder, _FOLDER, f"{digest}.json")
+
+
+def _read_entry(folder: str, digest: str) -> dict | None:
+    try:
+        with open(_path(folder, digest)) as f:
+            entry = json.load(f)
+        entry = {"key": str(entry["key"]), "options": str(entry["options"])}
+    except (OSError, ValueError, KeyError, TypeError):  # none yet, or one not written by this module
+        return None
+    _written[digest] = entry
+    return entry
+
+
+def _write_entry(digest: str, cache_key: str, compile_options) -> None:
+    folder = platform.cache_dir()
+    entry = {"key": cache_key, "options": compile_options.SerializeAsString().hex()}
+    if not folder or _written.get(digest) == entry:
+        return
+    path = _path(folder, digest)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        partial = f"{path}.{os.getpid()}.{threading.get_ident()}"
+        with open(partial, "w") as f:
+            json.dump(entry, f)
+        os.replace(partial, path)  # whole or not at all, for a process reading it meanwhile
+    except OSError as e:
+        log.info("hf_tpu: the disk cache's prefetch entry %s was not written (%s)", path, e)
+        return
+    _written[digest] = entry
+
+
+def _start_load(digest: str, entry: dict, device) -> None:
+    global _loader
+    with _lock:
+        if _loader is None:  # two: the decode loop's program and the prefill's load side by side
+            _loader = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="hf_tpu disk cache")
+        future = _loader.submit(_load, entry["key"], bytes.fromhex(entry["options"]), device)
+        _pending[digest] = (entry["key"], device.id, future)
+        while len(_pending) > _PENDING_MOST:
+            del _pending[next(iter(_pending))]
+
+
+def _load(cache_key: str, options: bytes, device):
+    """(executable, compile time) as JAX's `compilation_cache.get_executable_and_time` reads it, or None."""
+    from jax._src import compilation_cache
+    from jax._src.lib import xla_client
+
+    backend = device.client
+    if not compilation_cache.is_cache_used(backend):
+        return None
+    cache = compilation_cache._get_cache(backend)
+    data = None if cache is None else cache.get(cache_key)
+    if data is None:
+        return None
+    serialized, compile_time = compilation_cache.extract_executable_and_time(
+        compilation_cache.decompress_executable(data))
+    executable = backend.deserialize_executable(serialized, xla_client.DeviceList((device,)),
+                                                xla_client.CompileOptions.ParseFromString(options))
+    return executable, compile_time
+
+
+def _hook_jax() -> bool:
+    """Wrap JAX's disk-cache read once; False with another JAX, whose internals differ (nothing is loaded ahead)."""
+    global _jax_read
+    with _lock:
+        if _jax_read is None:
+            from jax._src import compiler
+
+            if not callable(getattr(compiler, "_cache_read", None)):
+                return False
+            _jax_read = compiler._cache_read
+            compiler._cache_read = _cache_read
+    return True
+
+
+def _cache_read(module_name, cache_key, compile_options, backend, executable_devices):
+    """JAX's disk-cache read, given the executable loaded ahead for the program this thread compiles when JAX's
+    key is the one that load was named by; and the key noted for the next process."""
+    digest = getattr(_local, "digest", None)
+    if digest is None:
+        return _jax_read(module_name, cache_key, compile_options, backend, executable_devices)
+    with _lock:
+        pending = _pending.pop(digest, None)
+    devices = [device.id for device in executable_devices]
+    loaded = None
+    if pending is not None and pending[0] == cache_key and [pending[1]] == devices:
+        try:
+            loaded = pending[2].result()
+        except Exception as e:  # noqa: BLE001 - JAX's own read below reports what is wrong with the entry
+            log.info("hf_tpu: loading %s from the disk cache ahead failed (%s: %s)", module_name, type(e).__name__, e)
+    if loaded is None:
+        loaded = _jax_read(module_name, cache_key, compile_options, backend, executable_devices)
+    else:
+        counters["disk_cache_prefetched"] += 1
+    if len(devices) == 1:  # a program over several chips is not loaded ahead (`_load` places it on one)
+        _write_entry(digest, cache_key, compile_options)
+    return loaded
