@@ -101,13 +101,18 @@ def main(argv=None) -> None:
         for name, device, env in runs:
             out = os.path.join(folder, f"{len(results)}.npy")
             results.append((name, _run(device, args, out, **env), np.load(out)))
+            print(f"{name}: first pass {results[-1][1]['first']:.2f} s", file=sys.stderr, flush=True)
         cpu_first, cpu_embeddings = results[0][1]["first"], results[0][2]
         rows = [[name, f"{r['first']:.2f}", f"{r['first'] / cpu_first:.2f}x", f"{r['second']:.2f}",
                  f"{r['compiles']} ({r['from_disk']} from disk)" if device == "tpu" else "-",
                  f"{np.abs(e - cpu_embeddings).max():.1e}"]
                 for (name, r, e), (_, device, _) in zip(results, runs)]
-        pairs = [tuple(_run(device, args, os.path.join(folder, "more.npy"), first_only=True)["first"]
-                       for device in ("cpu", "tpu")) for _ in range(args.first_passes)]
+        pairs = []
+        for _ in range(args.first_passes):
+            pairs.append(tuple(_run(device, args, os.path.join(folder, "more.npy"), first_only=True)["first"]
+                               for device in ("cpu", "tpu")))
+            # at once: a run stopped by a time limit keeps the pairs it made
+            print(f"first passes, cpu / tpu: {pairs[-1][0]:.2f} / {pairs[-1][1]:.2f} s", file=sys.stderr, flush=True)
     print(f"{args.sentences} sentences of 3-120 words, batch size {args.batch_size}, all-MiniLM-L6-v2, float32 "
           f"matmul precision {args.matmul_precision}")
     print(table(["device", "first pass s", "/ cpu", "second pass s", "programs compiled", "max |diff| vs cpu"],
