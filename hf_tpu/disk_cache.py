@@ -173,6 +173,17 @@ def _load(cache_key: str, options: bytes, device):
     return executable, compile_time
 
 
+def _forget_threads_in_child() -> None:
+    """A forked child has none of its parent's threads: a pool whose threads are gone would never run its loads, and
+    a load waited for would never end. The child starts its own pool, with a lock no parent thread may hold."""
+    global _loader, _lock
+    _loader, _lock = None, threading.Lock()
+    _pending.clear()
+
+
+os.register_at_fork(after_in_child=_forget_threads_in_child)
+
+
 def _hook_jax() -> bool:
     """Wrap JAX's disk-cache read once; False with another JAX, whose internals differ (nothing is loaded ahead)."""
     global _jax_read

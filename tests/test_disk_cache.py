@@ -2,12 +2,14 @@
 and only where JAX's own key for the program is the one the first process named. (Processes of their own, started
 in the default mode: not run once per eager mode as `tests/core` is.)"""
 
+import concurrent.futures
 import glob
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
@@ -114,3 +116,25 @@ def test_a_keys_digest_is_the_same_in_another_process_and_tells_keys_apart():
     assert all(run.returncode == 0 for run in runs), runs[0].stderr[-2000:]
     digests = [run.stdout.split() for run in runs]
     assert digests[0] == digests[1] and len(set(digests[0])) == 4
+
+
+def test_a_forked_child_starts_its_own_loads():
+    """A child forked while a load is pending has neither the parent's loader threads nor its pending loads: a load
+    it waited for would never end."""
+    from hf_tpu import disk_cache
+
+    gate = threading.Event()
+    with disk_cache._lock:
+        if disk_cache._loader is None:
+            disk_cache._loader = concurrent.futures.ThreadPoolExecutor(2)
+        disk_cache._pending["parent's"] = ("key", 0, disk_cache._loader.submit(gate.wait))
+    try:
+        child = os.fork()
+        if child == 0:  # the child: report through the exit status only
+            os._exit(0 if disk_cache._loader is None and not disk_cache._pending and not disk_cache._lock.locked()
+                     else 1)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        gate.set()
+        disk_cache._pending.pop("parent's", None)
