@@ -153,6 +153,31 @@ def test_sliding_window_models_keep_the_dynamic_cache(tmp_path):
     assert torch.equal(out.sequences.cpu(), cpu.generate(prompt, max_new_tokens=12, do_sample=False))
 
 
+def test_the_sliding_layer_check_kept_per_config_fields_answers_as_transformers_derives_it():
+    """The adapter's check runs at every generate(); its answer is kept per type, layer count and the fields
+    Transformers derives the layer types from, and a heterogeneous config (whose layers have fields of their own)
+    is asked every time. Each answer equals the one from Transformers' own layer types, also after a field changes."""
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig
+    from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING, StaticSlidingWindowLayer, get_layer_types_and_kwargs
+
+    from hf_tpu.integrations.transformers.cache import _static_cache_has_sliding_layers
+
+    def transformers_says(config):
+        kinds, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+        return any(issubclass(STATIC_LAYER_TYPE_MAPPING.get(kind, object), StaticSlidingWindowLayer) for kind in kinds)
+
+    mistral = MistralConfig(num_hidden_layers=4, sliding_window=8)
+    configs = [LlamaConfig(num_hidden_layers=4), mistral, MistralConfig(num_hidden_layers=4, sliding_window=None),
+               Gemma2Config(num_hidden_layers=4),
+               MistralConfig(num_hidden_layers=4, sliding_window=None, per_layer_config={1: {"sliding_window": 8}})]
+    answers = [(_static_cache_has_sliding_layers(c), _static_cache_has_sliding_layers(c), transformers_says(c))
+               for c in configs]
+    assert answers == [(False, False, False), (True, True, True), (False, False, False), (True, True, True),
+                       (True, True, True)]
+    mistral.sliding_window = None
+    assert _static_cache_has_sliding_layers(mistral) is transformers_says(mistral) is False
+
+
 def test_a_new_prompt_in_the_same_bucket_compiles_nothing(models):
     _, tpu = models
     for _ in range(2):  # the second call takes the static cache the first one kept

@@ -58,9 +58,43 @@ def _static_cache_has_sliding_layers(config) -> bool:
             get_layer_types_and_kwargs
     except ImportError:  # another Transformers: its static cache is not known here
         return False
-    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-    return any(issubclass(STATIC_LAYER_TYPE_MAPPING.get(kind, object), StaticSlidingWindowLayer)
-               for kind in layer_types)
+    text_config = config.get_text_config(decoder=True)
+    fields = _layer_type_fields(text_config)
+    known = _SLIDING_BY_FIELDS.get(fields) if fields is not None else None
+    if known is not None:
+        return known
+    layer_types, _ = get_layer_types_and_kwargs(text_config)
+    sliding = any(issubclass(STATIC_LAYER_TYPE_MAPPING.get(kind, object), StaticSlidingWindowLayer)
+                  for kind in layer_types)
+    if fields is not None:
+        if len(_SLIDING_BY_FIELDS) >= 1024:
+            _SLIDING_BY_FIELDS.clear()
+        _SLIDING_BY_FIELDS[fields] = sliding
+    return sliding
+
+
+# the answer of `_static_cache_has_sliding_layers` per `_layer_type_fields`: it runs at every `generate()` on tpu, and
+# Transformers' `get_layer_types_and_kwargs` reads each layer's config through the heterogeneity checks of its
+# attribute access (0.19 ms for 16 layers on the development CPU, 0.7 ms profiled on the v5e's host)
+_SLIDING_BY_FIELDS: dict = {}
+# what `get_layer_types_and_kwargs` derives a config's layer types from, when every layer's config is the config
+_LAYER_TYPE_FIELDS = ("layer_types", "sliding_window", "attention_chunk_size", "kv_sharing_modes")
+
+
+def _layer_type_fields(text_config) -> tuple | None:
+    """The values a homogeneous config's layer types follow from (each layer's config is the config itself: its
+    type, its layer count and `_LAYER_TYPE_FIELDS`), or None for a heterogeneous config, whose layers have fields
+    of their own, or for fields that cannot be keyed."""
+    if text_config.__dict__.get("_heterogeneity_spec") is not None:
+        return None
+    values = tuple(getattr(text_config, name, None) for name in _LAYER_TYPE_FIELDS)
+    fields = (type(text_config), len(text_config.per_layer_config),
+              *(tuple(value) if isinstance(value, list) else value for value in values))
+    try:
+        hash(fields)
+    except TypeError:
+        return None
+    return fields
 
 
 def _tpu_compile_config(compile_config):
