@@ -532,6 +532,37 @@ def _check_no_tensor_escaped(live: dict, first_new_address: int) -> None:
         raise _Untraceable("a tensor made in the trace is kept outside it (in an object that is not declared state)")
 
 
+def _key_text(key) -> str:
+    """`key` as text that is the same in every process, by which the disk cache names its program
+    (`disk_cache.expect`): code by file, name and line, types by module and name, plain values by repr, and an
+    object keyed by identity by its type alone."""
+    parts = []
+    _describe(key, parts)
+    return "\x1f".join(parts)
+
+
+def _describe(x, parts: list) -> None:
+    if isinstance(x, (tuple, list)):
+        parts.append("(")
+        for item in x:
+            _describe(item, parts)
+        parts.append(")")
+    elif isinstance(x, _VALUE_TYPES):
+        parts.append(repr(x))
+    elif isinstance(x, type):
+        parts.append(f"{x.__module__}.{x.__qualname__}")
+    elif isinstance(x, types.CodeType):
+        parts.append(f"{x.co_filename}:{x.co_qualname}:{x.co_firstlineno}")
+    else:
+        parts.append(f"<{type(x).__module__}.{type(x).__qualname__}>")
+
+
+def _expect_from_disk(key, device_index: int) -> str | None:
+    """For a key new to this process: the name its program has in the disk cache, its load from there started beside
+    the trace where a process before named one (`disk_cache.expect`); None where the disk cache is off."""
+    return disk_cache.expect(_key_text(key), device_index) if disk_cache.enabled() else None
+
+
 def _prepare(site, functions, args, kwargs, state) -> tuple:
     """(inputs, key) of a call, or raises `_Unkeyable`."""
     inputs = _Inputs(tuple(state))
@@ -601,7 +632,7 @@ def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, meanwhile=None,
             return result
         declined = True
     # a key new to this process: its program's load from the disk cache starts now, beside the trace
-    disk_digest = disk_cache.expect(key, inputs.device_index) if program is None else None
+    disk_digest = _expect_from_disk(key, inputs.device_index) if program is None else None
     arrays = _arrays(inputs)
     try:
         program = _traced_program(key, name, lambda: fn(*args, **kwargs), inputs, arrays, description,
@@ -748,7 +779,7 @@ def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state
         inputs, key = _prepare(site, (body_fn, cond_fn), carried, {}, state)
     except (_Unkeyable, TypeError) as e:
         raise loops.NotLoopable(f"{type(e).__name__}: {e}") from e
-    disk_digest = disk_cache.expect(key, inputs.device_index) if _programs.get(key) is None else None
+    disk_digest = _expect_from_disk(key, inputs.device_index) if _programs.get(key) is None else None
     carried_slots = [inputs.tensors[inputs.tensor_index[id(t)]][1] for t in carried]
     for t, slot in zip(carried, carried_slots):
         if inputs.users[slot] != 1 or buffer.view_of(t, inputs.buffers[slot]) is not None:

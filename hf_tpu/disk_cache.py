@@ -7,8 +7,8 @@ deserialisation takes longer than the trace: on a TPU v5e, the 1.1B Llama's pref
 first token of 3.2 s. Deserialising runs no Python (JAX releases the GIL for it), so it can run beside the trace,
 once something names the key before the trace does.
 
-That name is written by the process before. An `hf_tpu.jit` call's key (`hf_tpu.direct`: its code, the shapes,
-dtypes and plain values it is keyed by) becomes a digest that is the same in every process (`expect`), and the
+That name is written by the process before. An `hf_tpu.jit` call's key, as text that is the same in every process
+(`hf_tpu.direct`: its code, the shapes, dtypes and plain values it is keyed by), becomes a digest (`expect`), and the
 first compile of the call's program writes, as `HF_TPU_CACHE_DIR/prefetch/<digest>.json`, the JAX key it found
 or wrote the executable under, with the compile options it was built with. At a later process's first trace of
 an equal call, that executable is read and deserialised on a thread; when JAX then asks its disk cache for a key
@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import enum
 import hashlib
 import json
 import logging
 import os
 import threading
-import types
 
 import jax
 import torch
@@ -48,15 +46,18 @@ _loader: concurrent.futures.ThreadPoolExecutor | None = None
 _jax_read = None  # JAX's `compiler._cache_read`, wrapped by `_cache_read` from the first `expect`
 
 
-def expect(key, device_index: int) -> str | None:
-    """The digest of a call's key (`hf_tpu.direct`), about to be traced for the first time in this process, with
-    the load of its program started where an earlier process named one; None where the disk cache is off."""
-    folder = platform.cache_dir()
-    if not folder or not _hook_jax():
-        return None
+def enabled() -> bool:
+    """Whether programs are kept on disk (`HF_TPU_CACHE_DIR`) and JAX's read of them can be given a loaded one."""
+    return bool(platform.cache_dir()) and _hook_jax()
+
+
+def expect(key_text: str, device_index: int) -> str:
+    """The digest of a call about to be traced for the first time in this process, from its key as text that is the
+    same in every process (`hf_tpu.direct`), with the load of its program started where an earlier process named
+    one. Only where `enabled()`."""
     device = platform.jax_device(device_index)
-    digest = _digest(key, device)
-    entry = _read_entry(folder, digest)
+    digest = _digest(key_text, device)
+    entry = _read_entry(platform.cache_dir(), digest)
     if entry is not None:
         _start_load(digest, entry, device)
     return digest
@@ -82,32 +83,11 @@ class _Compiling:
         _local.digest = self.outer
 
 
-def _digest(key, device) -> str:
-    """A name of `key` that is the same in every process: code by file, name and line, types by module and name,
-    plain values by their repr, and an object keyed by identity by its type alone (the JAX key checks the rest)."""
-    parts = [device.platform, device.device_kind, jax.__version__, torch.__version__]
-    _describe(key, parts)
-    return hashlib.blake2b("\x1f".join(parts).encode(), digest_size=16).hexdigest()
-
-
-_PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.layout,
-          torch.memory_format, enum.Enum)
-
-
-def _describe(x, parts: list) -> None:
-    if isinstance(x, (tuple, list)):
-        parts.append("(")
-        for item in x:
-            _describe(item, parts)
-        parts.append(")")
-    elif isinstance(x, _PLAIN):
-        parts.append(repr(x))
-    elif isinstance(x, type):
-        parts.append(f"{x.__module__}.{x.__qualname__}")
-    elif isinstance(x, types.CodeType):
-        parts.append(f"{x.co_filename}:{x.co_qualname}:{x.co_firstlineno}")
-    else:
-        parts.append(f"<{type(x).__module__}.{type(x).__qualname__}>")
+def _digest(key_text: str, device) -> str:
+    """The name of a program in the prefetch entries: its call's key, on this platform and device kind, with these
+    JAX and PyTorch releases (the JAX key checks the rest)."""
+    text = "\x1f".join([device.platform, device.device_kind, jax.__version__, torch.__version__, key_text])
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
 def _path(folder: str, digest: str) -> str:
