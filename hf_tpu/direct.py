@@ -33,8 +33,8 @@ the values of non-tensor arguments and closure contents (hashable ones: a number
 object with identity hashing is keyed by identity; an unhashable one makes the call fall back), the state
 tensors' shapes, dtypes and views, each module's type and `training` flag, a non-module state object's
 type and its attributes of plain value types (numbers, strings, devices, dtypes), the default dtype and
-autocast's state. Finding those takes a walk over every submodule, parameter and buffer; a module's walk
-is kept and replayed by later calls while everything it read is unchanged (`_ModuleWalk`). NOT guarded,
+autocast's state. Finding those takes a walk over every submodule, parameter and buffer; each state object's
+walk is kept and replayed by later calls while everything it read is unchanged (`_KeptWalk`). NOT guarded,
 as with `jax.jit`: globals the function reads, attributes of modules other than `training` and their
 tensors (a `config` object's fields, a module's Python-number attributes), the objects such attributes
 hold, and the content of a tensor that is not an input (a `tpu` tensor reached only through a global or an
@@ -138,6 +138,20 @@ class _Inputs:
         self.buffer_keys = []
         self.device_index = None
         self.grad_enabled = torch.is_grad_enabled()
+        # where the walk of the current state object started (`root`), and whether it met an object or buffer
+        # found before that start: its key then refers to them, and the walk cannot be replayed on its own
+        self.walk_start = (0, 0)
+        self.reached_back = False
+
+    def position(self) -> tuple:
+        """How much the walks so far found: the objects, buffers, tensors and containers met."""
+        return len(self.objects), len(self.buffers), len(self.tensors), len(self.containers)
+
+    def _seen_key(self, x) -> tuple:
+        index = self.seen[id(x)]
+        if index < self.walk_start[0]:
+            self.reached_back = True
+        return ("seen", index)
 
     def tensor(self, t: torch.Tensor):
         if t.device.type != "tpu":
@@ -146,6 +160,8 @@ class _Inputs:
             raise _Unkeyable("an input requires gradients and gradients are enabled (hf_tpu.jit runs without autograd)")
         buf = buffer.buffer_of(t)
         slot = self.slots.get(id(buf))
+        if slot is not None and slot < self.walk_start[1]:
+            self.reached_back = True
         if slot is None:
             if self.device_index is None:
                 self.device_index = buf.device_index
@@ -172,7 +188,7 @@ class _Inputs:
         if isinstance(x, torch.nn.Module):  # a module given as an argument is state: its weights are inputs
             self.state_index[id(x)] = len(self.state)
             self.state.append(x)
-            return ("state", len(self.state) - 1, self.state_object(x))
+            return ("state", len(self.state) - 1, self.root(x))
         if isinstance(x, (types.FunctionType, types.MethodType, functools.partial)):
             code, parts = _function_parts(x)
             return ("function", code, self.argument(parts, depth + 1))
@@ -197,7 +213,7 @@ class _Inputs:
         if isinstance(x, torch.Tensor):
             return self.tensor(x)
         if id(x) in self.seen:
-            return ("seen", self.seen[id(x)])
+            return self._seen_key(x)
         if depth > _DEPTH:
             raise _Unkeyable("its state nests too deep")
         if isinstance(x, torch.nn.Module):
@@ -221,24 +237,31 @@ class _Inputs:
                 items.append((name, type(value), value))
         return (type(x), tuple(items))
 
-    def _root_module(self, root: torch.nn.Module):
-        """The key of a module and its submodules; walked from an empty start, the walk is kept on the side
-        (`_ModuleWalk`) and replayed by the next call that finds nothing it read changed."""
-        fresh = not self.buffers and not self.seen and not self.grad_enabled
-        if fresh:
-            walk = _module_walks.get(root)
-            if walk is not None and walk.replay(self, root):
+    def root(self, x):
+        """The key of a state object (named by `state=`, or a module among the arguments): a module's or another
+        object's walk (`state_object`) is kept on the side (`_KeptWalk`) and replayed by the next call that starts
+        it where this one did (after as many objects, buffers, tensors and containers found) and finds nothing it
+        read changed."""
+        if self.grad_enabled or id(x) in self.seen or not (isinstance(x, torch.nn.Module) or _plain_object(x)):
+            return self.state_object(x)  # gradients on: the walk also checks that no input requires them
+        start = self.position()
+        for walk in _kept_walks_of(x):
+            if walk.start == start and walk.replay(self, x):
                 return walk.key
-        key = ("module", tuple(self._module(m) for m in root.modules()))
-        if fresh:
-            walk = _ModuleWalk(self, root, key)
-            if not any(value is root for value in walk.values):  # kept, it would keep its module alive
-                _module_walks[root] = walk
+        self.walk_start, self.reached_back = start[:2], False
+        key = self.state_object(x)
+        if not self.reached_back:
+            _keep_walk(x, _KeptWalk(self, x, key, start))
+        self.walk_start = (0, 0)
         return key
+
+    def _root_module(self, root: torch.nn.Module):
+        """The key of a module and its submodules."""
+        return ("module", tuple(self._module(m) for m in root.modules()))
 
     def _module(self, m: torch.nn.Module):
         if id(m) in self.seen:
-            return ("seen", self.seen[id(m)])
+            return self._seen_key(m)
         self.seen[id(m)] = len(self.objects)
         self.objects.append(m)
         attributes = m.__dict__
@@ -270,47 +293,75 @@ def _layouts(tensors: list) -> list:
 _dtype_of = operator.attrgetter("dtype")
 
 
-class _ModuleWalk:
-    """A module's walk from an empty `_Inputs` (`_Inputs._root_module`): its key and what it added to the
-    inputs, kept to be replayed. A large model's walk runs Python over every submodule, parameter and buffer
-    (a 16-layer Llama's: about 1 ms on the development CPU, where a replay takes 0.2 ms; the v5e's host runs
-    such Python several times slower), on every call of a traced prefill or decode loop.
+class _KeptWalk:
+    """One state object's walk (`_Inputs.root`): its key and what it added to the inputs, kept to be replayed. A
+    large model's walk runs Python over every submodule, parameter and buffer (a 16-layer Llama's: about 1 ms on
+    the development CPU, where a replay takes 0.2 ms; the v5e's host runs such Python several times slower), and
+    a static cache's over every layer (0.15 ms for 16 layers), on every call of a traced prefill or decode loop.
 
-    The key depends only on the dicts the walk reads (each submodule's `__dict__`, `_parameters`, `_buffers`
-    and `_modules`: its parameters, buffers, tensor attributes, `training` and children) and on each tensor's
-    storage and layout and its buffer's shape and dtype. `replay` checks that the dicts hold the same keys
-    and the very same objects or equal plain values (one pass in C: `hf_tpu/_replay.c`), that each tensor's
-    storage and layout are unchanged and each storage's buffer has its shape and dtype, and then adds the kept
-    inputs again, with the buffers as they are now. Anything else takes the full walk, and keeps it.
+    The key depends only on the dicts and lists the walk reads (a module's: each submodule's `__dict__`,
+    `_parameters`, `_buffers` and `_modules`; another object's: its attributes, and the lists and dicts found
+    there), on each tensor's storage and layout and its buffer's shape and dtype, and on where the walk starts
+    among the inputs (the key counts objects and buffers from the call's first). `replay` checks that it starts
+    where the kept walk did, that the dicts hold the same keys and the very same objects or equal plain values
+    (one pass in C: `hf_tpu/_replay.c`) and the lists the same items, apart from values no walk keys replaced by
+    others (a function set on a cache layer at each call), that each tensor's storage and layout are unchanged
+    and each storage's buffer has its shape and dtype, and that none of its objects and buffers were met before
+    it; it then adds the kept inputs again, with the buffers as they are now. Anything else takes the full walk,
+    and keeps it. A walk that met objects or buffers found before it (a cache holding one of the model's
+    tensors) is not kept.
 
-    What is held: the dicts and what they hold (as the module does), not the root module (the walk is kept
-    in a WeakKeyDictionary under it) and not the buffers (found again by their storage's address)."""
+    What is held: the dicts and lists and what they hold (as the object does), not the object itself (the walk
+    is kept in a WeakKeyDictionary under it) and not the buffers (found again by their storage's address)."""
 
-    # what a walk adds to `_Inputs`, replayed; `buffers` and `slots` are found again
-    REPLAYED = ("users", "tensors", "tensor_index", "containers", "objects", "seen", "buffer_keys")
+    # what a walk adds to `_Inputs`, replayed, with the count of `_Inputs.position()` each is indexed by: lists
+    # (the part from the walk's start on), and dicts of positions (the entries from it on); `buffers` and `slots`
+    # are found again
+    ADDED_LISTS = {"objects": 0, "users": 1, "buffer_keys": 1, "tensors": 2, "containers": 3}
+    ADDED_POSITIONS = {"seen": 0, "tensor_index": 2}
 
-    def __init__(self, inputs: "_Inputs", root: torch.nn.Module, key: tuple):
-        """The walk of `root` that just filled `inputs` from empty, whose key is `key`."""
+    def __init__(self, inputs: "_Inputs", root, key: tuple, start: tuple):
+        """The walk of `root` that just filled `inputs` from `start` (`_Inputs.position()`), whose key is `key`."""
         self.key = key
-        attributes = [obj.__dict__ for obj in inputs.objects if isinstance(obj, torch.nn.Module)]
-        self.dicts = attributes + [d[name] for d in attributes for name in ("_parameters", "_buffers", "_modules")]
+        self.start = start
+        self.root_id = id(root)
+        objects_start, buffers_start, tensors_start, containers_start = start
+        objects = inputs.objects[objects_start:]
+        modules = [obj.__dict__ for obj in objects if isinstance(obj, torch.nn.Module)]
+        self.dicts = (modules + [d[name] for d in modules for name in ("_parameters", "_buffers", "_modules")]
+                      + [vars(obj) for obj in objects if not isinstance(obj, torch.nn.Module)])
+        containers = inputs.containers[containers_start:]
+        read = set(map(id, self.dicts))
+        self.dicts += [c for c in containers if isinstance(c, dict) and id(c) not in read]
         self.keys = list(itertools.chain.from_iterable(self.dicts))
         self.values = list(itertools.chain.from_iterable(map(dict.values, self.dicts)))
-        self.tensors = [t for t, _ in inputs.tensors]
+        self.lists = [c for c in containers if isinstance(c, list)]
+        self.items = [list(c) for c in self.lists]
+        self.tensors = [t for t, _ in inputs.tensors[tensors_start:]]
         self.layouts = _layouts(self.tensors)
-        self.storages = [buf.address for buf in inputs.buffers]
-        self.added = {name: (list(value) if isinstance(value, list) else dict(value))
-                      for name, value in vars(inputs).items() if name in _ModuleWalk.REPLAYED}
-        del self.added["objects"][0]  # the root module, appended again at a replay
+        self.storages = [buf.address for buf in inputs.buffers[buffers_start:]]
+        self.added = {name: getattr(inputs, name)[start[count]:] for name, count in _KeptWalk.ADDED_LISTS.items()}
+        self.added.update({name: {k: v for k, v in getattr(inputs, name).items() if v >= start[count]}
+                           for name, count in _KeptWalk.ADDED_POSITIONS.items()})
+        del self.added["objects"][0]  # the root, appended again at a replay
         self.device_index = inputs.device_index
 
-    def replay(self, inputs: "_Inputs", root: torch.nn.Module) -> bool:
-        """Add the kept walk of `root` to `inputs` (empty so far) if nothing it read changed; False if
-        something did."""
+    def holds(self, x) -> bool:
+        """Whether the walk holds `x` (kept under `x`, it would keep it alive)."""
+        return any(value is x for value in itertools.chain(self.values, *self.items))
+
+    def replay(self, inputs: "_Inputs", root) -> bool:
+        """Add the kept walk of `root` to `inputs` (as far as the kept walk's start) if nothing it read changed;
+        False if something did."""
+        if id(root) != self.root_id:  # an equal object, not the same (a WeakKeyDictionary compares by ==)
+            return False
         changed = _replay.changed_entries(self.dicts, self.keys, self.values)
+        if changed is None or any(len(now) != len(before) for now, before in zip(self.lists, self.items)):
+            return False
+        changed += [(a, b) for now, before in zip(self.lists, self.items) for a, b in zip(now, before) if a is not b]
         # the very same objects, or equal plain values: a model attribute set again each call to an equal int
         # (Transformers' `_previous_max_cache_length`, 1152) is another int object past CPython's small ones
-        if changed is None or not all(_same(now, before) for now, before in changed):
+        if not all(_same(now, before) or (_unkeyed(now) and _unkeyed(before)) for now, before in changed):
             return False
         if _layouts(self.tensors) != self.layouts:
             return False
@@ -320,17 +371,49 @@ class _ModuleWalk:
         if (any(buf is None for buf in buffers)
                 or [(buf.shape, buf.dtype, buf.device_index) for buf in buffers] != added["buffer_keys"]):
             return False
+        # met before this walk (another state object now holds them): the full walk keys them as met
+        if (inputs.seen or inputs.slots) and (any(id(buf) in inputs.slots for buf in buffers) or id(root) in inputs.seen
+                            or not inputs.seen.keys().isdisjoint(added["seen"])):
+            return False
+        if inputs.device_index is not None and buffers and inputs.device_index != self.device_index:
+            return False
+        slots_start = len(inputs.buffers)
         inputs.buffers.extend(buffers)
-        inputs.slots.update({id(buf): slot for slot, buf in enumerate(buffers)})
+        inputs.slots.update({id(buf): slots_start + k for k, buf in enumerate(buffers)})
         inputs.objects.append(root)
         for name, value in added.items():
             getattr(inputs, name).extend(value) if isinstance(value, list) else getattr(inputs, name).update(value)
-        inputs.device_index = self.device_index
+        if inputs.device_index is None:
+            inputs.device_index = self.device_index
         return True
 
 
-# root module -> its last walk from an empty start (`_ModuleWalk`), dropped with the module
-_module_walks: "weakref.WeakKeyDictionary[torch.nn.Module, _ModuleWalk]" = weakref.WeakKeyDictionary()
+# state object -> its last kept walks (`_KeptWalk`), the latest first, dropped with the object. Two: a static
+# cache is walked by the prefill, whose layers then hold functions of its own (`_attending_to_the_prompt_only` in
+# the Transformers adapter), and by the decode loop, whose layers do not: `generate()` alternates the two.
+_kept_walks: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_WALKS_KEPT = 2
+
+
+def _kept_walks_of(x) -> tuple:
+    try:
+        return _kept_walks.get(x, ())
+    except TypeError:  # an object without identity hashing: its walks are not kept
+        return ()
+
+
+def _keep_walk(x, walk: _KeptWalk) -> None:
+    if walk.holds(x):
+        return
+    try:
+        _kept_walks[x] = (walk, *_kept_walks.get(x, ()))[:_WALKS_KEPT]
+    except TypeError:  # not weakly referable, or unhashable
+        pass
+
+
+def _unkeyed(x) -> bool:
+    """A value no walk keys (a function, a class, a JAX object): one replaced by another changes no key."""
+    return not isinstance(x, (torch.Tensor, torch.nn.Module, list, tuple, dict) + _VALUE_TYPES) and not _plain_object(x)
 
 
 def _python_state_changes(snapshot: list) -> list:
@@ -362,7 +445,7 @@ def _restore(changes: list) -> None:
 def _call_key(inputs: _Inputs, functions, args, kwargs) -> tuple:
     """The key of one call, besides its site; fills `inputs`."""
     # state first: a module found among the arguments then keys by its place among the state objects
-    state = tuple(inputs.state_object(o) for o in tuple(inputs.state))
+    state = tuple(inputs.root(o) for o in tuple(inputs.state))
     arguments = inputs.argument((tuple(_function_parts(f)[1] for f in functions), args, kwargs))
     return (state, arguments, tuple(inputs.buffer_keys), torch.get_default_dtype(),
             torch.is_autocast_enabled("tpu"), torch.get_autocast_dtype("tpu"))

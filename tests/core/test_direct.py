@@ -322,25 +322,118 @@ def _forward(model, x):
 
 def _full_walk_key(model, x):
     """The key of `_forward(model, x)` walked in full, the kept walks forgotten."""
-    direct._module_walks.clear()
+    direct._kept_walks.clear()
     return direct._prepare("site", (_forward,), (model, x), {}, ())[1]
 
 
+def _assert_same_inputs(inputs, full_inputs):
+    """The inputs a replay gave are those of the full walk: the same objects, buffers, tensors and containers,
+    in the same order, with the same positions."""
+    for name in ("buffers", "objects", "containers"):
+        assert list(map(id, getattr(inputs, name))) == list(map(id, getattr(full_inputs, name))), name
+    for name in ("users", "buffer_keys", "device_index", "slots", "tensor_index", "seen"):
+        assert getattr(inputs, name) == getattr(full_inputs, name), name
+    assert [(id(t), slot) for t, slot in inputs.tensors] == [(id(t), slot) for t, slot in full_inputs.tensors]
+
+
+# the keyword arguments of the calls whose inputs are compared: one dict, as the call's containers are compared
+_NO_KWARGS = {}
+
+
+def _assert_keyed_as_walked_in_full(model, x, state, inputs=None, key=None):
+    """A call's key and inputs (by default those of a call made now) are the full walk's, the kept walks
+    forgotten."""
+    if inputs is None:
+        inputs, key = direct._prepare("site", (_forward,), (model, x), _NO_KWARGS, state)
+    direct._kept_walks.clear()
+    full_inputs, full_key = direct._prepare("site", (_forward,), (model, x), _NO_KWARGS, state)
+    assert key == full_key
+    _assert_same_inputs(inputs, full_inputs)
+
+
+def _walks_counted(monkeypatch) -> list:
+    """The modules and state objects walked from now on (a replay walks none)."""
+    walked, module, state_object = [], direct._Inputs._module, direct._Inputs.state_object
+    monkeypatch.setattr(direct._Inputs, "_module", lambda self, m: walked.append(m) or module(self, m))
+    monkeypatch.setattr(direct._Inputs, "state_object",
+                        lambda self, x, depth=0: walked.append(x) or state_object(self, x, depth))
+    return walked
+
+
+@pytest.mark.parametrize("order", ["model, cache", "cache, model"])
 @torch.no_grad()
-def test_a_replayed_module_walk_gives_the_full_walks_key_and_inputs(model, monkeypatch):
-    """A module's walk is kept and replayed by the next call: the same key and the same inputs, in the same
-    order, without walking its submodules again."""
+def test_replayed_state_walks_give_the_full_walks_key_and_inputs(model, monkeypatch, order):
+    """Each state object's walk, a module's and a static cache's, is kept and replayed by the next call: the same
+    key and the same inputs, in the same order, without walking the submodules or the cache's layers again."""
+    cache = KVCache()
+    state = (model, cache) if order == "model, cache" else (cache, model)
+    x = torch.randn(2, 4, device="tpu")
+    full_inputs, full_key = direct._prepare("site", (_forward,), (model, x), _NO_KWARGS, state)
+    walked = _walks_counted(monkeypatch)
+    inputs, key = direct._prepare("site", (_forward,), (model, x), _NO_KWARGS, state)
+    assert not walked and key == full_key
+    _assert_same_inputs(inputs, full_inputs)
+
+
+@pytest.mark.parametrize("change", ["tensor replaced", "layer appended", "layer replaced", "int attribute",
+                                    "new tensor attribute", "resized in place", "function set", "nothing"])
+@torch.no_grad()
+def test_a_change_to_a_state_object_after_its_walk_was_kept_is_seen(model, monkeypatch, change):
+    """A change the key depends on makes a static cache's kept walk fail to replay: the call after it keys and
+    finds its inputs as a full walk would. A function set on a layer (as the Transformers adapter sets one for
+    each prefill) is not among them: no walk keys a function."""
+    cache = KVCache()
+    cache.window = 4
+    x = torch.randn(2, 4, device="tpu")
+    direct._prepare("site", (_forward,), (model, x), _NO_KWARGS, (model, cache))
+    layer = cache.layers[0]
+    layer.update = lambda: None
+    direct._prepare("site", (_forward,), (model, x), _NO_KWARGS, (model, cache))  # kept with the function
+    if change == "tensor replaced":
+        layer.keys = torch.ones_like(layer.keys)
+    elif change == "layer appended":
+        cache.layers.append(Layer(2, 8, 4))
+    elif change == "layer replaced":
+        cache.layers[1] = Layer(2, 8, 4)
+    elif change == "int attribute":
+        cache.window = 8
+    elif change == "new tensor attribute":
+        layer.scale = torch.ones(4, device="tpu")
+    elif change == "resized in place":
+        layer.keys.resize_(2, 4, 4)
+    elif change == "function set":
+        layer.update = lambda: None
+    walked = _walks_counted(monkeypatch)
+    inputs, key = direct._prepare("site", (_forward,), (model, x), _NO_KWARGS, (model, cache))
+    assert (cache in walked) == (change not in ("function set", "nothing"))
+    assert model not in walked  # the model's walk, before the cache's, replays
+    monkeypatch.undo()
+    _assert_keyed_as_walked_in_full(model, x, (model, cache), inputs, key)
+
+
+@torch.no_grad()
+def test_a_state_walk_is_replayed_only_where_it_started(model, monkeypatch):
+    """A walk's key counts objects and buffers from the call's first: the cache's walk kept after the model's
+    is not replayed for a call that walks the cache first, nor for one whose model shares a tensor with it."""
     cache = KVCache()
     x = torch.randn(2, 4, device="tpu")
-    full_inputs, full_key = direct._prepare("site", (_forward,), (model, x), {}, (model, cache))
-    walked = []
-    monkeypatch.setattr(direct._Inputs, "_module", lambda self, m: walked.append(m))
-    inputs, key = direct._prepare("site", (_forward,), (model, x), {}, (model, cache))
-    assert not walked and key == full_key
-    for name in ("buffers", "users", "buffer_keys", "objects", "device_index"):
-        assert getattr(inputs, name) == getattr(full_inputs, name), name
-    assert inputs.slots == full_inputs.slots and inputs.tensor_index == full_inputs.tensor_index
-    assert [(id(t), slot) for t, slot in inputs.tensors] == [(id(t), slot) for t, slot in full_inputs.tensors]
+    direct._prepare("site", (_forward,), (model, x), _NO_KWARGS, (model, cache))  # kept, after the model's
+    _assert_keyed_as_walked_in_full(model, x, (cache,))
+    # the model now holds one of the cache's tensors in place of a buffer of its own: the cache's walk starts where
+    # it did, and its replay would add that buffer a second time
+    direct._prepare("site", (_forward,), (model, x), _NO_KWARGS, (model, cache))
+    model[0].bias = None
+    model[0].register_buffer("keys", cache.layers[0].keys)
+    after_the_model = direct._Inputs((model, cache))
+    after_the_model.root(model)
+    assert after_the_model.position() == direct._kept_walks[cache][0].start
+    walked = _walks_counted(monkeypatch)
+    direct._prepare("site", (_forward,), (model, x), _NO_KWARGS, (model, cache))
+    assert cache in walked
+    monkeypatch.undo()
+    _assert_keyed_as_walked_in_full(model, x, (model, cache))
+    # a walk that met what an earlier one found is not kept: its key names those
+    assert cache not in direct._kept_walks
 
 
 @torch.no_grad()
@@ -351,8 +444,7 @@ def test_a_module_attribute_set_again_to_an_equal_value_keeps_the_walk_replayed(
     x = torch.randn(2, 4, device="tpu")
     model.length = int("1152")
     direct._prepare("site", (_forward,), (model, x), {}, ())  # walked, and kept
-    walked, walk = [], direct._Inputs._module
-    monkeypatch.setattr(direct._Inputs, "_module", lambda self, m: walked.append(m) or walk(self, m))
+    walked = _walks_counted(monkeypatch)
     model.length = int("1152")  # equal, another object
     direct._prepare("site", (_forward,), (model, x), {}, ())
     assert not walked
@@ -427,11 +519,11 @@ def test_a_kept_module_walk_does_not_keep_its_module_alive():
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4)).to("tpu")
     hf_tpu.jit(_forward)(model, torch.randn(2, 4, device="tpu"))
-    assert model in direct._module_walks
+    assert model in direct._kept_walks
     alive = weakref.ref(model)
     del model
     gc.collect()
-    assert alive() is None and not len(direct._module_walks)
+    assert alive() is None and not len(direct._kept_walks)
 
 
 @pytest.fixture
