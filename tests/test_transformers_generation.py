@@ -354,6 +354,33 @@ def test_a_warm_generate_of_one_token_costs_a_fixed_number_of_device_ops(models,
     assert (metrics["ops_dispatched"], metrics["host_syncs"], len(uploads)) <= (0, 2, 4)
 
 
+@pytest.mark.parametrize("new_tokens", [1, 5])
+def test_a_warm_generate_walks_no_state_and_reads_no_signature_anew(models, monkeypatch, new_tokens):
+    """The host's work before a warm call's prefill starts, counted rather than timed: the model's and the static
+    cache's walks (`hf_tpu.jit`'s inputs and key) are replayed, for the prefill (whose cache layers hold functions
+    of its own) and the decode loop alike, and the signatures Transformers reads are not computed again."""
+    import inspect
+
+    from hf_tpu import direct
+
+    _, tpu = models
+    prompt = PROMPT.to("tpu")
+    for _ in range(2):
+        tpu.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
+    walked, signatures = [], []
+    state_object, module = direct._Inputs.state_object, direct._Inputs._module
+    monkeypatch.setattr(direct._Inputs, "state_object",
+                        lambda self, x, depth=0: walked.append(x) or state_object(self, x, depth))
+    monkeypatch.setattr(direct._Inputs, "_module", lambda self, m: walked.append(m) or module(self, m))
+    from_function = inspect._signature_from_function
+    monkeypatch.setattr(inspect, "_signature_from_function",
+                        lambda *args, **kwargs: signatures.append(args[1]) or from_function(*args, **kwargs))
+    tpu.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
+    # the decode loop's state also names a list of the warpers it calls (none here), walked each call
+    assert not [type(x).__name__ for x in walked if isinstance(x, torch.nn.Module) or direct._plain_object(x)]
+    assert not signatures
+
+
 def test_a_second_call_of_the_same_shape_reuses_the_static_cache_zeroed(models, monkeypatch):
     """The static cache of a call whose result does not hold it is zeroed and used by the next call of its shape,
     instead of a new `StaticCache` built and allocated layer by layer; a cache handed out in a dict output is
