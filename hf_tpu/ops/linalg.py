@@ -7,11 +7,14 @@ PyTorch's CPU and CUDA kernels.
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 import torch
 
-from .. import dispatch, dtypes, modes
+from .. import dispatch, dtypes, modes, platform
 from ..dispatch import Promote, handler, lowering
 from ..kernels import grouped_matmul
 from ..kernels import selection as kernel_selection
@@ -44,13 +47,56 @@ def accumulation_dtype(dtype):
 
 def dot(a, b, dimension_numbers):
     """`lax.dot_general` with PyTorch's precision and accumulation; the caller casts the result."""
-    return jax.lax.dot_general(
-        a,
-        b,
-        dimension_numbers,
-        precision=matmul_precision(),
-        preferred_element_type=accumulation_dtype(jnp.result_type(a, b)),
-    )
+    product = functools.partial(jax.lax.dot_general, precision=matmul_precision(),
+                                preferred_element_type=accumulation_dtype(jnp.result_type(a, b)))
+    vector_side = _half_precision_vector_on_cpu(a, b, dimension_numbers)
+    if vector_side is None:
+        return product(a, b, dimension_numbers)
+    return _vector_as_two_rows(product, a, b, dimension_numbers, vector_side)
+
+
+def _free_dims(x, contracting, batch) -> list:
+    return [d for d in range(x.ndim) if d not in contracting and d not in batch]
+
+
+def _half_precision_vector_on_cpu(a, b, dimension_numbers) -> int | None:
+    """The side (0 or 1) of a bfloat16/float16 product on the CPU whose free dimensions hold one element (a matrix
+    times a vector: a batch-1 decode step's every linear layer, the prefill's last-position logits) while the other
+    side's hold more; None for any other product. XLA:CPU runs such a product through a float32 copy of the other
+    side, made at every call: an 8192x2048 bfloat16 weight times one row took 17.7 ms on the development CPU, times
+    two rows 1.3 ms (float32 operands take the vector path at 1.4 ms, and lose with two rows)."""
+    if platform.name() != "cpu" or jnp.result_type(a, b) not in (jnp.bfloat16, jnp.float16):
+        return None
+    (contracting_a, contracting_b), (batch_a, batch_b) = dimension_numbers
+    free_a = math.prod(a.shape[d] for d in _free_dims(a, contracting_a, batch_a))
+    free_b = math.prod(b.shape[d] for d in _free_dims(b, contracting_b, batch_b))
+    if free_a == 1 < free_b:
+        return 0
+    if free_b == 1 < free_a:
+        return 1
+    return None
+
+
+def _vector_as_two_rows(product, a, b, dimension_numbers, vector_side: int):
+    """`product(a, b, dimension_numbers)` with the vector side given a second row of zeros (along its free dimension
+    of size 1, or a new one just before its contracted dimension, the layout of a row), which XLA:CPU multiplies
+    without a float32 copy of the other side (see `_half_precision_vector_on_cpu`); the product's first row is
+    what the vector alone gives."""
+    contracting, batch = [list(dims) for dims in dimension_numbers]
+    operands = [a, b]
+    vector = operands[vector_side]
+    free = _free_dims(vector, contracting[vector_side], batch[vector_side])
+    axis = free[0] if free else min(contracting[vector_side])
+    if not free:
+        vector = jnp.expand_dims(vector, axis)
+        contracting[vector_side], batch[vector_side] = (tuple(d + (d >= axis) for d in dims) for dims in
+                                                        (contracting[vector_side], batch[vector_side]))
+    operands[vector_side] = jnp.pad(vector, [(0, int(d == axis)) for d in range(vector.ndim)])
+    out = product(*operands, (tuple(contracting), tuple(batch)))
+    # the output's dims: the batch dims, the left side's free dims, then the right side's
+    position = len(batch[0]) + (0 if vector_side == 0 else len(_free_dims(a, contracting[0], batch[0])))
+    first = jax.lax.slice_in_dim(out, 0, 1, axis=position)
+    return first if free else jnp.squeeze(first, position)
 
 
 def _matmul(a, b):
