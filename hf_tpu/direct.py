@@ -372,8 +372,9 @@ class _KeptWalk:
                 or [(buf.shape, buf.dtype, buf.device_index) for buf in buffers] != added["buffer_keys"]):
             return False
         # met before this walk (another state object now holds them): the full walk keys them as met
-        if (inputs.seen or inputs.slots) and (any(id(buf) in inputs.slots for buf in buffers) or id(root) in inputs.seen
-                            or not inputs.seen.keys().isdisjoint(added["seen"])):
+        found_before = inputs.seen or inputs.slots
+        if found_before and (any(id(buf) in inputs.slots for buf in buffers) or id(root) in inputs.seen
+                             or not inputs.seen.keys().isdisjoint(added["seen"])):
             return False
         if inputs.device_index is not None and buffers and inputs.device_index != self.device_index:
             return False

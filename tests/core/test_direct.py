@@ -513,17 +513,17 @@ def test_the_replay_check_finds_what_changed_in_the_dicts_a_walk_read():
 
 
 @torch.no_grad()
-def test_a_kept_module_walk_does_not_keep_its_module_alive():
+def test_a_kept_walk_does_not_keep_its_module_or_cache_alive():
     import gc
     import weakref
 
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4)).to("tpu")
-    hf_tpu.jit(_forward)(model, torch.randn(2, 4, device="tpu"))
-    assert model in direct._kept_walks
-    alive = weakref.ref(model)
-    del model
+    model, cache = torch.nn.Sequential(torch.nn.Linear(4, 4)).to("tpu"), KVCache()
+    hf_tpu.jit(_forward, state=(model, cache))(model, torch.randn(2, 4, device="tpu"))
+    assert model in direct._kept_walks and cache in direct._kept_walks
+    alive = weakref.ref(model), weakref.ref(cache)
+    del model, cache
     gc.collect()
-    assert alive() is None and not len(direct._kept_walks)
+    assert alive[0]() is None and alive[1]() is None and not len(direct._kept_walks)
 
 
 @pytest.fixture
