@@ -381,6 +381,54 @@ def test_a_warm_generate_walks_no_state_and_reads_no_signature_anew(models, monk
     assert not signatures
 
 
+def test_a_prefill_gives_each_cache_layer_the_same_functions_at_each_call(models, monkeypatch):
+    """The functions a prefill sets on its cache's layers (`_attending_to_the_prompt_only`) are the same objects
+    at every call of a prompt length, so that the cache's kept walk finds its layers unchanged; another length
+    gets its own."""
+    import contextlib
+
+    from hf_tpu.integrations.transformers import generation
+
+    _, tpu = models
+    seen = []
+    attending = generation._attending_to_the_prompt_only
+
+    @contextlib.contextmanager
+    def recorded(cache, length):
+        with attending(cache, length):
+            seen.append([(vars(layer)["update"], vars(layer)["get_mask_sizes"], vars(layer)["get_max_length"])
+                         for layer in cache.layers])
+            yield
+
+    monkeypatch.setattr(generation, "_attending_to_the_prompt_only", recorded)
+    past_the_bucket = torch.arange(generation.bucketed_length(PROMPT.shape[1]) + 1).remainder(100)[None] + 3
+    for prompt in (PROMPT, PROMPT, past_the_bucket):
+        tpu.generate(prompt.to("tpu"), max_new_tokens=1, do_sample=False)
+    first, again, longer = seen
+    assert all(a is b for before, now in zip(first, again) for a, b in zip(before, now))
+    assert not any(a is b for before, now in zip(first, longer) for a, b in zip(before, now))
+
+
+def test_the_kept_prefill_functions_keep_no_cache_layer_alive(checkpoint):
+    """What `_attending_to_the_prompt_only` keeps per layer reaches the layer weakly: a model and its kept cache
+    are freed once dropped."""
+    import gc
+    import weakref
+
+    from transformers import AutoModelForCausalLM
+
+    from hf_tpu.integrations.transformers import generation
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, device_map="tpu")
+    before = set(map(id, generation._PROMPT_ONLY_FUNCTIONS))
+    model.generate(PROMPT.to("tpu"), max_new_tokens=1, do_sample=False)
+    layers = [weakref.ref(layer) for layer in generation._PROMPT_ONLY_FUNCTIONS if id(layer) not in before]
+    assert layers
+    del model
+    gc.collect()
+    assert all(layer() is None for layer in layers)
+
+
 def test_a_second_call_of_the_same_shape_reuses_the_static_cache_zeroed(models, monkeypatch):
     """The static cache of a call whose result does not hold it is zeroed and used by the next call of its shape,
     instead of a new `StaticCache` built and allocated layer by layer; a cache handed out in a dict output is
