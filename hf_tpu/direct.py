@@ -306,8 +306,8 @@ class _KeptWalk:
     where the kept walk did, that the dicts hold the same keys and the very same objects or equal plain values
     (one pass in C: `hf_tpu/_replay.c`) and the lists the same items, apart from values no walk keys replaced by
     others (a function set on a cache layer at each call), that each tensor's storage and layout are unchanged
-    and each storage is still alive (its buffer then is the one the walk met, with the same shape and dtype: the
-    allocator hands out no address twice), and that none of its objects and buffers were met before it; it then adds the kept inputs again, with the buffers as they are now. Anything else takes the full walk,
+    and each storage's buffer has its shape and dtype, and that none of its objects and buffers were met before
+    it; it then adds the kept inputs again, with the buffers as they are now. Anything else takes the full walk,
     and keeps it. A walk that met objects or buffers found before it (a cache holding one of the model's
     tensors) is not kept.
 
@@ -367,10 +367,11 @@ class _KeptWalk:
             return False
         added = self.added
         live = buffer.allocator.live
-        # the buffer at an address is the one the walk met there (the allocator hands out no address twice), with
-        # the shape, dtype and device it was made with (a buffer never changes them): only its release is checked
         buffers = [live.get(address) for address in self.storages]
-        if None in buffers:
+        # the buffer at an address is the one the walk met, but its shape and dtype may have changed since: a
+        # whole-buffer view of another dtype, read, re-expresses it in that layout (`buffer._adopt_layout`)
+        if (any(buf is None for buf in buffers)
+                or [(buf.shape, buf.dtype, buf.device_index) for buf in buffers] != added["buffer_keys"]):
             return False
         # met before this walk (another state object now holds them): the full walk keys them as met
         found_before = inputs.seen or inputs.slots

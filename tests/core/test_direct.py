@@ -454,7 +454,8 @@ def test_a_module_attribute_set_again_to_an_equal_value_keeps_the_walk_replayed(
 
 
 @pytest.mark.parametrize("change", ["new parameter", "parameter .data", "tensor attribute", "new buffer",
-                                    "train", "new submodule", "resized parameter", "transposed in place"])
+                                    "train", "new submodule", "resized parameter", "transposed in place",
+                                    "read as another dtype"])
 @torch.no_grad()
 def test_a_change_to_a_module_after_its_walk_was_kept_is_seen(model, change):
     """Each change the key depends on makes the kept walk's replay fail: the call after it keys as a full walk
@@ -479,6 +480,11 @@ def test_a_change_to_a_module_after_its_walk_was_kept_is_seen(model, change):
         model.append(torch.nn.Linear(4, 4).to("tpu"))
     elif change == "transposed in place":
         first.weight.requires_grad_(False).t_()  # the same tensor and buffer, another view of it
+    elif change == "read as another dtype":
+        # a whole-buffer view of another dtype, read: the buffer takes that view's shape and dtype
+        # (`buffer._adopt_layout`), which the weight's next reader gives back
+        first.weight.detach().view(torch.int32).add(0)
+        assert direct.buffer.buffer_of(first.weight).dtype == torch.int32
     else:
         first.weight.requires_grad_(False).resize_(4, 2)  # the same tensor object, with another shape
         first.in_features = 2
@@ -487,7 +493,7 @@ def test_a_change_to_a_module_after_its_walk_was_kept_is_seen(model, change):
     replayed = direct._prepare("site", (_forward,), (model, x), {}, ())[1]
     assert replayed == _full_walk_key(model, x)
     # new weights of the same shapes run the same program (with those weights); the other changes key anew
-    assert (replayed == key) == (change in ("new parameter", "parameter .data"))
+    assert (replayed == key) == (change in ("new parameter", "parameter .data", "read as another dtype"))
 
 
 def test_the_replay_check_finds_what_changed_in_the_dicts_a_walk_read():
