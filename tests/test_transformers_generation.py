@@ -409,6 +409,43 @@ def test_a_prefill_gives_each_cache_layer_the_same_functions_at_each_call(models
     assert not any(a is b for before, now in zip(first, longer) for a, b in zip(before, now))
 
 
+def test_an_update_set_on_a_cache_layer_is_called_by_the_prefills_own_and_put_back(models, checkpoint,
+                                                                                     monkeypatch):
+    """A layer whose `update` something else set on it keeps it: the prefill's `update` calls that one where the
+    prefill is traced, and it is the layer's again after the call."""
+    import contextlib
+
+    from transformers import AutoModelForCausalLM
+
+    from hf_tpu import direct
+    from hf_tpu.integrations.transformers import generation
+
+    calls, own = [], {}
+    attending = generation._attending_to_the_prompt_only
+
+    @contextlib.contextmanager
+    def with_own_update(cache, length):
+        for layer in cache.layers:
+            def update(*args, _write=layer.update, **kwargs):
+                calls.append(1)
+                return _write(*args, **kwargs)
+
+            layer.update = own[id(layer)] = update
+        with attending(cache, length):
+            yield
+        assert all(vars(layer)["update"] is own[id(layer)] for layer in cache.layers)
+        for layer in cache.layers:
+            del layer.update
+
+    monkeypatch.setattr(generation, "_attending_to_the_prompt_only", with_own_update)
+    monkeypatch.setattr(direct, "_programs", {})  # the prefill traced anew, not found traced by another test
+    monkeypatch.setattr(direct, "_site_counts", {})
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, device_map="tpu")
+    actual = model.generate(PROMPT.to("tpu"), max_new_tokens=1, do_sample=False)
+    assert torch.equal(actual.cpu(), models[0].generate(PROMPT, max_new_tokens=1, do_sample=False))
+    assert len(calls) == model.config.num_hidden_layers
+
+
 def test_the_kept_prefill_functions_keep_no_cache_layer_alive(checkpoint):
     """What `_attending_to_the_prompt_only` keeps per layer reaches the layer weakly: a model and its kept cache
     are freed once dropped."""

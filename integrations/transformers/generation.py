@@ -671,6 +671,8 @@ def _attending_to_the_prompt_only(cache, length: int):
     new functions each call made it compare 48 entries of a 16-layer cache anew (0.1 ms on the development
     CPU)."""
     layers = cache.layers
+    # what the layers held under those names before (an `update` someone else set), put back after
+    held = [{name: vars(layer)[name] for name in _PROMPT_ONLY_NAMES if name in vars(layer)} for layer in layers]
     for layer in layers:
         vars(layer).update(_prompt_only_functions(layer, length))
     cache.get_query_offset = _no_query_offset
@@ -678,8 +680,13 @@ def _attending_to_the_prompt_only(cache, length: int):
         yield
     finally:
         del cache.get_query_offset
-        for layer in layers:
-            del layer.update, layer.get_mask_sizes, layer.get_max_length
+        for layer, before in zip(layers, held):
+            for name in _PROMPT_ONLY_NAMES:
+                del vars(layer)[name]
+            vars(layer).update(before)
+
+
+_PROMPT_ONLY_NAMES = ("update", "get_mask_sizes", "get_max_length")
 
 
 def _no_query_offset(layer_idx=0):
@@ -693,16 +700,23 @@ _PROMPT_ONLY_FUNCTIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary(
 def _prompt_only_functions(layer, length: int) -> dict:
     """The attributes a layer of a prefill over `length` prompt tokens gets: its `update` that writes and hands
     back what it wrote, and the mask's and the cache's length as the prompt's. Made once per layer and length;
-    they reach the layer by a weak reference, so that keeping them does not keep the layer alive."""
+    they reach the layer by a weak reference, so that keeping them does not keep the layer alive. A layer whose
+    `update` someone else set on it gets an `update` that calls that one, made anew at each call (not kept: it
+    could change between calls, and would hold the layer)."""
+    if "update" in vars(layer):
+        return _functions_for(length, layer.update)
     kept = _PROMPT_ONLY_FUNCTIONS.get(layer)
     if kept is not None and kept[0] == length:
         return kept[1]
-
-    def update(key_states, value_states, *args, _write=type(layer).update, _layer=weakref.ref(layer), **kwargs):
-        _write(_layer(), key_states, value_states, *args, **kwargs)
-        return key_states, value_states
-
-    functions = {"update": update, "get_mask_sizes": lambda query_length: (length, 0),
-                 "get_max_length": lambda: length}
+    layer_ref, write = weakref.ref(layer), type(layer).update
+    functions = _functions_for(length, lambda *args, **kwargs: write(layer_ref(), *args, **kwargs))
     _PROMPT_ONLY_FUNCTIONS[layer] = (length, functions)
     return functions
+
+
+def _functions_for(length: int, write) -> dict:
+    def update(key_states, value_states, *args, **kwargs):
+        write(key_states, value_states, *args, **kwargs)
+        return key_states, value_states
+
+    return {"update": update, "get_mask_sizes": lambda query_length: (length, 0), "get_max_length": lambda: length}
