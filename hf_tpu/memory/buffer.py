@@ -809,7 +809,11 @@ def _keep_read_back(host: np.ndarray, array) -> None:
     """Remember that `array` (one chip's) holds the values `host` was read into."""
     if type(array) is not ArrayImpl or type(array.sharding) is not jax.sharding.SingleDeviceSharding:
         return
-    key = (host.dtype, host.shape, host.tobytes(), _chip_index(next(iter(array.sharding.device_set))))
+    try:
+        chip = _chip_index(next(iter(array.sharding.device_set)))
+    except ValueError:  # an array of another JAX backend's (the host's CPU beside a TPU)
+        return
+    key = (host.dtype, host.shape, host.tobytes(), chip)
     with allocator.lock:
         _read_back[key] = weakref.ref(array)
         _read_back.move_to_end(key)
