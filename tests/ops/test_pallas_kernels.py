@@ -411,7 +411,8 @@ def test_the_chip_benchmark_runs_its_tiny_form(tmp_path):
     rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
     assert {r["kernel"] for r in rows} == {"attention", "decode attention", "grouped matmul"}
     attention = [r for r in rows if r["kernel"] == "attention"]
-    assert all(r["pallas"] and r["xla_scan"] and r["xla_full"] for r in attention), result.stderr[-2000:]
+    assert all(r["pallas"] and r["pallas_keys"] and r["xla_scan"] and r["xla_full"] for r in attention), \
+        result.stderr[-2000:]
     assert all(r["megablox"] and r["ragged"] for r in rows if r["kernel"] == "grouped matmul"), result.stderr[-2000:]
     assert "full/pallas" in result.stdout
 
