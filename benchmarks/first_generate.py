@@ -53,7 +53,7 @@ def _worker(args) -> None:
     import torch
 
     import hf_tpu
-    from benchmarks.common import jax_compile_phases, static_compiled, timeit
+    from benchmarks.common import jax_compile_phases, static_compiled, timeit_alternating
     from transformers import LlamaForCausalLM
 
     phases = jax_compile_phases()
@@ -98,7 +98,8 @@ def _worker(args) -> None:
             sync()
             return logits
 
-        ttft.append((length, timeit(lambda: generate(prompt, 1), warmup=1, iters=5), timeit(forward, warmup=1, iters=5)))
+        # taking turns: the ratio is what is read, and the machine's speed drifts between separate medians
+        ttft.append((length, *timeit_alternating([lambda: generate(prompt, 1), forward], warmup=1, iters=10)))
     print("RESULT " + json.dumps({"first_token": first_token, "decode_first": decode_first,
                                   **{k: metrics[k] for k in _COUNTED}, "phases": first_call_phases, "ttft": ttft}),
           flush=True)
