@@ -715,6 +715,7 @@ def _prompt_only_functions(layer, length: int) -> dict:
 
 
 def _functions_for(length: int, write) -> dict:
+    """A prefill layer's three attributes over `length` prompt tokens, its `update` writing through `write`."""
     def update(key_states, value_states, *args, **kwargs):
         write(key_states, value_states, *args, **kwargs)
         return key_states, value_states
