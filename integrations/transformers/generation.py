@@ -670,23 +670,19 @@ def _attending_to_the_prompt_only(cache, length: int):
     traced prefill's walk of the cache is replayed when the layers hold what they held at its last call, and
     new functions each call made it compare 48 entries of a 16-layer cache anew (0.1 ms on the development
     CPU)."""
-    layers = cache.layers
-    # what the layers held under those names before (an `update` someone else set), put back after
-    held = [{name: vars(layer)[name] for name in _PROMPT_ONLY_NAMES if name in vars(layer)} for layer in layers]
-    for layer in layers:
-        vars(layer).update(_prompt_only_functions(layer, length))
-    cache.get_query_offset = _no_query_offset
+    set_for_the_call = [(layer, _prompt_only_functions(layer, length)) for layer in cache.layers]
+    set_for_the_call.append((cache, {"get_query_offset": _no_query_offset}))
+    # what the objects held under those names before (an `update` someone else set), put back after
+    held = [{name: vars(obj)[name] for name in attributes if name in vars(obj)} for obj, attributes in set_for_the_call]
+    for obj, attributes in set_for_the_call:
+        vars(obj).update(attributes)
     try:
         yield
     finally:
-        del cache.get_query_offset
-        for layer, before in zip(layers, held):
-            for name in _PROMPT_ONLY_NAMES:
-                del vars(layer)[name]
-            vars(layer).update(before)
-
-
-_PROMPT_ONLY_NAMES = ("update", "get_mask_sizes", "get_max_length")
+        for (obj, attributes), before in zip(set_for_the_call, held):
+            for name in attributes:
+                del vars(obj)[name]
+            vars(obj).update(before)
 
 
 def _no_query_offset(layer_idx=0):
