@@ -723,7 +723,7 @@ def from_host(t: torch.Tensor, device_index: int):
     host = host_array(t)
     key = None
     if host.nbytes <= _READ_BACK_BYTES:
-        key = (host.dtype, host.shape, host.tobytes(), device_index)
+        key = _values_key(host, device_index)
         array = _recurring_array(key) if host.nbytes <= _RECURRING_BYTES else _read_back_array(key)
         if array is not None:
             return array
@@ -805,6 +805,11 @@ _READ_BACK_KEPT = 16
 _read_back: collections.OrderedDict = collections.OrderedDict()
 
 
+def _values_key(host: np.ndarray, device_index: int) -> tuple:
+    """Host values and a chip, as the kept uploads and read-backs find an array by them."""
+    return host.dtype, host.shape, host.tobytes(), device_index
+
+
 def _keep_read_back(host: np.ndarray, array) -> None:
     """Remember that `array` (one chip's) holds the values `host` was read into."""
     if type(array) is not ArrayImpl or type(array.sharding) is not jax.sharding.SingleDeviceSharding:
@@ -813,7 +818,7 @@ def _keep_read_back(host: np.ndarray, array) -> None:
         chip = _chip_index(next(iter(array.sharding.device_set)))
     except ValueError:  # an array of another JAX backend's (the host's CPU beside a TPU)
         return
-    key = (host.dtype, host.shape, host.tobytes(), chip)
+    key = _values_key(host, chip)
     with allocator.lock:
         _read_back[key] = weakref.ref(array)
         _read_back.move_to_end(key)
