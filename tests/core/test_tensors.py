@@ -278,6 +278,27 @@ def test_rows_read_and_written_in_a_loop_share_one_program():
     assert torch.equal(on_tpu.cpu(), weights)
 
 
+def test_views_of_one_buffer_in_one_order_slice_one_transposed_array():
+    """Rotary embeddings read q = x.view(b, s, h, d).transpose(1, 2) whole and as its two halves. Each half is a
+    slice of the transposed array, which XLA then computes once, not a slice transposed on its own; and no read
+    keeps a trailing dim of size 1 for the contiguous innermost one (on a TPU, the minor dim of its tiles)."""
+    import jax
+    from hf_tpu.memory import buffer
+
+    x = torch.randn(2 * 16, 4 * 64)
+    on_tpu = x.to("tpu")
+    q, q_tpu = (t.view(2, 16, 4, 64).transpose(1, 2) for t in (x, on_tpu))
+    halves, halves_tpu = ((t[..., 32:], t[..., :32]) for t in (q, q_tpu))
+    buf = buffer.buffer_of(on_tpu)
+    views = [buffer.view_of(t, buf) for t in (q_tpu, *halves_tpu)]
+    jaxpr = jax.make_jaxpr(lambda a: [buffer.read(a, view) for view in views])(buf.value()).jaxpr
+    transposed = [e.invars[0].aval.shape for e in jaxpr.eqns if e.primitive.name == "transpose"]
+    assert transposed and all(shape == (2, 16, 4, 64) for shape in transposed), transposed
+    assert all(v.aval.shape[-1:] != (1,) for e in jaxpr.eqns for v in e.outvars), jaxpr
+    for expected, got in zip((q, *halves), (q_tpu, *halves_tpu)):
+        assert torch.equal(got.cpu(), expected)
+
+
 def test_an_uploaded_tensor_reads_back_without_waiting_for_the_device(monkeypatch):
     """A small tensor read back as it was uploaded (a prompt's ids, a tokenized batch) is copied from the values
     uploaded, not read from the device; the copy is the caller's, and once the tensor is written in place its
