@@ -604,9 +604,9 @@ def read(array, view: View | None, start=None):
         return flat[_gather_index(view, flat.shape[0])]
     # The block's dims are put in the view's order before the slice, not after it: views of one buffer
     # in one order then slice one transposed array, which XLA computes once. Rotary embeddings read q
-    # whole and as its two halves; on the v5e (2026-12-06, raw JAX, 4 layers of the 1.1B model at 8x1024
-    # before splash attention) slicing the transposed q took 13.2 ms against 14.9 ms for transposing
-    # each slice, 10.9 ms without rotary embeddings.
+    # whole and as its two halves; on the v5e (2026-12-06, 4 attention blocks of the 1.1B model at 8x1024,
+    # the script `benchmarks.rotary_layouts` became) slicing the transposed q took 13.2 ms against 14.9 ms
+    # for transposing each slice, 10.9 ms without rotary embeddings.
     order = sorted(range(len(plan.dims)), key=lambda i: plan.dims[i])
     order += range(len(plan.dims), len(plan.block))  # a last dim of the innermost stride stays last
     take = [plan.take[i] for i in order]

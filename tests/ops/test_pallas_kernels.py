@@ -418,6 +418,19 @@ def test_the_chip_benchmark_runs_its_tiny_form(tmp_path):
 
 
 @pytest.mark.slow  # a process of its own: about 10 s
+def test_the_rotary_layouts_benchmark_runs_its_tiny_form(tmp_path):
+    """Every form of the rotary embeddings computes the values hf_tpu's reads give, bit for bit."""
+    result = subprocess.run([sys.executable, "-m", "benchmarks.rotary_layouts", "--iters", "1", "--layers", "1",
+                             "--json", str(tmp_path / "rows.json")], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "HF_TPU_PLATFORM": "cpu"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = {r["form"]: r for r in json.loads((tmp_path / "rows.json").read_text())["rows"]}
+    assert list(rows) == ["hf_tpu", "each_slice_transposed", "materialized", "bfloat16_ops", "none"]
+    assert all(rows[form]["max_diff"] == 0 for form in list(rows)[:-1]) and rows["none"]["max_diff"] > 0, rows
+    assert "vs hf_tpu" in result.stdout
+
+
+@pytest.mark.slow  # a process of its own: about 10 s
 def test_the_attention_compile_benchmark_runs_its_tiny_form(tmp_path):
     result = subprocess.run([sys.executable, "-m", "benchmarks.attention_compile", "--json",
                              str(tmp_path / "rows.json")], capture_output=True, text=True, timeout=300,

@@ -1,0 +1,156 @@
+"""Forms of a Llama layer's rotary embeddings before splash attention, side by side, in raw JAX.
+
+    python -m benchmarks.rotary_layouts [--json FILE] [--layers 4] [--tiny]
+
+Transformers' `apply_rotary_pos_emb` reads q = proj.view(b, s, h, d).transpose(1, 2) whole and as its two
+halves (`rotate_half`), each op rounded to bfloat16 as PyTorch does. On a TPU the halves' layout decides how
+many copies of q XLA makes before the kernel. Each row runs `--layers` layers of the 1.1B model's attention
+block (q/k/v projections, rotary embeddings of q and k, splash attention, output projection) at batch 8 and
+1024 tokens, with the rotary embeddings in one form:
+
+- `hf_tpu`: q and its halves read through `hf_tpu.memory.buffer.read` from the projection's array, as the
+  compiled forward reads them (each half sliced from the transposed array);
+- `each_slice_transposed`: each half sliced from the projection and transposed on its own (the reads before
+  2026-12-06);
+- `materialized`: q transposed once behind an optimization barrier, its halves sliced from that copy;
+- `bfloat16_ops`: torchax's form, the ops in bfloat16 with no explicit rounding;
+- `none`: no rotary embeddings, q only transposed (the floor).
+
+The `vs hf_tpu` column is each row's time over `hf_tpu`'s. Elsewhere (or with `--tiny`) the shapes are tiny
+and the kernel runs in interpret mode: a check that the script works, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    parser.add_argument("--layers", type=int, default=4, help="attention blocks chained in one program")
+    parser.add_argument("--iters", type=int, default=15, help="timed calls per form")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (the default off a TPU)")
+    return parser.parse_args(argv)
+
+
+def _forms(batch, length, head_dim):
+    """name -> rope(projection [batch*length, heads*head_dim], heads, cos, sin) -> [batch, heads, length, head_dim]."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    from hf_tpu.memory import buffer
+
+    half = head_dim // 2
+
+    def up(x):
+        return x.astype(jnp.float32)
+
+    def down(x):
+        return x.astype(jnp.bfloat16)
+
+    def rounded(q, low, high, cos, sin):
+        """q * cos + cat(-high, low) * sin, each op rounded to bfloat16 as PyTorch on the CPU rounds it."""
+        rotated = jnp.concatenate([down(-up(high)), low], -1)
+        return down(up(down(up(q) * cos)) + up(down(up(rotated) * sin)))
+
+    def views(heads):
+        """The views `apply_rotary_pos_emb` reads of the projection's buffer: q, its upper and lower half."""
+        strides = (length * heads * head_dim, head_dim, heads * head_dim, 1)
+        shape, halved = (batch, heads, length, head_dim), (batch, heads, length, half)
+        return (buffer.View(shape, strides, 0, torch.bfloat16), buffer.View(halved, strides, half, torch.bfloat16),
+                buffer.View(halved, strides, 0, torch.bfloat16))
+
+    def transposed(x):
+        return x.transpose(0, 2, 1, 3)
+
+    def hf_tpu(projection, heads, cos, sin):
+        q, high, low = (buffer.read(projection, view) for view in views(heads))
+        return rounded(q, low, high, cos, sin)
+
+    def each_slice_transposed(projection, heads, cos, sin):
+        base = projection.reshape(batch, length, heads, head_dim)
+        return rounded(transposed(base), transposed(base[..., :half]), transposed(base[..., half:]), cos, sin)
+
+    def materialized(projection, heads, cos, sin):
+        q = jax.lax.optimization_barrier(transposed(projection.reshape(batch, length, heads, head_dim)))
+        return rounded(q, q[..., :half], q[..., half:], cos, sin)
+
+    def bfloat16_ops(projection, heads, cos, sin):
+        q = transposed(projection.reshape(batch, length, heads, head_dim))
+        return q * down(cos) + jnp.concatenate([-q[..., half:], q[..., :half]], -1) * down(sin)
+
+    def none(projection, heads, cos, sin):
+        return transposed(projection.reshape(batch, length, heads, head_dim))
+
+    return dict(hf_tpu=hf_tpu, each_slice_transposed=each_slice_transposed, materialized=materialized,
+                bfloat16_ops=bfloat16_ops, none=none)
+
+
+def main(argv=None):
+    args = _parse(argv)
+    import jax
+    import jax.numpy as jnp
+
+    from hf_tpu.kernels.flash_attention import flash_attention
+
+    tiny = args.tiny or jax.devices()[0].platform != "tpu"
+    batch, length, heads, kv_heads, head_dim, hidden = (1, 128, 4, 2, 64, 256) if tiny else (8, 1024, 32, 8, 64, 2048)
+    forms = _forms(batch, length, head_dim)
+
+    def project(x, w):
+        return jnp.dot(x, w.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+    def blocks(rope, x, weights, cos, sin):
+        for wq, wk, wv, wo in weights:
+            q, k = rope(project(x, wq), heads, cos, sin), rope(project(x, wk), kv_heads, cos, sin)
+            v = project(x, wv).reshape(batch, length, kv_heads, head_dim).transpose(0, 2, 1, 3)
+            out = flash_attention(q, k, v, scale=head_dim ** -0.5, is_causal=True)
+            x = x + project(out.transpose(0, 2, 1, 3).reshape(batch * length, heads * head_dim), wo)
+        return x
+
+    keys = jax.random.split(jax.random.PRNGKey(0), 4 * args.layers + 1)
+    x = jax.random.normal(keys[0], (batch * length, hidden), jnp.bfloat16)
+    shapes = [(heads * head_dim, hidden), (kv_heads * head_dim, hidden), (kv_heads * head_dim, hidden),
+              (hidden, heads * head_dim)]
+    weights = [tuple(jax.random.normal(keys[1 + 4 * i + j], shape, jnp.bfloat16) * 0.02 for j, shape in enumerate(shapes))
+               for i in range(args.layers)]
+    angles = np.arange(length)[:, None] / (10000 ** (np.arange(0, head_dim, 2) / head_dim))[None]
+    angles = np.concatenate([angles, angles], -1)
+    # Transformers' cos and sin come in the model's dtype; hf_tpu's ops read them in float32
+    cos, sin = (jnp.asarray(f(angles), jnp.bfloat16).astype(jnp.float32) for f in (np.cos, np.sin))
+
+    rows, reference = [], None
+    for name, rope in forms.items():
+        run = jax.jit(lambda x, weights, cos, sin, rope=rope: blocks(rope, x, weights, cos, sin))
+        start = time.perf_counter()
+        out = jax.block_until_ready(run(x, weights, cos, sin))
+        first = time.perf_counter() - start
+        times = []
+        for _ in range(args.iters):
+            start = time.perf_counter()
+            jax.block_until_ready(run(x, weights, cos, sin))
+            times.append(time.perf_counter() - start)
+        reference = out if reference is None else reference
+        rows.append(dict(form=name, ms=float(np.median(times)) * 1e3, first_s=first,
+                         max_diff=float(jnp.max(jnp.abs(out.astype(jnp.float32) - reference.astype(jnp.float32))))))
+
+    base = rows[0]["ms"]
+    print(f"{args.layers} attention blocks at {batch}x{length} on {jax.devices()[0].device_kind}"
+          f"{' (tiny, interpret mode: not a measurement)' if tiny else ''}")
+    print(f"{'form':22s} {'ms':>9s} {'vs hf_tpu':>9s} {'first s':>8s} {'max |out - hf_tpu|':>18s}")
+    for row in rows:
+        print(f"{row['form']:22s} {row['ms']:9.3f} {row['ms'] / base:8.2f}x {row['first_s']:8.1f} {row['max_diff']:18.3g}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(shape=[batch, length], layers=args.layers, tiny=tiny, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
