@@ -222,8 +222,9 @@ def _device_op_times(trace_dir: str, calls: int) -> list:
                 if line.name != "XLA Ops":
                     continue
                 for event in line.events:
-                    stats = dict(event.stats)
-                    entry = totals.setdefault(event.name, [0.0, 0, str(stats.get("long_name", ""))[:300]])
+                    # the v5e's profiles (2026-12-06) name each op by its whole HLO text and give no long_name
+                    text = str(dict(event.stats).get("long_name") or event.name)
+                    entry = totals.setdefault(event.name, [0.0, 0, text])
                     entry[0] += event.duration_ns / 1e3
                     entry[1] += 1
     ops = sorted(totals.items(), key=lambda item: -item[1][0])
@@ -244,7 +245,8 @@ def _profile(rows: "_Rows", fn, calls: int = 3, **figures) -> None:
             fn()
     ops = _device_op_times(trace_dir, calls)
     rows.emit("profile", device_us=sum(us for _, us, _, _ in ops), launches=sum(count for _, _, count, _ in ops),
-              kinds=_kinds(ops), ops=ops[:_PROFILE_TOP], **figures)
+              kinds=_kinds(ops), ops=[(name[:300], us, count, text[:300]) for name, us, count, text in ops[:_PROFILE_TOP]],
+              **figures)
 
 
 def _first_call(fn) -> float:
@@ -716,7 +718,8 @@ def describe(row: dict, spec: dict, limits: dict | None = None) -> str:
                 f"first call {row['first_call']:.1f} s{capped}")
     if section == "profile":
         kinds = "".join(f"\n    {us:9.1f} us  {count:6.0f} ops  {kind}" for kind, (us, count) in row["kinds"].items())
-        ops = "".join(f"\n    {us:9.1f} us  x{count:<4.0f} {name}  {text[:120]}" for name, us, count, text in row["ops"][:15])
+        ops = "".join(f"\n    {us:9.1f} us  x{count:<4.0f} {text[:160] if name in text else f'{name}  {text[:120]}'}"
+                      for name, us, count, text in row["ops"][:15])
         return (f"[{row['group']}] {row['side']} profile {shape}: {row['device_us'] / 1e3:.2f} ms on the device in "
                 f"{row['launches']:.0f} op launches a call; by kind:{kinds}\n  the longest ops:{ops}")
     if section == "ttft":

@@ -148,10 +148,13 @@ def test_the_memory_estimate_leaves_out_the_score_matrix_where_flash_attention_r
 
 def test_device_op_times_sum_each_op_of_the_device_plane_per_call(tmp_path):
     """`--profile`'s table, from a trace holding what a TPU records: each XLA op on the device plane's
-    "XLA Ops" line, and lines (whole programs) and planes (the host's) that are not ops."""
+    "XLA Ops" line, and lines (whole programs) and planes (the host's) that are not ops. The v5e names an op by
+    its whole HLO text (2026-12-06), with no `long_name` stat: the text the kinds are read from."""
     from jax.profiler import ProfileData
 
-    from benchmarks.chip import _device_op_times
+    from benchmarks.chip import _device_op_times, _kinds
+
+    matmul = "%fusion.1 = bf16[128,8192]{1,0} fusion(bf16[8192,2048]{1,0} %custom-call.4), kind=kOutput, calls=%f"
 
     def event(metadata, start_us, length_us):
         return f"events {{ metadata_id: {metadata} offset_ps: {start_us * 10**6} duration_ps: {length_us * 10**6} }}"
@@ -161,7 +164,7 @@ def test_device_op_times_sum_each_op_of_the_device_plane_per_call(tmp_path):
     planes {{ id: 1 name: "/device:TPU:0"
       lines {{ id: 1 name: "XLA Ops" {ops} }}
       lines {{ id: 2 name: "XLA Modules" {event(3, 0, 120)} }}
-      event_metadata {{ key: 1 value {{ id: 1 name: "fusion.1" }} }}
+      event_metadata {{ key: 1 value {{ id: 1 name: "{matmul}" }} }}
       event_metadata {{ key: 2 value {{ id: 2 name: "copy.2" }} }}
       event_metadata {{ key: 3 value {{ id: 3 name: "jit_forward" }} }} }}
     planes {{ id: 2 name: "/host:CPU" lines {{ id: 1 name: "python" {event(3, 0, 500)} }}
@@ -169,7 +172,9 @@ def test_device_op_times_sum_each_op_of_the_device_plane_per_call(tmp_path):
     """
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "host.xplane.pb").write_bytes(ProfileData.text_proto_to_serialized_xspace(trace))
-    assert _device_op_times(str(tmp_path), calls=2) == [("fusion.1", 30.0, 1.0, ""), ("copy.2", 11.0, 1.0, "")]
+    ops = _device_op_times(str(tmp_path), calls=2)
+    assert ops == [(matmul, 30.0, 1.0, matmul), ("copy.2", 11.0, 1.0, "copy.2")]
+    assert _kinds(ops) == {"fusion kOutput": (30.0, 1.0), "?": (11.0, 1.0)}
 
 
 def test_profile_kinds_group_every_op_by_instruction_and_fusion_kind():
