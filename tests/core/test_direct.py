@@ -630,3 +630,23 @@ def test_a_call_meanwhile_declines_waits_for_the_compile(model, compile_held_bac
 def test_trace_after_is_a_number_of_seconds(trace_after):
     with pytest.raises(ValueError, match="trace_after"):
         hf_tpu.jit(_forward, trace_after=trace_after)
+
+
+def test_a_call_key_is_hashed_once():
+    """A call looks its key up more than once (the programs, the trace's own lookup): the tuple's hash of all of
+    its parts is taken when the key is made, not at each lookup; an unhashable part raises `TypeError` there."""
+    from hf_tpu import direct
+
+    hashes = []
+
+    class Counted:
+        def __hash__(self):
+            hashes.append(1)
+            return 7
+
+    key = direct._Key(("site", (Counted(), 1)))
+    assert len(hashes) == 1
+    assert {key: 1}[key] == 1 and hash(key) == hash(("site", (Counted(), 1)))
+    assert len(hashes) == 2 and key == ("site", key[1]) and direct._key_text(key) == direct._key_text(tuple(key))
+    with pytest.raises(TypeError):
+        direct._Key(("site", ([],)))
