@@ -602,28 +602,32 @@ def read(array, view: View | None, start=None):
     plan = _dense_plan(view)
     if plan is None:
         return flat[_gather_index(view, flat.shape[0])]
-    # The block's dims are put in the view's order before the slice, not after it: views of one buffer
-    # in one order then slice one transposed array, which XLA computes once. Rotary embeddings read q
-    # whole and as its two halves; on the v5e (2026-12-06, 4 attention blocks of the 1.1B model at 8x1024,
-    # the script `benchmarks.rotary_layouts` became) slicing the transposed q took 13.2 ms against 14.9 ms
-    # for transposing each slice, 10.9 ms without rotary embeddings.
-    order = sorted(range(len(plan.dims)), key=lambda i: plan.dims[i])
-    order += range(len(plan.dims), len(plan.block))  # a last dim of the innermost stride stays last
-    take = [plan.take[i] for i in order]
-
-    def in_view_order(blocks):
-        return blocks if order == sorted(order) else jnp.transpose(blocks, order)
-
     if start is not None:  # a start given: the view is aligned (`keyed_view`)
-        blocks = _shaped(array, flat, _blocks(plan, flat.shape[0]))
-        value = lax.dynamic_slice(in_view_order(blocks), [start[i] for i in order], take)
+        blocks, begin = _shaped(array, flat, _blocks(plan, flat.shape[0])), list(start)
     elif (aligned := _aligned(plan, view.offset, flat.shape[0])) is not None:
         whole, begin = aligned
-        begin = [begin[i] for i in order]
-        value = lax.slice(in_view_order(_shaped(array, flat, whole)), begin, [a + n for a, n in zip(begin, take)])
+        blocks, begin = _shaped(array, flat, whole), list(begin)
     else:
-        block = _segment(flat, view.offset, plan.length).reshape(plan.block)
-        value = lax.slice(in_view_order(block), (0,) * len(take), take)
+        blocks, begin = _segment(flat, view.offset, plan.length).reshape(plan.block), [0] * len(plan.block)
+    # the block dims in the view's order (a last dim of the innermost stride stays last)
+    order = sorted(range(len(plan.dims)), key=lambda i: plan.dims[i])
+    order += range(len(plan.dims), len(plan.block))
+    take = list(plan.take)
+    # A view taking half its blocks or more is transposed before the slice, not after it: views of one buffer
+    # in one order then slice one transposed array, which XLA computes once. Rotary embeddings read q whole
+    # and as its two halves; on the v5e (2026-12-06, 4 attention blocks of the 1.1B model at 8x1024,
+    # `benchmarks.rotary_layouts`) slicing the transposed q took 13.2 ms against 14.9 ms for transposing each
+    # slice, 10.9 ms without rotary embeddings. A smaller view keeps the slice first: XLA:CPU transposed the
+    # whole buffer for it (y.permute(3, 2, 1, 0)[1] of a 64**4 float32 buffer: 0.5-7 ms against 0.1 ms).
+    transposed_first = order != sorted(order) and 2 * math.prod(take) >= math.prod(blocks.shape)
+    if transposed_first:
+        blocks, begin, take = jnp.transpose(blocks, order), [begin[i] for i in order], [take[i] for i in order]
+    if start is not None:
+        value = lax.dynamic_slice(blocks, begin, take)
+    else:
+        value = lax.slice(blocks, begin, [a + n for a, n in zip(begin, take)])
+    if not transposed_first:  # sorted dims -> the view's order
+        value = jnp.transpose(value.reshape([view.shape[d] for d in plan.dims]), order[:len(plan.dims)])
     # size-1 and broadcast dims back in
     kept = [n if (n > 1 and view.strides[d] != 0) else 1 for d, n in enumerate(view.shape)]
     return jnp.broadcast_to(value.reshape(kept), view.shape)

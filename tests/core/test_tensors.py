@@ -281,7 +281,8 @@ def test_rows_read_and_written_in_a_loop_share_one_program():
 def test_views_of_one_buffer_in_one_order_slice_one_transposed_array():
     """Rotary embeddings read q = x.view(b, s, h, d).transpose(1, 2) whole and as its two halves. Each half is a
     slice of the transposed array, which XLA then computes once, not a slice transposed on its own; and no read
-    keeps a trailing dim of size 1 for the contiguous innermost one (on a TPU, the minor dim of its tiles)."""
+    keeps a trailing dim of size 1 for the contiguous innermost one (on a TPU, the minor dim of its tiles). A view
+    of a small part of its buffer is sliced before its transpose, which XLA:CPU would otherwise make of the whole."""
     import jax
     from hf_tpu.memory import buffer
 
@@ -297,6 +298,13 @@ def test_views_of_one_buffer_in_one_order_slice_one_transposed_array():
     assert all(v.aval.shape[-1:] != (1,) for e in jaxpr.eqns for v in e.outvars), jaxpr
     for expected, got in zip((q, *halves), (q_tpu, *halves_tpu)):
         assert torch.equal(got.cpu(), expected)
+    # a view taking a small part of its buffer is sliced first: the transpose is of that part only
+    y = torch.randn(8, 8, 8, 8)
+    part, part_tpu = (t.permute(3, 2, 1, 0)[1] for t in (y, y.to("tpu")))
+    buf = buffer.buffer_of(part_tpu)
+    jaxpr = jax.make_jaxpr(lambda a: buffer.read(a, buffer.view_of(part_tpu, buf)))(buf.value()).jaxpr
+    assert [e.invars[0].aval.shape for e in jaxpr.eqns if e.primitive.name == "transpose"] == [(8, 8, 8)]
+    assert torch.equal(part_tpu.cpu(), part)
 
 
 def test_an_uploaded_tensor_reads_back_without_waiting_for_the_device(monkeypatch):
