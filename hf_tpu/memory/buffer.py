@@ -614,14 +614,18 @@ def read(array, view: View | None, start=None):
     order += range(len(plan.dims), len(plan.block))
     take = list(plan.take)
     # A view taking half its blocks or more is transposed before the slice, not after it: views of one buffer
-    # in one order then slice one transposed array, which XLA computes once. Rotary embeddings read q whole
-    # and as its two halves; on the v5e (2026-12-06, 4 attention blocks of the 1.1B model at 8x1024,
-    # `benchmarks.rotary_layouts`) slicing the transposed q took 13.2 ms against 14.9 ms for transposing each
-    # slice, 10.9 ms without rotary embeddings. A smaller view keeps the slice first: XLA:CPU transposed the
-    # whole buffer for it (y.permute(3, 2, 1, 0)[1] of a 64**4 float32 buffer: 0.5-7 ms against 0.1 ms).
+    # in one order then slice one transposed array, which XLA computes once, and the optimization barrier keeps
+    # that array whole (without it, XLA on a TPU folds the transpose into each consumer again). Rotary
+    # embeddings read q whole and as its two halves. On the v5e (2026-12-06, 4 attention blocks of the 1.1B
+    # model at 8x1024, `benchmarks.rotary_layouts`) transposing each slice took 14.9 ms, slicing the transposed
+    # q 13.2 ms, slicing it behind the barrier 12.3 ms, no rotary embeddings 10.9 ms; the whole model's forward
+    # at 8x1024 ran 4.4 ms less device time with the barrier. XLA:CPU drops the barrier and fuses as before. A
+    # smaller view keeps the slice first: XLA:CPU transposed the whole buffer for it (y.permute(3, 2, 1, 0)[1]
+    # of a 64**4 float32 buffer: 0.5-7 ms against 0.1 ms).
     transposed_first = order != sorted(order) and 2 * math.prod(take) >= math.prod(blocks.shape)
     if transposed_first:
-        blocks, begin, take = jnp.transpose(blocks, order), [begin[i] for i in order], [take[i] for i in order]
+        blocks = lax.optimization_barrier(jnp.transpose(blocks, order))
+        begin, take = [begin[i] for i in order], [take[i] for i in order]
     if start is not None:
         value = lax.dynamic_slice(blocks, begin, take)
     else:

@@ -280,9 +280,10 @@ def test_rows_read_and_written_in_a_loop_share_one_program():
 
 def test_views_of_one_buffer_in_one_order_slice_one_transposed_array():
     """Rotary embeddings read q = x.view(b, s, h, d).transpose(1, 2) whole and as its two halves. Each half is a
-    slice of the transposed array, which XLA then computes once, not a slice transposed on its own; and no read
-    keeps a trailing dim of size 1 for the contiguous innermost one (on a TPU, the minor dim of its tiles). A view
-    of a small part of its buffer is sliced before its transpose, which XLA:CPU would otherwise make of the whole."""
+    slice of the transposed array behind an optimization barrier, which XLA then computes once and keeps whole,
+    not a slice transposed on its own; and no read keeps a trailing dim of size 1 for the contiguous innermost one
+    (on a TPU, the minor dim of its tiles). A view of a small part of its buffer is sliced before its transpose,
+    which XLA:CPU would otherwise make of the whole."""
     import jax
     from hf_tpu.memory import buffer
 
@@ -295,6 +296,10 @@ def test_views_of_one_buffer_in_one_order_slice_one_transposed_array():
     jaxpr = jax.make_jaxpr(lambda a: [buffer.read(a, view) for view in views])(buf.value()).jaxpr
     transposed = [e.invars[0].aval.shape for e in jaxpr.eqns if e.primitive.name == "transpose"]
     assert transposed and all(shape == (2, 16, 4, 64) for shape in transposed), transposed
+    # each transposed array is kept whole behind a barrier, which the slices read
+    kept = {e.outvars[0] for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"
+            and any(e.invars[0] is t.outvars[0] for t in jaxpr.eqns if t.primitive.name == "transpose")}
+    assert all(e.invars[0] in kept for e in jaxpr.eqns if e.primitive.name == "slice") and len(kept) == 3, jaxpr
     assert all(v.aval.shape[-1:] != (1,) for e in jaxpr.eqns for v in e.outvars), jaxpr
     for expected, got in zip((q, *halves), (q_tpu, *halves_tpu)):
         assert torch.equal(got.cpu(), expected)
