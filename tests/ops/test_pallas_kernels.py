@@ -425,7 +425,8 @@ def test_the_rotary_layouts_benchmark_runs_its_tiny_form(tmp_path):
                             env={**os.environ, "HF_TPU_PLATFORM": "cpu"})
     assert result.returncode == 0, result.stderr[-2000:]
     rows = {r["form"]: r for r in json.loads((tmp_path / "rows.json").read_text())["rows"]}
-    assert list(rows) == ["hf_tpu", "each_slice_transposed", "materialized", "bfloat16_ops", "none"]
+    assert list(rows) == ["hf_tpu", "each_slice_transposed", "transposed_unkept", "rotated_then_transposed",
+                          "bfloat16_ops", "none"]
     assert all(rows[form]["max_diff"] == 0 for form in list(rows)[:-1]) and rows["none"]["max_diff"] > 0, rows
     assert "vs hf_tpu" in result.stdout
 
