@@ -183,11 +183,14 @@ def build_program(call: Call) -> Program:
             t_index += sum(t is not None for t in v)
     # per operand: the buffer's shape where the lowering takes it as `buffer.Transposed`, else None
     transposed = [None] * len(call.operands)
+    flattened = [None] * len(call.operands)  # likewise as `buffer.Flattened`
     if compute_dtype is None:
         for i, k in slot_of_arg.items():
             op = call.operands[k]
             if names[i] in low.transposed and op.buf is not None and buffer.swaps_last_two(op.view, op.buf.shape, op.buf.dtype):
                 transposed[k] = op.buf.shape
+            elif names[i] in low.flattened and op.buf is not None:
+                flattened[k] = buffer.flattened_shape(op.view, op.buf.shape, op.buf.dtype)
     returns_mutated = sig.returns_mutated
     if sig.functional is not None and sig.written is None:  # out= and in-place variants
         check_out_dtypes(call)
@@ -201,8 +204,9 @@ def build_program(call: Call) -> Program:
         rng_key = rng.key_from_data(rng_data) if rng_data is not None else None
         arrays = [jnp.zeros(*blank[i]) if a is None else a for i, a in enumerate(arrays)]
         starts = [None if k is None else scalars[k] for k in start_of]
-        vals = [buffer.read(a, v, s) if whole is None else buffer.Transposed(a.reshape(whole))
-                for a, v, s, whole in zip(arrays, views, starts, transposed)]
+        vals = [buffer.Transposed(a.reshape(swapped)) if swapped is not None
+                else buffer.Flattened(a.reshape(whole)) if whole is not None else buffer.read(a, v, s)
+                for a, v, s, swapped, whole in zip(arrays, views, starts, transposed, flattened)]
         if jax_compute is not None:
             vals = [v.astype(jax_compute) if _promotable(v) else v for v in vals]
 

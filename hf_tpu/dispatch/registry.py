@@ -44,6 +44,10 @@ class Lowering:
     # names of matrix arguments that may arrive as `buffer.Transposed` (a whole buffer viewed with its
     # last two dims swapped) for the lowering to contract directly instead of reading a transposed copy
     transposed: frozenset = frozenset()
+    # names of matrix arguments that may arrive as `buffer.Flattened` (a whole contiguous buffer of 3 or more
+    # dims viewed with its leading dims flattened, a linear layer's input) for the lowering to contract in the
+    # buffer's own shape
+    flattened: frozenset = frozenset()
     # names of `float` arguments passed traced, like Scalars, where they would be Python values:
     # hyperparameters that change every step (an optimizer's learning rate under a schedule); an
     # overload where the name is a Tensor (`tensor_lr`) gets it as an array anyway
@@ -68,14 +72,14 @@ def _overloads(op):
 
 
 def lowering(*ops, promote: Promote | None = None, static=(), own_shapes: bool = False, transposed=(),
-             static_values=None, traced=(), check=None, type_check=None):
+             flattened=(), static_values=None, traced=(), check=None, type_check=None):
     """Register `fn` as the lowering of each op (an OpOverload, or a packet meaning its functional
     overloads)."""
 
     def register(fn):
         entry = Lowering(fn, promote, frozenset(static), own_shapes,
                          tuple((name, frozenset(values)) for name, values in (static_values or {}).items()),
-                         frozenset(transposed), frozenset(traced), check, type_check)
+                         frozenset(transposed), frozenset(flattened), frozenset(traced), check, type_check)
         for op in ops:
             for overload in _overloads(op):
                 if isinstance(op, torch._ops.OpOverloadPacket) and overload._schema.is_mutable:

@@ -364,6 +364,29 @@ class Transposed(NamedTuple):
     array: object
 
 
+class Flattened(NamedTuple):
+    """A matrix operand that is its whole buffer of 3 or more dims with the leading ones flattened (a linear
+    layer's input, `x.view(-1, x.shape[-1])`), handed in the buffer's own shape to a lowering that contracts
+    it there: the product keeps the (batch, tokens) dims XLA lays out the rest of the model in."""
+
+    array: object
+
+
+def flattened_shape(view: View | None, shape: tuple, dtype: torch.dtype) -> tuple | None:
+    """Where `view` is its whole contiguous buffer (of `shape` and `dtype`) as a matrix whose rows flatten two
+    or more leading dims and whose columns flatten the rest: those leading dims and the columns' count (the
+    shape a `buffer.Flattened` operand takes); else None."""
+    if view is None or view.offset or view.conj or view.neg or view.dtype != dtype or len(view.shape) != 2:
+        return None
+    rows, columns = view.shape
+    if view.strides != (columns, 1):
+        return None
+    for j in range(2, len(shape)):
+        if math.prod(shape[:j]) == rows and math.prod(shape[j:]) == columns:
+            return (*shape[:j], columns)
+    return None
+
+
 def swaps_last_two(view: View | None, shape: tuple, dtype: torch.dtype) -> bool:
     """Whether `view` is its whole buffer (of `shape` and `dtype`) with the last two dims swapped."""
     if view is None or view.offset or view.conj or view.neg or view.dtype != dtype or len(shape) < 2:

@@ -101,7 +101,13 @@ def _vector_as_two_rows(product, a, b, dimension_numbers, vector_side: int):
 
 def _matmul(a, b):
     """(..., n, k) @ (..., k, m) with equal batch dims; either side may be `buffer.Transposed`, whose
-    array holds the matrix with its last two dims swapped, contracted where it lies."""
+    array holds the matrix with its last two dims swapped, contracted where it lies; the left one may be
+    `buffer.Flattened` (2-d products only), contracted in its buffer's shape, the product then flattened."""
+    if type(a) is buffer.Flattened:
+        lead = a.array.shape[:-1]
+        b_array, rhs_contracted = (b.array, b.array.ndim - 1) if type(b) is buffer.Transposed else (b, b.ndim - 2)
+        product = dot(a.array, b_array, (((a.array.ndim - 1,), (rhs_contracted,)), ((), ())))
+        return product.reshape(math.prod(lead), product.shape[-1])
     if type(a) is buffer.Transposed:
         a, lhs_contracted = a.array, a.array.ndim - 2
     else:
@@ -191,7 +197,8 @@ def _same_dtype_dot(values):  # dot and vdot
                            f"{_scalar_type(other)}")
 
 
-@lowering(aten.mm.default, aten._int_mm.default, transposed=("self", "mat2"), type_check=_same_dtype_mm)
+@lowering(aten.mm.default, aten._int_mm.default, transposed=("self", "mat2"), flattened=("self",),
+          type_check=_same_dtype_mm)
 def mm(self, mat2):
     return _matmul(self, mat2)
 
@@ -204,7 +211,7 @@ def mm_out_dtype(self, mat2, out_dtype):
     return _matmul(self, mat2)
 
 
-@lowering(aten.addmm.default, transposed=("mat1", "mat2"), type_check=_same_dtype_addmm)
+@lowering(aten.addmm.default, transposed=("mat1", "mat2"), flattened=("mat1",), type_check=_same_dtype_addmm)
 def addmm(self, mat1, mat2, beta=1, alpha=1):
     return _scaled_sum(self, _matmul(mat1, mat2), beta, alpha)
 

@@ -1,0 +1,57 @@
+"""How a linear layer's product reaches XLA: its input contracted in the input's own shape
+(`hf_tpu.memory.buffer.Flattened`), which decides the layouts XLA gives a model on a TPU; the values match
+PyTorch's on the CPU either way."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_tpu.memory import buffer
+from hf_tpu.ops import linalg
+
+_TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+
+# (input shape, the product of it): Transformers' linear layers and the views before them
+_PRODUCTS = {
+    "linear of (batch, tokens, features)": ((2, 5, 24), lambda x, w, b: F.linear(x, w)),
+    "linear with a bias": ((2, 5, 24), lambda x, w, b: F.linear(x, w, b)),
+    "linear of (batch, tokens, heads, dim) viewed whole": ((2, 5, 4, 6), lambda x, w, b: F.linear(x.view(2, 5, 24), w)),
+    "mm of a flattened 4-d input": ((3, 2, 5, 24), lambda x, w, b: x.reshape(30, 24) @ w.t()),
+    "linear of a transposed input (no flattened view)": ((5, 2, 24), lambda x, w, b: F.linear(x.transpose(0, 1), w)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("product", list(_PRODUCTS))
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_linear_layer_matches_the_cpus(product, dtype, compiled):
+    torch.manual_seed(0)
+    shape, fn = _PRODUCTS[product]
+    x, w, b = torch.randn(shape, dtype=dtype), torch.randn(7, 24, dtype=dtype), torch.randn(7, dtype=dtype)
+    expected = fn(x, w, b)
+    run = torch.compile(fn, backend="tpu") if compiled else fn
+    actual = run(x.to("tpu"), w.to("tpu"), b.to("tpu"))
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    torch.testing.assert_close(actual.cpu(), expected, **_TOLERANCE[dtype])
+
+
+def test_a_linear_layers_input_is_contracted_in_its_own_shape(monkeypatch):
+    """The product's left side is the input's buffer in its own shape, not a (tokens, features) copy of it."""
+    seen = []
+    dot = linalg.dot
+    monkeypatch.setattr(linalg, "dot", lambda a, b, numbers: seen.append(a.shape) or dot(a, b, numbers))
+    x, w = torch.randn(3, 11, 13).to("tpu"), torch.randn(17, 13).to("tpu")  # shapes no other test builds
+    torch.testing.assert_close(F.linear(x, w).cpu(), F.linear(x.cpu(), w.cpu()), rtol=1e-5, atol=1e-5)
+    assert seen == [(3, 11, 13)]
+
+
+def test_which_views_are_flattened_inputs():
+    def view(t):
+        return buffer.view_of(t, buffer.buffer_of(t))
+
+    x = torch.zeros(2, 5, 4, 6, device="tpu")
+    assert buffer.flattened_shape(view(x.view(10, 24)), x.shape, x.dtype) == (2, 5, 24)
+    assert buffer.flattened_shape(view(x.view(40, 6)), x.shape, x.dtype) == (2, 5, 4, 6)
+    assert buffer.flattened_shape(view(x.view(2, 120)), x.shape, x.dtype) is None  # one leading dim: a plain matrix
+    assert buffer.flattened_shape(view(x.view(10, 24)[1:]), x.shape, x.dtype) is None  # not the whole buffer
+    assert buffer.flattened_shape(view(x.view(10, 24).t()), x.shape, x.dtype) is None  # transposed
