@@ -1,11 +1,14 @@
 """How a linear layer's product reaches XLA: its input contracted in the input's own shape
-(`hf_tpu.memory.buffer.Flattened`), which decides the layouts XLA gives a model on a TPU; the values match
+(`hf_tpu.memory.buffer.Flattened`), and on a TPU a bfloat16 product asked for in bfloat16
+(`hf_tpu.ops.linalg._product_dtype`). Both decide the layouts XLA gives a model on a TPU; the values match
 PyTorch's on the CPU either way."""
 
+import jax.numpy as jnp
 import pytest
 import torch
 import torch.nn.functional as F
 
+from hf_tpu import platform
 from hf_tpu.memory import buffer
 from hf_tpu.ops import linalg
 
@@ -55,3 +58,12 @@ def test_which_views_are_flattened_inputs():
     assert buffer.flattened_shape(view(x.view(2, 120)), x.shape, x.dtype) is None  # one leading dim: a plain matrix
     assert buffer.flattened_shape(view(x.view(10, 24)[1:]), x.shape, x.dtype) is None  # not the whole buffer
     assert buffer.flattened_shape(view(x.view(10, 24).t()), x.shape, x.dtype) is None  # transposed
+
+
+@pytest.mark.parametrize("name", ["tpu", "cpu", "gpu"])
+def test_a_bfloat16_product_is_asked_for_in_bfloat16_on_a_tpu_alone(monkeypatch, name):
+    monkeypatch.setattr(platform, "name", lambda: name)
+    assert linalg._product_dtype(jnp.bfloat16) == (jnp.bfloat16 if name == "tpu" else jnp.float32)
+    assert linalg._product_dtype(jnp.float16) == jnp.float32
+    assert linalg._product_dtype(jnp.float32) == jnp.float32
+    assert linalg._product_dtype(jnp.int8) == jnp.int32
