@@ -1,0 +1,151 @@
+"""Forms of a Llama model's linear layers side by side, in raw JAX: what decides the layout XLA gives the
+residual stream on a TPU.
+
+    python -m benchmarks.linear_layouts [--json FILE] [--layers 4] [--tiny]
+
+Each row runs the 1.1B model's embedding lookup, `--layers` whole layers (RMSNorm, q/k/v projections, rotary
+embeddings, splash attention, output projection, SwiGLU MLP, residual adds, each op rounded to bfloat16 as
+PyTorch rounds it) and the vocabulary projection at batch 8 and 1024 tokens, with every linear layer in one
+form:
+
+- `flattened`: the input flattened to (tokens, features), a float32 product rounded to bfloat16: the program
+  the compiled forward gave Transformers' `nn.Linear` (`view`, `mm`, `view`) before 2026-12-06;
+- `in_shape`: the same product contracted in the input's own (batch, tokens, features) shape;
+- `bfloat16_product`: in the input's shape, the product asked for in bfloat16 (XLA's default, torchax's
+  form), which rounds where XLA chooses.
+
+Besides each row's time, the layout of the residual stream: how many of the program's (tokens, hidden) arrays
+XLA lays out token-minor. Elsewhere (or with `--tiny`) the shapes are tiny and the kernel runs in interpret
+mode: a check that the script works, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+
+import numpy as np
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    parser.add_argument("--layers", type=int, default=4, help="layers chained in one program")
+    parser.add_argument("--iters", type=int, default=10, help="timed calls per form")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (the default off a TPU)")
+    return parser.parse_args(argv)
+
+
+def _forms():
+    """name -> linear(x [..., in], w [out, in]) -> [..., out] in bfloat16."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    def product(x, w, dtype, precision=lax.Precision.HIGHEST):  # hf-tpu's precision: PyTorch's default "highest"
+        return lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), precision=precision,
+                               preferred_element_type=dtype)
+
+    def flattened(x, w):
+        return product(x.reshape(-1, x.shape[-1]), w, jnp.float32).astype(jnp.bfloat16).reshape(*x.shape[:-1], -1)
+
+    def in_shape(x, w):
+        return product(x, w, jnp.float32).astype(jnp.bfloat16)
+
+    def bfloat16_product(x, w):
+        return product(x, w, jnp.bfloat16, lax.Precision.DEFAULT)
+
+    return dict(flattened=flattened, in_shape=in_shape, bfloat16_product=bfloat16_product)
+
+
+def main(argv=None):
+    args = _parse(argv)
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from hf_tpu.kernels.flash_attention import flash_attention
+
+    tiny = args.tiny or jax.devices()[0].platform != "tpu"
+    batch, length, heads, kv_heads, head_dim, hidden, intermediate, vocab = (
+        (1, 128, 4, 2, 64, 256, 512, 1000) if tiny else (8, 1024, 32, 8, 64, 2048, 8192, 32000))
+
+    def up(x):
+        return x.astype(jnp.float32)
+
+    def down(x):
+        return x.astype(jnp.bfloat16)
+
+    def norm(x, weight):
+        x = up(x)
+        return down(up(weight) * up(down(x * lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6))))
+
+    def rope(projection, n, cos, sin):
+        q = lax.optimization_barrier(projection.reshape(batch, length, n, head_dim).transpose(0, 2, 1, 3))
+        low, high = q[..., :head_dim // 2], q[..., head_dim // 2:]
+        rotated = jnp.concatenate([down(-up(high)), low], -1)
+        return down(up(down(up(q) * cos)) + up(down(up(rotated) * sin)))
+
+    def model(linear, ids, table, layers, final, head, cos, sin):
+        x = table[ids]
+        for n1, wq, wk, wv, wo, n2, wg, wu, wd in layers:
+            h = norm(x, n1)
+            q, k = rope(linear(h, wq), heads, cos, sin), rope(linear(h, wk), kv_heads, cos, sin)
+            v = linear(h, wv).reshape(batch, length, kv_heads, head_dim).transpose(0, 2, 1, 3)
+            out = flash_attention(q, k, v, scale=head_dim ** -0.5, is_causal=True)
+            x = down(up(x) + up(linear(out.transpose(0, 2, 1, 3).reshape(batch, length, heads * head_dim), wo)))
+            h = norm(x, n2)
+            act = down(up(down(jax.nn.silu(up(linear(h, wg))))) * up(linear(h, wu)))
+            x = down(up(x) + up(linear(act, wd)))
+        return linear(norm(x, final), head)
+
+    keys = iter(jax.random.split(jax.random.PRNGKey(0), 16 * args.layers + 4))
+
+    def weight(*shape):
+        return jax.random.normal(next(keys), shape, jnp.bfloat16) * 0.02
+
+    ones = jnp.ones(hidden, jnp.bfloat16)
+    layers = [(ones, weight(heads * head_dim, hidden), weight(kv_heads * head_dim, hidden),
+               weight(kv_heads * head_dim, hidden), weight(hidden, heads * head_dim), ones,
+               weight(intermediate, hidden), weight(intermediate, hidden), weight(hidden, intermediate))
+              for _ in range(args.layers)]
+    ids = jax.random.randint(next(keys), (batch, length), 0, vocab)
+    angles = np.arange(length)[:, None] / (10000 ** (np.arange(0, head_dim, 2) / head_dim))[None]
+    angles = np.concatenate([angles, angles], -1)
+    cos, sin = (jnp.asarray(f(angles), jnp.bfloat16).astype(jnp.float32) for f in (np.cos, np.sin))
+    inputs = (ids, weight(vocab, hidden), layers, ones, weight(vocab, hidden), cos, sin)
+    token_minor = re.compile(rf"bf16\[{batch * length},{hidden}\]\{{0,1|bf16\[{batch},{length},{hidden}\]\{{1,2,0")
+
+    rows, reference = [], None
+    for name, linear in _forms().items():
+        start = time.perf_counter()
+        compiled = jax.jit(lambda *a, linear=linear: model(linear, *a)).lower(*inputs).compile()
+        compile_s = time.perf_counter() - start
+        out = jax.block_until_ready(compiled(*inputs))
+        times = []
+        for _ in range(args.iters):
+            start = time.perf_counter()
+            jax.block_until_ready(compiled(*inputs))
+            times.append(time.perf_counter() - start)
+        reference = out if reference is None else reference
+        rows.append(dict(form=name, ms=float(np.median(times)) * 1e3, compile_s=compile_s,
+                         token_minor=len(token_minor.findall(compiled.as_text() or "")),
+                         max_diff=float(jnp.max(jnp.abs(up(out) - up(reference))))))
+
+    base = rows[0]["ms"]
+    print(f"{args.layers} layers and the vocabulary projection at {batch}x{length} on {jax.devices()[0].device_kind}"
+          f"{' (tiny, interpret mode: not a measurement)' if tiny else ''}")
+    print(f"{'form':18s} {'ms':>9s} {'vs flattened':>12s} {'compile s':>9s} {'token-minor arrays':>18s} "
+          f"{'max |out - flattened|':>21s}")
+    for row in rows:
+        print(f"{row['form']:18s} {row['ms']:9.3f} {row['ms'] / base:11.2f}x {row['compile_s']:9.1f} "
+              f"{row['token_minor']:18d} {row['max_diff']:21.3g}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(shape=[batch, length], layers=args.layers, tiny=tiny, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
