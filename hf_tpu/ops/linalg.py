@@ -55,16 +55,20 @@ def _product_dtype(dtype):
     form's for both, as the float32 form in another layout is. Elsewhere the product is asked for as
     `accumulation_dtype` says and rounded once, as PyTorch's CPU kernels round it. A product split over chips
     (a row-parallel linear layer) may then be summed across them in bfloat16, as Megatron-LM's row-parallel
-    layers sum theirs."""
+    layers sum theirs. A product with an epilogue (`dot`'s) keeps float32 everywhere: a linear layer with a bias
+    (`addmm`) adds it before the one rounding, as PyTorch does."""
     if dtype == jnp.bfloat16 and platform.name() == "tpu":
         return dtype
     return accumulation_dtype(dtype)
 
 
-def dot(a, b, dimension_numbers):
-    """`lax.dot_general` with PyTorch's precision and accumulation; the caller casts the result."""
+def dot(a, b, dimension_numbers, epilogue: bool = False):
+    """`lax.dot_general` with PyTorch's precision and accumulation; the caller casts the result. `epilogue`: the
+    caller adds to the product (addmm's `beta * self`) or casts it to a dtype of its own before it is rounded, so
+    it is asked for in its accumulation dtype on every platform, rounded once as PyTorch's CPU kernels round it."""
+    dtype = jnp.result_type(a, b)
     product = functools.partial(jax.lax.dot_general, precision=matmul_precision(),
-                                preferred_element_type=_product_dtype(jnp.result_type(a, b)))
+                                preferred_element_type=accumulation_dtype(dtype) if epilogue else _product_dtype(dtype))
     vector_side = _half_precision_vector_on_cpu(a, b, dimension_numbers)
     if vector_side is None:
         return product(a, b, dimension_numbers)
@@ -115,14 +119,15 @@ def _vector_as_two_rows(product, a, b, dimension_numbers, vector_side: int):
     return first if free else jnp.squeeze(first, position)
 
 
-def _matmul(a, b):
+def _matmul(a, b, epilogue: bool = False):
     """(..., n, k) @ (..., k, m) with equal batch dims; either side may be `buffer.Transposed`, whose
     array holds the matrix with its last two dims swapped, contracted where it lies; the left one may be
-    `buffer.Flattened` (2-d products only), contracted in its buffer's shape, the product then flattened."""
+    `buffer.Flattened` (2-d products only), contracted in its buffer's shape, the product then flattened.
+    `epilogue` as in `dot`."""
     if type(a) is buffer.Flattened:
         lead = a.array.shape[:-1]
         b_array, rhs_contracted = (b.array, b.array.ndim - 1) if type(b) is buffer.Transposed else (b, b.ndim - 2)
-        product = dot(a.array, b_array, (((a.array.ndim - 1,), (rhs_contracted,)), ((), ())))
+        product = dot(a.array, b_array, (((a.array.ndim - 1,), (rhs_contracted,)), ((), ())), epilogue)
         return product.reshape(math.prod(lead), product.shape[-1])
     if type(a) is buffer.Transposed:
         a, lhs_contracted = a.array, a.array.ndim - 2
@@ -133,7 +138,7 @@ def _matmul(a, b):
     else:
         rhs_contracted = b.ndim - 2
     batch = tuple(range(a.ndim - 2))
-    return dot(a, b, (((lhs_contracted,), (rhs_contracted,)), (batch, batch)))
+    return dot(a, b, (((lhs_contracted,), (rhs_contracted,)), (batch, batch)), epilogue)
 
 
 def _scaled_sum(self, product, beta, alpha):
@@ -224,12 +229,12 @@ lowering(aten.bmm.default, transposed=("self", "mat2"), type_check=_same_dtype_b
 
 @lowering(aten.mm.dtype, aten.bmm.dtype, transposed=("self", "mat2"))
 def mm_out_dtype(self, mat2, out_dtype):
-    return _matmul(self, mat2)
+    return _matmul(self, mat2, epilogue=True)
 
 
 @lowering(aten.addmm.default, transposed=("mat1", "mat2"), flattened=("mat1",), type_check=_same_dtype_addmm)
 def addmm(self, mat1, mat2, beta=1, alpha=1):
-    return _scaled_sum(self, _matmul(mat1, mat2), beta, alpha)
+    return _scaled_sum(self, _matmul(mat1, mat2, epilogue=True), beta, alpha)
 
 
 lowering(aten.baddbmm.default, transposed=("batch1", "batch2"), type_check=_same_dtype_baddbmm)(addmm)
@@ -237,17 +242,17 @@ lowering(aten.baddbmm.default, transposed=("batch1", "batch2"), type_check=_same
 
 @lowering(aten.addmm.dtype, aten.baddbmm.dtype, transposed=("mat1", "mat2", "batch1", "batch2"))
 def addmm_out_dtype(self, mat1, mat2, out_dtype, beta=1, alpha=1):
-    return _scaled_sum(self, _matmul(mat1, mat2), beta, alpha)
+    return _scaled_sum(self, _matmul(mat1, mat2, epilogue=True), beta, alpha)
 
 
 @lowering(aten.addbmm.default, type_check=_same_dtype_addmm)
 def addbmm(self, batch1, batch2, beta=1, alpha=1):
-    return _scaled_sum(self, dot(batch1, batch2, (((0, 2), (0, 1)), ((), ()))), beta, alpha)
+    return _scaled_sum(self, dot(batch1, batch2, (((0, 2), (0, 1)), ((), ())), epilogue=True), beta, alpha)
 
 
 @lowering(aten.addmv.default, type_check=_same_dtype_addmv)
 def addmv(self, mat, vec, beta=1, alpha=1):
-    return _scaled_sum(self, mv(mat, vec), beta, alpha)
+    return _scaled_sum(self, dot(mat, vec, (((1,), (0,)), ((), ())), epilogue=True), beta, alpha)
 
 
 @lowering(aten.addr.default)

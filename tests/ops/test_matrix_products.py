@@ -3,6 +3,7 @@
 (`hf_tpu.ops.linalg._product_dtype`). Both decide the layouts XLA gives a model on a TPU; the values match
 PyTorch's on the CPU either way."""
 
+import jax
 import jax.numpy as jnp
 import pytest
 import torch
@@ -42,7 +43,7 @@ def test_a_linear_layers_input_is_contracted_in_its_own_shape(monkeypatch):
     """The product's left side is the input's buffer in its own shape, not a (tokens, features) copy of it."""
     seen = []
     dot = linalg.dot
-    monkeypatch.setattr(linalg, "dot", lambda a, b, numbers: seen.append(a.shape) or dot(a, b, numbers))
+    monkeypatch.setattr(linalg, "dot", lambda a, b, *rest: seen.append(a.shape) or dot(a, b, *rest))
     x, w = torch.randn(3, 11, 13).to("tpu"), torch.randn(17, 13).to("tpu")  # shapes no other test builds
     torch.testing.assert_close(F.linear(x, w).cpu(), F.linear(x.cpu(), w.cpu()), rtol=1e-5, atol=1e-5)
     assert seen == [(3, 11, 13)]
@@ -67,3 +68,19 @@ def test_a_bfloat16_product_is_asked_for_in_bfloat16_on_a_tpu_alone(monkeypatch,
     assert linalg._product_dtype(jnp.float16) == jnp.float32
     assert linalg._product_dtype(jnp.float32) == jnp.float32
     assert linalg._product_dtype(jnp.int8) == jnp.int32
+
+
+def test_a_product_with_an_epilogue_is_rounded_once_on_a_tpu_too(monkeypatch):
+    """On a TPU `mm` asks for a bfloat16 product; `addmm` (a linear layer with a bias) and `mm` with an out_dtype ask
+    for float32, so the bias is added, or the dtype given, before the one rounding."""
+    monkeypatch.setattr(platform, "name", lambda: "tpu")
+    a, b, bias = jnp.ones((4, 8), jnp.bfloat16), jnp.ones((8, 3), jnp.bfloat16), jnp.ones((3,), jnp.bfloat16)
+
+    def asked_for(fn, *args):
+        eqns = jax.make_jaxpr(fn)(*args).jaxpr.eqns
+        return [e.params["preferred_element_type"] for e in eqns if e.primitive.name == "dot_general"]
+
+    assert asked_for(linalg.mm, a, b) == [jnp.bfloat16]
+    assert asked_for(linalg.addmm, bias, a, b) == [jnp.float32]
+    assert asked_for(lambda a, b: linalg.mm_out_dtype(a, b, torch.float32), a, b) == [jnp.float32]
+    assert asked_for(linalg.addmv, bias, b.T, a[0]) == [jnp.float32]
