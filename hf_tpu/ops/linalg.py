@@ -51,12 +51,12 @@ def _product_dtype(dtype):
     accumulates in float32 either way): asked for in float32, then rounded, XLA laid a Llama's residual
     stream out token-minor from the first linear layer on, and the 1.1B model's compiled forward at 8x1024
     took 133.20 ms a call on the v5e (2026-12-06) against 125.79 ms with `buffer.Flattened` inputs (either
-    change alone: 133.20 and 133.29 ms). Raw JAX (`benchmarks.linear_layouts`) gives logits within 0.07 of the float32
-    form's for both, as the float32 form in another layout is. Elsewhere the product is asked for as
+    change alone: 133.20 and 133.29 ms). Raw JAX (`benchmarks.linear_layouts`) gives logits within 0.07 of the
+    float32 form's for both, as the float32 form in another layout is. Elsewhere the product is asked for as
     `accumulation_dtype` says and rounded once, as PyTorch's CPU kernels round it. A product split over chips
     (a row-parallel linear layer) may then be summed across them in bfloat16, as Megatron-LM's row-parallel
-    layers sum theirs. A product with an epilogue (`dot`'s) keeps float32 everywhere: a linear layer with a bias
-    (`addmm`) adds it before the one rounding, as PyTorch does."""
+    layers sum theirs. A product with an epilogue (`dot`'s) keeps float32 everywhere: a linear layer with a
+    bias (`addmm`) adds it before the one rounding, as PyTorch does."""
     if dtype == jnp.bfloat16 and platform.name() == "tpu":
         return dtype
     return accumulation_dtype(dtype)
