@@ -21,22 +21,13 @@ mode: a check that the script works, not a measurement.
 
 from __future__ import annotations
 
-import argparse
+import functools
 import json
 import re
 import sys
 import time
 
-import numpy as np
-
-
-def _parse(argv):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
-    parser.add_argument("--layers", type=int, default=4, help="layers chained in one program")
-    parser.add_argument("--iters", type=int, default=10, help="timed calls per form")
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes (the default off a TPU)")
-    return parser.parse_args(argv)
+from benchmarks import raw_forms
 
 
 def _forms():
@@ -61,7 +52,7 @@ def _forms():
 
 
 def main(argv=None):
-    args = _parse(argv)
+    args = raw_forms.parse(argv, __doc__, "layers", iters=10)
     import jax
     import jax.numpy as jnp
     from jax import lax
@@ -112,27 +103,19 @@ def main(argv=None):
                weight(intermediate, hidden), weight(intermediate, hidden), weight(hidden, intermediate))
               for _ in range(args.layers)]
     ids = jax.random.randint(next(keys), (batch, length), 0, vocab)
-    angles = np.arange(length)[:, None] / (10000 ** (np.arange(0, head_dim, 2) / head_dim))[None]
-    angles = np.concatenate([angles, angles], -1)
-    cos, sin = (jnp.asarray(f(angles), jnp.bfloat16).astype(jnp.float32) for f in (np.cos, np.sin))
+    cos, sin = raw_forms.rotary_cos_sin(length, head_dim)
     inputs = (ids, weight(vocab, hidden), layers, ones, weight(vocab, hidden), cos, sin)
     token_minor = re.compile(rf"bf16\[{batch * length},{hidden}\]\{{0,1|bf16\[{batch},{length},{hidden}\]\{{1,2,0")
 
-    rows, reference = [], None
+    compiled, extra = {}, {}
     for name, linear in _forms().items():
         start = time.perf_counter()
-        compiled = jax.jit(lambda *a, linear=linear: model(linear, *a)).lower(*inputs).compile()
-        compile_s = time.perf_counter() - start
-        out = jax.block_until_ready(compiled(*inputs))
-        times = []
-        for _ in range(args.iters):
-            start = time.perf_counter()
-            jax.block_until_ready(compiled(*inputs))
-            times.append(time.perf_counter() - start)
-        reference = out if reference is None else reference
-        rows.append(dict(form=name, ms=float(np.median(times)) * 1e3, compile_s=compile_s,
-                         token_minor=len(token_minor.findall(compiled.as_text() or "")),
-                         max_diff=float(jnp.max(jnp.abs(up(out) - up(reference))))))
+        compiled[name] = jax.jit(lambda *a, linear=linear: model(linear, *a)).lower(*inputs).compile()
+        extra[name] = dict(compile_s=time.perf_counter() - start,
+                           token_minor=len(token_minor.findall(compiled[name].as_text() or "")))
+    rows = raw_forms.time_forms({name: functools.partial(program, *inputs) for name, program in compiled.items()},
+                                args.iters)
+    rows = [{**row, **extra[row["form"]]} for row in rows]
 
     base = rows[0]["ms"]
     print(f"{args.layers} layers and the vocabulary projection at {batch}x{length} on {jax.devices()[0].device_kind}"

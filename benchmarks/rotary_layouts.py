@@ -26,21 +26,11 @@ and the kernel runs in interpret mode: a check that the script works, not a meas
 
 from __future__ import annotations
 
-import argparse
+import functools
 import json
 import sys
-import time
 
-import numpy as np
-
-
-def _parse(argv):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
-    parser.add_argument("--layers", type=int, default=4, help="attention blocks chained in one program")
-    parser.add_argument("--iters", type=int, default=15, help="timed calls per form")
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes (the default off a TPU)")
-    return parser.parse_args(argv)
+from benchmarks import raw_forms
 
 
 def _forms(batch, length, head_dim):
@@ -101,7 +91,7 @@ def _forms(batch, length, head_dim):
 
 
 def main(argv=None):
-    args = _parse(argv)
+    args = raw_forms.parse(argv, __doc__, "attention blocks", iters=15)
     import jax
     import jax.numpy as jnp
 
@@ -128,25 +118,10 @@ def main(argv=None):
               (hidden, heads * head_dim)]
     weights = [tuple(jax.random.normal(keys[1 + 4 * i + j], shape, jnp.bfloat16) * 0.02 for j, shape in enumerate(shapes))
                for i in range(args.layers)]
-    angles = np.arange(length)[:, None] / (10000 ** (np.arange(0, head_dim, 2) / head_dim))[None]
-    angles = np.concatenate([angles, angles], -1)
-    # Transformers' cos and sin come in the model's dtype; hf_tpu's ops read them in float32
-    cos, sin = (jnp.asarray(f(angles), jnp.bfloat16).astype(jnp.float32) for f in (np.cos, np.sin))
-
-    rows, reference = [], None
-    for name, rope in forms.items():
-        run = jax.jit(lambda x, weights, cos, sin, rope=rope: blocks(rope, x, weights, cos, sin))
-        start = time.perf_counter()
-        out = jax.block_until_ready(run(x, weights, cos, sin))
-        first = time.perf_counter() - start
-        times = []
-        for _ in range(args.iters):
-            start = time.perf_counter()
-            jax.block_until_ready(run(x, weights, cos, sin))
-            times.append(time.perf_counter() - start)
-        reference = out if reference is None else reference
-        rows.append(dict(form=name, ms=float(np.median(times)) * 1e3, first_s=first,
-                         max_diff=float(jnp.max(jnp.abs(out.astype(jnp.float32) - reference.astype(jnp.float32))))))
+    cos, sin = raw_forms.rotary_cos_sin(length, head_dim)
+    rows = raw_forms.time_forms(
+        {name: functools.partial(jax.jit(lambda x, weights, cos, sin, rope=rope: blocks(rope, x, weights, cos, sin)),
+                                 x, weights, cos, sin) for name, rope in forms.items()}, args.iters)
 
     base = rows[0]["ms"]
     print(f"{args.layers} attention blocks at {batch}x{length} on {jax.devices()[0].device_kind}"
