@@ -2,8 +2,8 @@
 
 Float32 products follow `torch.get_float32_matmul_precision()` (which `allow_tf32` also sets), read
 when the program is traced; bfloat16/float16 products accumulate in float32 and round once, like
-PyTorch's CPU and CUDA kernels (on a TPU, where the matrix unit does so by itself, a bfloat16 product is
-asked for in bfloat16: `_product_dtype`).
+PyTorch's CPU and CUDA kernels (on a TPU, where the matrix unit does so by itself, a bfloat16 product of
+many rows is asked for in bfloat16: `_product_dtype`).
 """
 
 from __future__ import annotations
@@ -46,18 +46,30 @@ def accumulation_dtype(dtype):
     return dtype
 
 
-def _product_dtype(dtype):
-    """The dtype `dot` asks XLA for. On a TPU a bfloat16 product is asked for in bfloat16 (the matrix unit
-    accumulates in float32 either way): asked for in float32, then rounded, XLA laid a Llama's residual
-    stream out token-minor from the first linear layer on, and the 1.1B model's compiled forward at 8x1024
-    took 133.20 ms a call on the v5e (2026-12-06) against 125.79 ms with `buffer.Flattened` inputs (either
-    change alone: 133.20 and 133.29 ms). Raw JAX (`benchmarks.linear_layouts`) gives logits within 0.07 of the
-    float32 form's for both, as the float32 form in another layout is. Elsewhere the product is asked for as
-    `accumulation_dtype` says and rounded once, as PyTorch's CPU kernels round it. A product split over chips
-    (a row-parallel linear layer) may then be summed across them in bfloat16, as Megatron-LM's row-parallel
-    layers sum theirs. A product with an epilogue (`dot`'s) keeps float32 everywhere: a linear layer with a
-    bias (`addmm`) adds it before the one rounding, as PyTorch does."""
-    if dtype == jnp.bfloat16 and platform.name() == "tpu":
+# the rows (a product's left side's elements per contracted element) from which a TPU asks for a bfloat16 product
+# in bfloat16; see `_product_dtype`
+_BFLOAT16_PRODUCT_ROWS = 8192
+
+
+def _product_dtype(dtype, rows: int):
+    """The dtype `dot` asks XLA for, for a product whose left side has `rows` rows. On a TPU a bfloat16 product
+    of `_BFLOAT16_PRODUCT_ROWS` rows or more is asked for in bfloat16 (the matrix unit accumulates in float32
+    either way); below, in float32 and then rounded, as everywhere else. Which is faster depends on the layouts
+    and fusions XLA then picks, measured on the v5e with the 1.1B Llama's compiled forward (2026-12-06):
+
+    - at 8x1024 (8192 rows), asked for in float32, XLA laid the residual stream out token-minor from the first
+      linear layer on and relaid it around every layer's attention: 133.20 ms a call, against 125.63 ms asked
+      for in bfloat16 (with `buffer.Flattened` inputs; 133.29 ms without);
+    - at 1x1024 (1024 rows), asked for in bfloat16, XLA's fusion of each down projection with the residual add
+      and the next norm's statistics took 345 us against 189 us: 18.61 ms a call against 16.28 ms (device
+      16.69 against 14.20 ms). At 1x4096 the forward took 78.3 ms (bfloat16) against 75.3 ms (float32, an
+      earlier run); at 1x128 5.0 against 5.3 ms. The crossover between 4096 and 8192 rows is not measured.
+
+    Raw JAX (`benchmarks.linear_layouts`) gives logits within 0.07 of the float32 form's for both. A product
+    split over chips (a row-parallel linear layer) may then be summed across them in bfloat16, as Megatron-LM's
+    row-parallel layers sum theirs. A product with an epilogue (`dot`'s) keeps float32 everywhere: a linear
+    layer with a bias (`addmm`) adds it before the one rounding, as PyTorch does."""
+    if dtype == jnp.bfloat16 and platform.name() == "tpu" and rows >= _BFLOAT16_PRODUCT_ROWS:
         return dtype
     return accumulation_dtype(dtype)
 
@@ -67,8 +79,10 @@ def dot(a, b, dimension_numbers, epilogue: bool = False):
     caller adds to the product (addmm's `beta * self`) or casts it to a dtype of its own before it is rounded, so
     it is asked for in its accumulation dtype on every platform, rounded once as PyTorch's CPU kernels round it."""
     dtype = jnp.result_type(a, b)
+    rows = math.prod(n for d, n in enumerate(a.shape) if d not in dimension_numbers[0][0])
     product = functools.partial(jax.lax.dot_general, precision=matmul_precision(),
-                                preferred_element_type=accumulation_dtype(dtype) if epilogue else _product_dtype(dtype))
+                                preferred_element_type=accumulation_dtype(dtype) if epilogue
+                                else _product_dtype(dtype, rows))
     vector_side = _half_precision_vector_on_cpu(a, b, dimension_numbers)
     if vector_side is None:
         return product(a, b, dimension_numbers)

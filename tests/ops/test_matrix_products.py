@@ -1,5 +1,5 @@
 """How a linear layer's product reaches XLA: its input contracted in the input's own shape
-(`hf_tpu.memory.buffer.Flattened`), and on a TPU a bfloat16 product asked for in bfloat16
+(`hf_tpu.memory.buffer.Flattened`), and on a TPU a bfloat16 product of many rows asked for in bfloat16
 (`hf_tpu.ops.linalg._product_dtype`). Both decide the layouts XLA gives a model on a TPU; the values match
 PyTorch's on the CPU either way."""
 
@@ -62,19 +62,36 @@ def test_which_views_are_flattened_inputs():
 
 
 @pytest.mark.parametrize("name", ["tpu", "cpu", "gpu"])
-def test_a_bfloat16_product_is_asked_for_in_bfloat16_on_a_tpu_alone(monkeypatch, name):
+def test_a_bfloat16_product_of_many_rows_is_asked_for_in_bfloat16_on_a_tpu_alone(monkeypatch, name):
     monkeypatch.setattr(platform, "name", lambda: name)
-    assert linalg._product_dtype(jnp.bfloat16) == (jnp.bfloat16 if name == "tpu" else jnp.float32)
-    assert linalg._product_dtype(jnp.float16) == jnp.float32
-    assert linalg._product_dtype(jnp.float32) == jnp.float32
-    assert linalg._product_dtype(jnp.int8) == jnp.int32
+    many, few = linalg._BFLOAT16_PRODUCT_ROWS, linalg._BFLOAT16_PRODUCT_ROWS - 1
+    assert linalg._product_dtype(jnp.bfloat16, many) == (jnp.bfloat16 if name == "tpu" else jnp.float32)
+    assert linalg._product_dtype(jnp.bfloat16, few) == jnp.float32
+    assert linalg._product_dtype(jnp.float16, many) == jnp.float32
+    assert linalg._product_dtype(jnp.float32, many) == jnp.float32
+    assert linalg._product_dtype(jnp.int8, many) == jnp.int32
+
+
+def test_a_products_rows_are_its_left_sides_elements_per_contracted_element(monkeypatch):
+    """A linear layer's input of (batch, tokens, features), contracted in its own shape (`buffer.Flattened`), has
+    batch * tokens rows: 8x1024 asks for bfloat16 on a TPU, 1x1024 for float32."""
+    monkeypatch.setattr(platform, "name", lambda: "tpu")
+    weight = jnp.ones((4, 3), jnp.bfloat16)
+
+    def asked_for(batch, tokens):
+        x = jnp.ones((batch, tokens, 4), jnp.bfloat16)
+        eqns = jax.make_jaxpr(lambda x, w: linalg.dot(x, w, (((2,), (0,)), ((), ()))))(x, weight).jaxpr.eqns
+        return [e.params["preferred_element_type"] for e in eqns if e.primitive.name == "dot_general"]
+
+    assert asked_for(8, 1024) == [jnp.bfloat16]
+    assert asked_for(1, 1024) == [jnp.float32]
 
 
 def test_a_product_with_an_epilogue_is_rounded_once_on_a_tpu_too(monkeypatch):
-    """On a TPU `mm` asks for a bfloat16 product; `addmm` (a linear layer with a bias) and `mm` with an out_dtype ask
-    for float32, so the bias is added, or the dtype given, before the one rounding."""
+    """On a TPU `mm` of many rows asks for a bfloat16 product; `addmm` (a linear layer with a bias) and `mm` with an
+    out_dtype ask for float32, so the bias is added, or the dtype given, before the one rounding."""
     monkeypatch.setattr(platform, "name", lambda: "tpu")
-    a, b, bias = jnp.ones((4, 8), jnp.bfloat16), jnp.ones((8, 3), jnp.bfloat16), jnp.ones((3,), jnp.bfloat16)
+    a, b, bias = jnp.ones((linalg._BFLOAT16_PRODUCT_ROWS, 8), jnp.bfloat16), jnp.ones((8, 3), jnp.bfloat16), jnp.ones((3,), jnp.bfloat16)
 
     def asked_for(fn, *args):
         eqns = jax.make_jaxpr(fn)(*args).jaxpr.eqns
