@@ -21,6 +21,7 @@ import torch
 
 from . import compile_log, constant_masks, counters, loops, modes, platform
 from .device import current, rng
+from .dispatch import _entry
 from .memory import buffer, donation
 
 log = logging.getLogger("hf_tpu.compile")
@@ -237,7 +238,16 @@ class _CompiledGraph:
         return self._outputs(metas, results)
 
     def _read_inputs(self, args) -> tuple:
-        """(arrays, non-tensor values, device index) of a call's inputs; notes their specs for tracing."""
+        """(arrays, non-tensor values, device index) of a call's inputs; notes their specs for tracing. The common
+        case, every input a whole buffer on one chip (a model's parameters and its token ids), is read in C
+        (`_entry.whole_arrays`): a 16-layer Llama's 149 inputs took 0.24 ms a call in the loop below on the
+        development CPU."""
+        whole = _entry.whole_arrays(args)
+        if whole is not None:
+            arrays, self.in_specs, device_index = whole
+            if buffer.sharded_arrays_exist:
+                arrays = buffer.place_together(arrays)
+            return arrays, (None,) * len(args), device_index
         in_specs, arrays, values = [], [], []
         device_index = None
         host = []  # positions of CPU tensors: uploaded once the call's device is known

@@ -10,7 +10,7 @@ One concern a module, in the order a call meets them:
 
     registry.py      the lowerings and handlers the ops register (`hf_tpu.ops` fills it)
     signatures.py     what dispatch knows of one op (`Signature`, `signature(op)`)
-    _entry.c         the C entry: binding a call, and strict eager's common case
+    _entry.c         the C entry: binding a call, strict eager's common case, a compiled graph's inputs
     call.py          one call analysed: operands, scalars, key
     write_checks.py  PyTorch's checks of the tensors an op writes
     program.py       building the program of a key

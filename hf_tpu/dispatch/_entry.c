@@ -25,7 +25,7 @@ enum { TENSOR = 0, OPT_TENSOR = 1, SCALAR = 3, STATIC = 6 };
 
 /* What `registration.py` hands over once, at import, by name (`configure`). */
 static PyObject *tensor_type, *operand_type, *live, *hashable, *programs, *current_mode, *strict_mode,
-    *buffer_module, *counters, *allocate, *run_bound, *matmul_precision, *s_strict_name;
+    *buffer_module, *counters, *allocate, *run_bound, *matmul_precision, *s_strict_name, *array_type;
 /* The attributes it reads by name, on tensors, buffers, programs and the buffer module; and counter keys */
 static PyObject *s_data_ptr, *s_dtype, *s_is_neg, *s_is_conj, *s_is_contiguous, *s_shape;
 static PyObject *s_device_index, *s_array, *s_direct_launch, *s_sharded, *s_ops_dispatched, *s_cache_hits,
@@ -44,7 +44,7 @@ static const struct {
     {"strict_mode", &strict_mode, ANY},        {"strict_counter_key", &s_strict_name, STR},
     {"buffer_module", &buffer_module, MODULE}, {"counters", &counters, DICT},
     {"allocate", &allocate, CALLABLE},         {"run_bound", &run_bound, CALLABLE},
-    {"matmul_precision", &matmul_precision, CALLABLE},
+    {"matmul_precision", &matmul_precision, CALLABLE}, {"array_type", &array_type, TYPE},
 };
 #define N_BINDINGS (sizeof BINDINGS / sizeof BINDINGS[0])
 /* Keywords `configure` checks and does not keep: the classes whose attributes `entry` reads by name,
@@ -368,6 +368,66 @@ error:
     return NULL;
 }
 
+/* whole_arrays(values) -> (arrays, specs, device_index): where every one of `values` (a tuple) is a tpu tensor that
+   is exactly its buffer, holding a computed array (of `array_type`, not a deferred one), all on one chip: each
+   one's array and its (dtype, device index). Else None, for the general loop (`CompiledGraph._read_inputs`). A
+   compiled graph reads its inputs, a model's parameters among them, so before every call. */
+static PyObject *whole_arrays(PyObject *module, PyObject *values) {
+    if (!PyTuple_Check(values) || tensor_type == NULL) {
+        PyErr_SetString(PyExc_TypeError, "whole_arrays(values: tuple), once configured");
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(values);
+    if (n == 0) {
+        Py_RETURN_NONE;
+    }
+    PyObject *arrays = PyList_New(n), *specs = PyList_New(n), *device_index = NULL;
+    if (arrays == NULL || specs == NULL) {
+        Py_XDECREF(arrays);
+        Py_XDECREF(specs);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyTuple_GET_ITEM(values, i);
+        PyObject *buf = PyObject_TypeCheck(v, (PyTypeObject *)tensor_type) ? whole_buffer(v) : NULL;
+        if (buf == NULL) {
+            goto other_case;
+        }
+        PyObject *array = get(buf, s_array), *chip = get(buf, s_device_index), *dtype = get(buf, s_dtype);
+        Py_DECREF(buf);
+        PyObject *spec = NULL;
+        if (array != NULL && chip != NULL && dtype != NULL && Py_TYPE(array) == (PyTypeObject *)array_type &&
+            (device_index == NULL || PyObject_RichCompareBool(chip, device_index, Py_EQ) == 1)) {
+            spec = PyTuple_Pack(2, dtype, chip);
+        }
+        if (spec == NULL) {
+            Py_XDECREF(array);
+            Py_XDECREF(chip);
+            Py_XDECREF(dtype);
+            goto other_case;
+        }
+        PyList_SET_ITEM(arrays, i, array); /* steals */
+        PyList_SET_ITEM(specs, i, spec);
+        Py_DECREF(dtype);
+        if (device_index == NULL) {
+            device_index = chip;
+        } else {
+            Py_DECREF(chip);
+        }
+    }
+    PyObject *result = PyTuple_Pack(3, arrays, specs, device_index);
+    Py_DECREF(arrays);
+    Py_DECREF(specs);
+    Py_DECREF(device_index);
+    return result;
+other_case:
+    PyErr_Clear();
+    Py_DECREF(arrays);
+    Py_DECREF(specs);
+    Py_XDECREF(device_index);
+    Py_RETURN_NONE;
+}
+
 /* analyse(kinds, defaults, default_keys, values, ident, precision) */
 static PyObject *analyse(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 6 || tensor_type == NULL || !PyTuple_Check(args[0])) {
@@ -520,6 +580,8 @@ static PyMethodDef methods[] = {
      "configure(**bindings): what registration.py hands over once, by name, checked"},
     {"entry", (PyCFunction)(void (*)(void))entry, METH_FASTCALL | METH_KEYWORDS,
      "entry(sig, fields, *args, **kwargs): every tpu op's dispatcher kernel"},
+    {"whole_arrays", (PyCFunction)whole_arrays, METH_O,
+     "whole_arrays(values) -> (arrays, specs, device_index), or None for inputs the general loop reads"},
     {"analyse", (PyCFunction)(void (*)(void))analyse, METH_FASTCALL,
      "analyse(kinds, defaults, default_keys, values, ident, precision) -> (key, operands, arrays, "
      "device_index), or None for a call the general loop handles"},

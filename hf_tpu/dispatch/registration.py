@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from jax._src.array import ArrayImpl
 
 from .. import counters, modes
 from ..memory import buffer
@@ -131,5 +132,6 @@ BINDINGS = dict(
     allocate=allocate,
     run_bound=run_bound,
     matmul_precision=matmul_precision,
+    array_type=ArrayImpl,
 )
 _entry.configure(**BINDINGS)

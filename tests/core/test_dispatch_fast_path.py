@@ -87,6 +87,43 @@ def test_tensors_on_two_chips_take_the_general_loop_and_its_error():
         a + b
 
 
+def test_a_compiled_graphs_whole_buffer_inputs_are_read_in_c_and_the_rest_by_the_general_loop():
+    """`_entry.whole_arrays` reads a compiled graph's inputs where each is a whole buffer holding a computed array,
+    all on one chip; any other input (a view, a CPU tensor, a size, a deferred value, a second chip) leaves the
+    whole call to `CompiledGraph._read_inputs`' loop."""
+    from hf_tpu.dispatch import _entry
+    from hf_tpu.memory import buffer
+
+    a, w = torch.randn(4, 6, device="tpu"), torch.randn(6, 3, device="tpu", dtype=torch.bfloat16)
+    torch.tpu.synchronize()  # computed (a compiled graph syncs before it reads its inputs)
+    arrays, specs, device_index = _entry.whole_arrays((a, w))
+    assert arrays == [buffer.buffer_of(a).value(), buffer.buffer_of(w).value()]
+    assert specs == [(torch.float32, 0), (torch.bfloat16, 0)] and device_index == 0
+    other_chip = torch.ones(3, device="tpu:1")
+    torch.tpu.synchronize("tpu:1")
+    assert _entry.whole_arrays((other_chip,))[1:] == ([(torch.float32, 1)], 1)
+    for other in (a[1:], a.t(), torch.ones(3), 3, other_chip):
+        assert _entry.whole_arrays((a, other)) is None
+    assert _entry.whole_arrays(()) is None
+    with torch.tpu.use_eager_mode("DEFER_AND_FUSE"):
+        deferred = a + 1
+        assert _entry.whole_arrays((a, deferred)) is None
+        torch.tpu.synchronize()
+
+
+def test_a_compiled_graph_reads_views_and_host_tensors_beside_whole_buffers():
+    """The general loop's inputs give the eager result: a view and a CPU tensor among whole buffers."""
+
+    def fn(x, y, z):
+        return x * 2 + y + z.to(x.device)
+
+    compiled = torch.compile(fn, backend="tpu")
+    x, y = torch.randn(4, 6, device="tpu"), torch.randn(5, 6, device="tpu")
+    z = torch.randn(4, 6)
+    torch.testing.assert_close(compiled(x, x, z).cpu(), fn(x, x, z).cpu())
+    torch.testing.assert_close(compiled(x, y[1:], z).cpu(), fn(x, y[1:], z).cpu())
+
+
 def _python_functions_called(fn) -> set:
     import sys
 
