@@ -59,7 +59,7 @@ def _product_dtype(dtype, rows: int):
 
     - at 8x1024 (8192 rows), asked for in float32, XLA laid the residual stream out token-minor from the first
       linear layer on and relaid it around every layer's attention: 133.20 ms a call, against 125.63 ms asked
-      for in bfloat16 (with `buffer.Flattened` inputs; 133.29 ms without);
+      for in bfloat16 with `buffer.Flattened` inputs (133.29 ms in bfloat16 without them);
     - at 1x1024 (1024 rows), asked for in bfloat16, XLA's fusion of each down projection with the residual add
       and the next norm's statistics took 345 us against 189 us: 18.61 ms a call against 16.28 ms (device
       16.69 against 14.20 ms). At 1x4096 the forward took 78.3 ms (bfloat16) against 75.3 ms (float32, an
