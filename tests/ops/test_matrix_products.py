@@ -91,7 +91,8 @@ def test_a_product_with_an_epilogue_is_rounded_once_on_a_tpu_too(monkeypatch):
     """On a TPU `mm` of many rows asks for a bfloat16 product; `addmm` (a linear layer with a bias) and `mm` with an
     out_dtype ask for float32, so the bias is added, or the dtype given, before the one rounding."""
     monkeypatch.setattr(platform, "name", lambda: "tpu")
-    a, b, bias = jnp.ones((linalg._BFLOAT16_PRODUCT_ROWS, 8), jnp.bfloat16), jnp.ones((8, 3), jnp.bfloat16), jnp.ones((3,), jnp.bfloat16)
+    a = jnp.ones((linalg._BFLOAT16_PRODUCT_ROWS, 8), jnp.bfloat16)
+    b, bias = jnp.ones((8, 3), jnp.bfloat16), jnp.ones((3,), jnp.bfloat16)
 
     def asked_for(fn, *args):
         eqns = jax.make_jaxpr(fn)(*args).jaxpr.eqns
