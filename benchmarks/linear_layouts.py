@@ -1,12 +1,12 @@
 """Forms of a Llama model's linear layers side by side, in raw JAX: what decides the layout XLA gives the
 residual stream on a TPU.
 
-    python -m benchmarks.linear_layouts [--json FILE] [--layers 4] [--tiny]
+    python -m benchmarks.linear_layouts [--shapes 8x1024,1x1024] [--json FILE] [--layers 4] [--tiny]
 
 Each row runs the 1.1B model's embedding lookup, `--layers` whole layers (RMSNorm, q/k/v projections, rotary
 embeddings, splash attention, output projection, SwiGLU MLP, residual adds, each op rounded to bfloat16 as
-PyTorch rounds it) and the vocabulary projection at batch 8 and 1024 tokens, with every linear layer in one
-form:
+PyTorch rounds it) and the vocabulary projection at each of `--shapes` (batch x tokens, by default 8x1024), with
+every linear layer in one form:
 
 - `flattened`: the input flattened to (tokens, features), a float32 product rounded to bfloat16: the program
   the compiled forward gave Transformers' `nn.Linear` (`view`, `mm`, `view`) before 2026-12-06;
@@ -15,8 +15,10 @@ form:
   form), which rounds where XLA chooses.
 
 Besides each row's time, the layout of the residual stream: how many of the program's (tokens, hidden) arrays
-XLA lays out token-minor. Elsewhere (or with `--tiny`) the shapes are tiny and the kernel runs in interpret
-mode: a check that the script works, not a measurement.
+XLA lays out token-minor. Where `in_shape` and `bfloat16_product` change places between shapes is where
+`hf_tpu.ops.linalg._BFLOAT16_PRODUCT_ROWS` belongs (on the v5e the whole model's forward was faster with float32
+products at 1x1024 and with bfloat16 ones at 8x1024, 2026-12-06). Elsewhere (or with `--tiny`) the model's
+dims are tiny and the kernel runs in interpret mode: a check that the script works, not a measurement.
 """
 
 from __future__ import annotations
@@ -52,16 +54,27 @@ def _forms():
 
 
 def main(argv=None):
-    args = raw_forms.parse(argv, __doc__, "layers", iters=10)
+    args = raw_forms.parse(argv, __doc__, "layers", iters=10, shapes="8x1024")
+    import jax
+
+    tiny = args.tiny or jax.devices()[0].platform != "tpu"
+    results = [dict(shape=[batch, length], rows=_rows(args, batch, length, tiny))
+               for batch, length in args.shapes or ([(1, 128)] if tiny else [(8, 1024)])]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(layers=args.layers, tiny=tiny, shapes=results), f, indent=1)
+
+
+def _rows(args, batch: int, length: int, tiny: bool) -> list:
+    """Every form's row at `batch` x `length`, printed as a table."""
     import jax
     import jax.numpy as jnp
     from jax import lax
 
     from hf_tpu.kernels.flash_attention import flash_attention
 
-    tiny = args.tiny or jax.devices()[0].platform != "tpu"
-    batch, length, heads, kv_heads, head_dim, hidden, intermediate, vocab = (
-        (1, 128, 4, 2, 64, 256, 512, 1000) if tiny else (8, 1024, 32, 8, 64, 2048, 8192, 32000))
+    heads, kv_heads, head_dim, hidden, intermediate, vocab = (
+        (4, 2, 64, 256, 512, 1000) if tiny else (32, 8, 64, 2048, 8192, 32000))
 
     def up(x):
         return x.astype(jnp.float32)
@@ -125,9 +138,7 @@ def main(argv=None):
     for row in rows:
         print(f"{row['form']:18s} {row['ms']:9.3f} {row['ms'] / base:11.2f}x {row['compile_s']:9.1f} "
               f"{row['token_minor']:18d} {row['max_diff']:21.3g}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(shape=[batch, length], layers=args.layers, tiny=tiny, rows=rows), f, indent=1)
+    return rows
 
 
 if __name__ == "__main__":

@@ -9,14 +9,29 @@ import time
 import numpy as np
 
 
-def parse(argv, doc: str, layers: str, iters: int):
-    """`--json`, `--layers` (what one layer is, for the help), `--iters` (default `iters`) and `--tiny`."""
+def parse(argv, doc: str, layers: str, iters: int, shapes: str | None = None):
+    """`--json`, `--layers` (what one layer is, for the help), `--iters` (default `iters`) and `--tiny`; with
+    `shapes` (the default, as `8x1024`) also `--shapes`, the batch x length shapes to run (None where not given)."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     parser.add_argument("--layers", type=int, default=4, help=f"{layers} chained in one program")
     parser.add_argument("--iters", type=int, default=iters, help="timed calls per form")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (the default off a TPU)")
+    if shapes is not None:
+        parser.add_argument("--shapes", type=_shapes, help=f"batch x length shapes, comma-separated (default {shapes}; "
+                            "tiny: 1x128)")
     return parser.parse_args(argv)
+
+
+def _shapes(text: str) -> list:
+    """`8x1024,1x4096` as [(8, 1024), (1, 4096)]."""
+    try:
+        shapes = [tuple(int(n) for n in shape.split("x")) for shape in text.split(",")]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(shape) != 2 or min(shape) < 1 for shape in shapes):
+        raise argparse.ArgumentTypeError(f"expected shapes such as 8x1024,1x4096, got {text!r}")
+    return shapes
 
 
 def rotary_cos_sin(length: int, head_dim: int):

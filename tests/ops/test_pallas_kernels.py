@@ -431,18 +431,24 @@ def test_the_rotary_layouts_benchmark_runs_its_tiny_form(tmp_path):
     assert "vs hf_tpu" in result.stdout
 
 
-@pytest.mark.slow  # a process of its own: about 15 s
+@pytest.mark.slow  # two processes of their own: about 25 s
 def test_the_linear_layouts_benchmark_runs_its_tiny_form(tmp_path):
-    """Both float32 forms of the linear layers compute the same logits, bit for bit; the bfloat16 product's
-    rounding is XLA's to choose."""
+    """Both float32 forms of the linear layers compute the same logits, bit for bit, at each shape asked for; the
+    bfloat16 product's rounding is XLA's to choose."""
     result = subprocess.run([sys.executable, "-m", "benchmarks.linear_layouts", "--iters", "1", "--layers", "1",
-                             "--json", str(tmp_path / "rows.json")], capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "HF_TPU_PLATFORM": "cpu"})
+                             "--shapes", "1x128,2x128", "--json", str(tmp_path / "rows.json")], capture_output=True,
+                            text=True, timeout=300, env={**os.environ, "HF_TPU_PLATFORM": "cpu"})
     assert result.returncode == 0, result.stderr[-2000:]
-    rows = {r["form"]: r for r in json.loads((tmp_path / "rows.json").read_text())["rows"]}
-    assert list(rows) == ["flattened", "in_shape", "bfloat16_product"]
-    assert rows["in_shape"]["max_diff"] == 0 and rows["bfloat16_product"]["max_diff"] < 0.05, rows
-    assert "vs flattened" in result.stdout
+    shapes = json.loads((tmp_path / "rows.json").read_text())["shapes"]
+    assert [s["shape"] for s in shapes] == [[1, 128], [2, 128]]
+    for shape in shapes:
+        rows = {r["form"]: r for r in shape["rows"]}
+        assert list(rows) == ["flattened", "in_shape", "bfloat16_product"]
+        assert rows["in_shape"]["max_diff"] == 0 and rows["bfloat16_product"]["max_diff"] < 0.05, rows
+    assert "at 1x128" in result.stdout and "at 2x128" in result.stdout and "vs flattened" in result.stdout
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.linear_layouts", "--shapes", "8by1024"],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "HF_TPU_PLATFORM": "cpu"})
+    assert bad.returncode == 2 and "expected shapes such as 8x1024" in bad.stderr
 
 
 @pytest.mark.slow  # a process of its own: about 10 s
