@@ -181,16 +181,19 @@ def build_program(call: Call) -> Program:
         elif kind == TENSOR_LIST:
             first_slot[i] = t_index
             t_index += sum(t is not None for t in v)
-    # per operand: the buffer's shape where the lowering takes it as `buffer.Transposed`, else None
-    transposed = [None] * len(call.operands)
-    flattened = [None] * len(call.operands)  # likewise as `buffer.Flattened`
+    # per operand: (`buffer.Transposed` or `buffer.Flattened`, the shape its array takes) where the lowering
+    # takes the buffer's array so, else None
+    handed_whole = [None] * len(call.operands)
     if compute_dtype is None:
         for i, k in slot_of_arg.items():
             op = call.operands[k]
-            if names[i] in low.transposed and op.buf is not None and buffer.swaps_last_two(op.view, op.buf.shape, op.buf.dtype):
-                transposed[k] = op.buf.shape
-            elif names[i] in low.flattened and op.buf is not None:
-                flattened[k] = buffer.flattened_shape(op.view, op.buf.shape, op.buf.dtype)
+            if op.buf is None:
+                continue
+            if names[i] in low.transposed and buffer.swaps_last_two(op.view, op.buf.shape, op.buf.dtype):
+                handed_whole[k] = (buffer.Transposed, op.buf.shape)
+            elif names[i] in low.flattened:
+                shape = buffer.flattened_shape(op.view, op.buf.shape, op.buf.dtype)
+                handed_whole[k] = None if shape is None else (buffer.Flattened, shape)
     returns_mutated = sig.returns_mutated
     if sig.functional is not None and sig.written is None:  # out= and in-place variants
         check_out_dtypes(call)
@@ -204,9 +207,8 @@ def build_program(call: Call) -> Program:
         rng_key = rng.key_from_data(rng_data) if rng_data is not None else None
         arrays = [jnp.zeros(*blank[i]) if a is None else a for i, a in enumerate(arrays)]
         starts = [None if k is None else scalars[k] for k in start_of]
-        vals = [buffer.Transposed(a.reshape(swapped)) if swapped is not None
-                else buffer.Flattened(a.reshape(whole)) if whole is not None else buffer.read(a, v, s)
-                for a, v, s, swapped, whole in zip(arrays, views, starts, transposed, flattened)]
+        vals = [buffer.read(a, v, s) if whole is None else whole[0](a.reshape(whole[1]))
+                for a, v, s, whole in zip(arrays, views, starts, handed_whole)]
         if jax_compute is not None:
             vals = [v.astype(jax_compute) if _promotable(v) else v for v in vals]
 

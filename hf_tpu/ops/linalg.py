@@ -138,19 +138,11 @@ def _matmul(a, b, epilogue: bool = False):
     array holds the matrix with its last two dims swapped, contracted where it lies; the left one may be
     `buffer.Flattened` (2-d products only), contracted in its buffer's shape, the product then flattened.
     `epilogue` as in `dot`."""
+    b, rhs_contracted = (b.array, b.array.ndim - 1) if type(b) is buffer.Transposed else (b, b.ndim - 2)
     if type(a) is buffer.Flattened:
-        lead = a.array.shape[:-1]
-        b_array, rhs_contracted = (b.array, b.array.ndim - 1) if type(b) is buffer.Transposed else (b, b.ndim - 2)
-        product = dot(a.array, b_array, (((a.array.ndim - 1,), (rhs_contracted,)), ((), ())), epilogue)
-        return product.reshape(math.prod(lead), product.shape[-1])
-    if type(a) is buffer.Transposed:
-        a, lhs_contracted = a.array, a.array.ndim - 2
-    else:
-        lhs_contracted = a.ndim - 1
-    if type(b) is buffer.Transposed:
-        b, rhs_contracted = b.array, b.array.ndim - 1
-    else:
-        rhs_contracted = b.ndim - 2
+        product = dot(a.array, b, (((a.array.ndim - 1,), (rhs_contracted,)), ((), ())), epilogue)
+        return product.reshape(-1, product.shape[-1])
+    a, lhs_contracted = (a.array, a.array.ndim - 2) if type(a) is buffer.Transposed else (a, a.ndim - 1)
     batch = tuple(range(a.ndim - 2))
     return dot(a, b, (((lhs_contracted,), (rhs_contracted,)), (batch, batch)), epilogue)
 
