@@ -231,22 +231,53 @@ def _device_op_times(trace_dir: str, calls: int) -> list:
     return [(name, us / calls, count / calls, text) for name, (us, count, text) in ops]
 
 
+def _device_program_times(trace_dir: str, calls: int) -> dict:
+    """{program name: (microseconds per call, runs per call)} of every XLA program the device ran in the
+    `jax.profiler` trace under `trace_dir` (its device plane's "XLA Modules" line). A program's time holds its
+    ops and the device's idle time between them; a call's time beyond its programs' is the host's (Python,
+    the launch, the wait for the result) and the gaps between programs."""
+    import glob
+
+    from jax.profiler import ProfileData
+
+    totals: dict = {}
+    for path in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
+        for plane in ProfileData.from_file(path).planes:
+            if not plane.name.startswith("/device:"):
+                continue
+            for line in plane.lines:
+                if line.name != "XLA Modules":
+                    continue
+                for event in line.events:
+                    entry = totals.setdefault(event.name, [0.0, 0])
+                    entry[0] += event.duration_ns / 1e3
+                    entry[1] += 1
+    return {name: (us / calls, count / calls) for name, (us, count) in
+            sorted(totals.items(), key=lambda item: -item[1][0])}
+
+
 def _profile(rows: "_Rows", fn, calls: int = 3, **figures) -> None:
     """With `--profile DIR`: `fn` (already compiled) run `calls` times under `jax.profiler.trace`, and a row of
-    its device time per XLA op, to compare the programs of both sides op by op."""
+    its device time per XLA op and per program, and its time a call while traced: to compare the programs of
+    both sides op by op, and to tell the device's share of a call from the host's."""
     directory = os.environ.get("HF_TPU_BENCH_PROFILE")
     if not directory:
         return
     import jax
 
-    trace_dir = os.path.join(directory, rows.group, "x".join(str(figures.get(k, "")) for k in ("batch", "length")))
+    trace_dir = os.path.join(directory, rows.group, "x".join(str(figures.get(k, "")) for k in ("batch", "length")),
+                             figures["side"].replace(" ", "-"))
     with jax.profiler.trace(trace_dir):
+        start = time.perf_counter()
         for _ in range(calls):
             fn()
+        wall = time.perf_counter() - start
     ops = _device_op_times(trace_dir, calls)
+    programs = _device_program_times(trace_dir, calls)
     rows.emit("profile", device_us=sum(us for _, us, _, _ in ops), launches=sum(count for _, _, count, _ in ops),
-              kinds=_kinds(ops), ops=[(name[:300], us, count, text[:300]) for name, us, count, text in ops[:_PROFILE_TOP]],
-              **figures)
+              program_us=sum(us for us, _ in programs.values()), programs={k[:120]: v for k, v in programs.items()},
+              wall_us=wall / calls * 1e6, kinds=_kinds(ops),
+              ops=[(name[:300], us, count, text[:300]) for name, us, count, text in ops[:_PROFILE_TOP]], **figures)
 
 
 def _first_call(fn) -> float:
@@ -353,6 +384,50 @@ def _group_limits(spec: dict, rows: _Rows) -> None:
     rows.emit("limits", device=kind, platform=device.platform, matmul_tflops=2 * n ** 3 / seconds / 1e12,
               hbm_gbs=spec["hbm_bytes"] / read / 1e9, peak_tflops=PEAK_BF16.get(kind, 0) / 1e12,
               peak_hbm_gbs=PEAK_HBM.get(kind, 0) / 1e9, memory_gb=platform.memory_info(0)[1] / 1e9)
+    del a, x
+    for batch, length in _grid(spec):
+        if rows.fits(f"products {batch}x{length}", spec["model"], batch, length, score_matrix=False):
+            _weight_products(spec, rows, device, batch, length)
+
+
+def _weight_products(spec: dict, rows: _Rows, device, batch: int, length: int) -> None:
+    """The Llama model's weight products alone, in raw JAX, at `batch` x `length` tokens: each layer's
+    projections and MLP and the LM head, as one jitted program, timed per call as the forward is (called,
+    then waited for). What any implementation of the forward takes at least beside attention, the norms and
+    the rotary embedding, which this leaves out; and the time of a call of a program with the same inputs
+    that computes nothing, the least any jitted call of them takes."""
+    import jax
+    import jax.numpy as jnp
+
+    config = spec["model"]
+    h, d = config["hidden_size"], _head_dim(config)
+    shapes = [(h, config["num_attention_heads"] * d), (h, config["num_key_value_heads"] * d),
+              (h, config["num_key_value_heads"] * d), (config["num_attention_heads"] * d, h),
+              (h, config["intermediate_size"]), (h, config["intermediate_size"]), (config["intermediate_size"], h)]
+    keys = iter(jax.random.split(jax.random.key(0), len(shapes) * config["num_hidden_layers"] + 2))
+    weight = lambda shape: jax.device_put(jax.random.normal(next(keys), shape, jnp.bfloat16) * 0.02, device)
+    layers = [[weight(shape) for shape in shapes] for _ in range(config["num_hidden_layers"])]
+    head = weight((h, config["vocab_size"]))
+    x = weight((batch * length, h))
+
+    @jax.jit
+    def products(x, layers, head):
+        for wq, wk, wv, wo, wg, wu, wd in layers:
+            k, v = x @ wk, x @ wv
+            # the key and value projections' sums stand in for attention's use of them (XLA drops an unused one)
+            used = (k.sum(-1, keepdims=True) + v.sum(-1, keepdims=True)).astype(x.dtype)
+            x = x + (x @ wq) @ wo + ((x @ wg) * (x @ wu)) @ wd + used
+        return x @ head
+
+    @jax.jit
+    def nothing(x, layers, head):
+        return x[:1] + 1
+
+    seconds = _median_seconds(lambda: products(x, layers, head).block_until_ready(), spec["iters"])
+    call = _median_seconds(lambda: nothing(x, layers, head).block_until_ready(), spec["iters"])
+    flops = 2 * batch * length * (config["num_hidden_layers"] * _layer_matmul_params(config) + h * config["vocab_size"])
+    rows.emit("products", batch=batch, length=length, seconds=seconds, tflops=flops / seconds / 1e12,
+              call_seconds=call, inputs=2 + len(shapes) * len(layers))
 
 
 def _llama(spec: dict):
@@ -499,6 +574,8 @@ def _group_ttft(spec: dict, rows: _Rows) -> None:
                                                           warmup=1, iters=2 * spec["iters"])
             rows.emit("ttft", side="hf-tpu", length=length, seconds=seconds, first_call=first,
                       forward_seconds=forward_seconds)
+            _profile(rows, lambda: generate(ids, 1), side="generate", batch=1, length=length)
+            _profile(rows, _compiled_forward(compiled, ids), side="forward", batch=1, length=length)
         except torch.OutOfMemoryError as e:
             rows.out_of_memory(row, e)
 
@@ -618,7 +695,7 @@ def _capped_step_seconds(model, ids, steps: int, seconds: float) -> tuple[float 
 
 
 GROUPS = {  # name: (the worker, its default time limit in seconds)
-    "limits": (_group_limits, 120),
+    "limits": (_group_limits, 240),
     "forward": (_group_forward, 420),
     "torchax": (_group_torchax, 300),
     "decode": (_group_decode, 540),
@@ -695,6 +772,10 @@ def describe(row: dict, spec: dict, limits: dict | None = None) -> str:
     if section == "limits":
         return (f"[limits] {row['device']} ({row['platform']}): bf16 matmul {row['matmul_tflops']:.1f} TFLOP/s, "
                 f"HBM read {row['hbm_gbs']:.0f} GB/s, memory {row['memory_gb']:.1f} GB")
+    if section == "products":
+        return (f"[limits] the model's weight products alone in raw JAX {row['batch']}x{row['length']}: "
+                f"{row['seconds'] * 1e3:.2f} ms a call ({row['tflops']:.1f} TFLOP/s); a call of {row['inputs']} "
+                f"inputs computing nothing {row['call_seconds'] * 1e3:.3f} ms")
     shape = f"{row.get('batch', 1)}x{row.get('length')}"
     if section == "forward":
         flops = forward_flops(spec["model"], row["batch"], row["length"]) / row["seconds"]
@@ -720,8 +801,11 @@ def describe(row: dict, spec: dict, limits: dict | None = None) -> str:
         kinds = "".join(f"\n    {us:9.1f} us  {count:6.0f} ops  {kind}" for kind, (us, count) in row["kinds"].items())
         ops = "".join(f"\n    {us:9.1f} us  x{count:<4.0f} {text[:160] if name in text else f'{name}  {text[:120]}'}"
                       for name, us, count, text in row["ops"][:15])
+        programs = "".join(f"\n    {us:9.1f} us  x{count:<4.0f} {name}" for name, (us, count) in row["programs"].items())
         return (f"[{row['group']}] {row['side']} profile {shape}: {row['device_us'] / 1e3:.2f} ms on the device in "
-                f"{row['launches']:.0f} op launches a call; by kind:{kinds}\n  the longest ops:{ops}")
+                f"{row['launches']:.0f} op launches a call, {row['program_us'] / 1e3:.2f} ms in its programs, "
+                f"{row['wall_us'] / 1e3:.2f} ms a call traced; programs:{programs}\n  by kind:{kinds}"
+                f"\n  the longest ops:{ops}")
     if section == "ttft":
         return (f"[ttft] prompt {row['length']}: generate(1 token) {row['seconds'] * 1e3:.1f} ms, compiled forward "
                 f"{row['forward_seconds'] * 1e3:.1f} ms ({row['seconds'] / row['forward_seconds']:.2f}x)")
@@ -793,16 +877,20 @@ def report(results: list, spec: dict) -> str:
     mfu = lambda r: (f"{100 * forward_flops(spec['model'], r['batch'], r['length']) / r['seconds'] / peak:.0f}%"
                      if peak else "-")
     rows = []
+    products = {(r["batch"], r["length"]): r for r in by("products")}
     for r in by("forward", "hf-tpu"):
         peer = [p for p in by("forward", "torchax") if (p["batch"], p["length"]) == (r["batch"], r["length"])]
         p = peer[0] if peer else None
+        floor = products.get((r["batch"], r["length"]))
         rows.append([f"{r['batch']}x{r['length']}", f"{r['seconds'] * 1e3:.2f}", mfu(r), f"{r['first_call']:.1f}",
                      f"{p['seconds'] * 1e3:.2f}" if p else "-", mfu(p) if p else "-",
-                     f"{p['first_call']:.1f}" if p else "-", f"{p['seconds'] / r['seconds']:.2f}x" if p else "-"])
+                     f"{p['first_call']:.1f}" if p else "-", f"{p['seconds'] / r['seconds']:.2f}x" if p else "-",
+                     f"{floor['seconds'] * 1e3:.2f}" if floor else "-"])
     if rows:
-        out.append("compiled forward (torch.compile backend='tpu' / torchax JittableModule)")
+        out.append("compiled forward (torch.compile backend='tpu' / torchax JittableModule; the model's weight "
+                   "products alone in raw JAX)")
         out.append(_table(["batch x len", "hf-tpu ms", "MFU", "first s", "torchax ms", "MFU", "first s",
-                           "hf-tpu speed / torchax"], rows) + "\n")
+                           "hf-tpu speed / torchax", "products ms"], rows) + "\n")
     eager = by("eager", "hf-tpu")
     if eager:
         strict = {(r["batch"], r["length"]): r["seconds"] for r in eager if r["mode"] == "DEFER_NEVER"}

@@ -28,7 +28,9 @@ def test_tiny_run_reports_every_group(tmp_path):
     by_section = {}
     for figure in figures:
         by_section.setdefault(figure["section"], []).append(figure)
-    assert {"run", "limits", "forward", "eager", "ttft"} <= set(by_section), set(by_section)
+    assert {"run", "limits", "products", "forward", "eager", "ttft"} <= set(by_section), set(by_section)
+    assert [(f["batch"], f["length"]) for f in by_section["products"]] == [(2, 16)]
+    assert by_section["products"][0]["seconds"] > 0 and by_section["products"][0]["call_seconds"] > 0
     assert [(f["batch"], f["length"]) for f in by_section["forward"] if f["side"] == "hf-tpu"] == [(2, 16)]
     # a decode step of the tiny model (tens of microseconds on the CPU) may be below the timing noise: then its
     # row is a skip saying so, never a figure that is not positive
@@ -41,7 +43,9 @@ def test_tiny_run_reports_every_group(tmp_path):
     assert all(f["seconds"] > 0 for f in by_section["forward"] + by_section["eager"] + by_section["ttft"])
     assert all(f["reason"] for f in by_section.get("skipped", []))  # torchax, where it is not installed
     # the CPU records no device plane: the profile row is there, with no ops
-    assert sorted((f["side"], f["ops"]) for f in by_section["profile"]) == [("hf-tpu", []), ("hf-tpu decode", [])]
+    assert sorted((f["side"], f["ops"], f["programs"]) for f in by_section["profile"]) == [
+        ("forward", [], {}), ("generate", [], {}), ("hf-tpu", [], {}), ("hf-tpu decode", [], {})]
+    assert all(f["wall_us"] > 0 for f in by_section["profile"])
     assert list((tmp_path / "profile" / "forward" / "2x16").rglob("*.xplane.pb"))
     printed = proc.stdout.splitlines()
     assert any(line.startswith("[forward] hf-tpu forward 2x16:") for line in printed)
@@ -94,6 +98,8 @@ def _figures():
         dict(forward, length=1024, seconds=0.020, first_call=30.0),
         dict(forward, group="torchax", side="torchax", length=1024, seconds=0.016, first_call=9.0),
         dict(forward, length=128, seconds=0.005, first_call=20.0),
+        dict(section="products", group="limits", batch=1, length=1024, seconds=0.013, tflops=160.0,
+             call_seconds=0.0003, inputs=114),
         dict(decode, batch=1, step_seconds=0.003, first_call=35.0),
         dict(decode, batch=64, step_seconds=0.006, first_call=40.0),
         dict(moe, implementation="grouped_mm", step_seconds=0.012, first_call=50.0),
@@ -106,7 +112,9 @@ def test_report_sets_the_sides_side_by_side():
     spec = chip.SIZES["1b"]
     text = chip.report(_figures(), spec)
     row = [line for line in text.splitlines() if line.startswith("1x1024")][0].split()
-    assert row[1] == "20.00" and row[4] == "16.00" and row[-1] == "0.80x"
+    assert row[1] == "20.00" and row[4] == "16.00" and row[-2] == "0.80x" and row[-1] == "13.00"
+    unmeasured = [line for line in text.splitlines() if line.startswith("1x128 ")][0].split()
+    assert unmeasured[-2:] == ["-", "-"]
     flops = chip.forward_flops(spec["model"], 1, 1024)
     assert row[2] == f"{100 * flops / 0.020 / 197e12:.0f}%"
     decode = [line for line in text.splitlines() if line.startswith("1x128 ") and "3.00" in line][0].split()
@@ -152,7 +160,7 @@ def test_device_op_times_sum_each_op_of_the_device_plane_per_call(tmp_path):
     its whole HLO text (2026-12-06), with no `long_name` stat: the text the kinds are read from."""
     from jax.profiler import ProfileData
 
-    from benchmarks.chip import _device_op_times, _kinds
+    from benchmarks.chip import _device_op_times, _device_program_times, _kinds
 
     matmul = "%fusion.1 = bf16[128,8192]{1,0} fusion(bf16[8192,2048]{1,0} %custom-call.4), kind=kOutput, calls=%f"
 
@@ -175,6 +183,7 @@ def test_device_op_times_sum_each_op_of_the_device_plane_per_call(tmp_path):
     ops = _device_op_times(str(tmp_path), calls=2)
     assert ops == [(matmul, 30.0, 1.0, matmul), ("copy.2", 11.0, 1.0, "copy.2")]
     assert _kinds(ops) == {"fusion kOutput": (30.0, 1.0), "?": (11.0, 1.0)}
+    assert _device_program_times(str(tmp_path), calls=2) == {"jit_forward": (60.0, 0.5)}
 
 
 def test_profile_kinds_group_every_op_by_instruction_and_fusion_kind():
