@@ -858,6 +858,45 @@ def test_the_generation_config_is_resolved_once_per_call(models, monkeypatch, kw
     assert "_prepare_generation_config" not in tpu.__dict__
 
 
+def test_a_resolved_generation_config_is_kept_while_the_models_configs_are_unchanged(models, monkeypatch):
+    """Transformers resolves the generation config anew at every call (copies and merges it with the defaults);
+    on tpu a call with the same plain arguments gets a copy of the config resolved before, for as long as the
+    model's generation config and config hold what they held, and the same tokens."""
+    from transformers import GenerationConfig
+
+    cpu, tpu = models
+    merges = []
+    update = GenerationConfig.update
+
+    def counting(self, *args, **kwargs):
+        merges.append(1)
+        return update(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationConfig, "update", counting)
+    mask = torch.ones_like(PROMPT)
+    first, first_kwargs = tpu._prepare_generation_config(None, max_new_tokens=3, attention_mask=mask)
+    resolved_by_transformers = len(merges)
+    assert resolved_by_transformers > 0
+    first.suppress_tokens = [5]  # a caller's change to the config it was given
+    again, again_kwargs = tpu._prepare_generation_config(None, max_new_tokens=3, attention_mask=mask.clone())
+    assert len(merges) == resolved_by_transformers
+    assert again is not first and again.suppress_tokens is None and again.max_new_tokens == 3
+    assert set(again_kwargs) == set(first_kwargs) and again_kwargs["attention_mask"] is not mask
+
+    monkeypatch.setattr(tpu.generation_config, "max_new_tokens", 5)  # the model's defaults changed
+    tpu._prepare_generation_config(None, do_sample=False)
+    merged = len(merges)
+    assert merged > resolved_by_transformers
+    assert tpu._prepare_generation_config(None, do_sample=False)[0].max_new_tokens == 5
+    assert len(merges) == merged
+    monkeypatch.setattr(tpu.config, "temperature", 0.5, raising=False)  # as Transformers refuses on CPU
+    with pytest.raises(ValueError, match="modified the pretrained model configuration"):
+        tpu._prepare_generation_config(None, do_sample=False)
+    monkeypatch.undo()
+    expected, actual = _both(models, max_new_tokens=3, do_sample=False)
+    assert torch.equal(actual, expected)
+
+
 @pytest.mark.parametrize("assistance", ["prompt_lookup", "assistant_model"])
 def test_assisted_generation_generates_the_cpu_tokens(models, assistance):
     cpu, tpu = models
