@@ -3,7 +3,9 @@ and the chip's limits.
 
 One command prints, from one run, side by side:
 - `limits`: the chip's limits measured in raw JAX: HBM read bandwidth (a large `jnp.sum`) and bf16 matmul
-  throughput, with the published peaks;
+  throughput, with the published peaks; and at each batch x length of the grid the Llama model's weight products
+  alone as one program (what any forward takes at least beside attention and the elementwise work) and a call of
+  a program of the same inputs that computes nothing (the least a jitted call of them takes);
 - `forward`: hf-tpu's forward (logits of every position, no cache) compiled by `torch.compile(backend="tpu")`,
   with its MFU, at each batch x prompt length of the grid;
 - `eager`: the same forward in strict eager and in defer-and-fuse;
