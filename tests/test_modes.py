@@ -362,6 +362,18 @@ def test_a_recurring_tiny_upload_is_shared_and_never_donated(write):
     assert hf_tpu.memory.buffer.buffer_of(again).array is kept and again.tolist() == [7.0, 9.0]
 
 
+def test_recurring_uploads_of_up_to_4_kib_are_shared_and_larger_ones_are_not():
+    """A prompt's positions recur at every call of its length: up to 4 KiB a value is uploaded once."""
+    buffer_of = hf_tpu.memory.buffer.buffer_of
+    positions = torch.arange(512).unsqueeze(0)  # 4 KiB of int64
+    first, again = positions.to("tpu"), positions.clone().to("tpu")
+    assert buffer_of(again).array is buffer_of(first).array
+    larger = torch.arange(513)
+    first, again = larger.to("tpu"), larger.to("tpu")
+    assert buffer_of(again).array is not buffer_of(first).array
+    assert torch.equal(positions.to("tpu").cpu(), positions)
+
+
 def test_kept_uploads_are_bounded_and_let_go():
     """Only the last few hundred tiny uploads are kept, until `empty_cache`: an evicted value's array
     is held by its tensors alone again, so an in-place op may reuse its memory."""

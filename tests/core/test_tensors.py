@@ -342,7 +342,9 @@ def test_an_upload_of_values_just_read_back_is_the_array_they_were_read_from(mon
     uploads = []
     upload = buffer._upload
     monkeypatch.setattr(buffer, "_upload", lambda *args: uploads.append(args[0].copy()) or upload(*args))
+    torch.tpu.empty_cache()  # the uploads an earlier test kept (equal values recur: they would not be uploaded)
     computed = torch.arange(300).to("tpu") * 3 + 1
+    torch.tpu.synchronize()  # deferred: its numbers are uploaded when it is computed
     uploads.clear()
     host = computed.cpu()
     again = host.clone().to("tpu")
