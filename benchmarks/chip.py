@@ -208,53 +208,46 @@ def _kinds(ops: list) -> dict:
     return dict(sorted(((k, tuple(v)) for k, v in kinds.items()), key=lambda item: -item[1][0]))
 
 
-def _device_op_times(trace_dir: str, calls: int) -> list:
-    """[(op name, microseconds per call, launches per call, the op's HLO text)] of every one of the device's XLA
-    ops in the `jax.profiler` trace under `trace_dir`, the longest first. A TPU records each op of a program on
-    its device plane's "XLA Ops" line; a CPU records no device plane, and gives an empty list."""
+def _device_events(trace_dir: str, line_name: str):
+    """Each event on the device planes' `line_name` line of the `jax.profiler` traces under `trace_dir`: a TPU
+    records each op of a program on "XLA Ops" and each program on "XLA Modules"; a CPU records no device plane."""
     import glob
 
     from jax.profiler import ProfileData
 
-    totals: dict = {}
     for path in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
         for plane in ProfileData.from_file(path).planes:
-            if not plane.name.startswith("/device:"):
-                continue
-            for line in plane.lines:
-                if line.name != "XLA Ops":
-                    continue
-                for event in line.events:
-                    # the v5e's profiles (2026-12-06) name each op by its whole HLO text and give no long_name
-                    text = str(dict(event.stats).get("long_name") or event.name)
-                    entry = totals.setdefault(event.name, [0.0, 0, text])
-                    entry[0] += event.duration_ns / 1e3
-                    entry[1] += 1
+            if plane.name.startswith("/device:"):
+                for line in plane.lines:
+                    if line.name == line_name:
+                        yield from line.events
+
+
+def _device_op_times(trace_dir: str, calls: int) -> list:
+    """[(op name, microseconds per call, launches per call, the op's HLO text)] of every one of the device's XLA
+    ops in the `jax.profiler` trace under `trace_dir`, the longest first; an empty list where the trace holds no
+    device plane (a CPU)."""
+    totals: dict = {}
+    for event in _device_events(trace_dir, "XLA Ops"):
+        # the v5e's profiles (2026-12-06) name each op by its whole HLO text and give no long_name
+        text = str(dict(event.stats).get("long_name") or event.name)
+        entry = totals.setdefault(event.name, [0.0, 0, text])
+        entry[0] += event.duration_ns / 1e3
+        entry[1] += 1
     ops = sorted(totals.items(), key=lambda item: -item[1][0])
     return [(name, us / calls, count / calls, text) for name, (us, count, text) in ops]
 
 
 def _device_program_times(trace_dir: str, calls: int) -> dict:
     """{program name: (microseconds per call, runs per call)} of every XLA program the device ran in the
-    `jax.profiler` trace under `trace_dir` (its device plane's "XLA Modules" line). A program's time holds its
-    ops and the device's idle time between them; a call's time beyond its programs' is the host's (Python,
-    the launch, the wait for the result) and the gaps between programs."""
-    import glob
-
-    from jax.profiler import ProfileData
-
+    `jax.profiler` trace under `trace_dir`, the longest first. A program's time holds its ops and the device's
+    idle time between them; a call's time beyond its programs' is the host's (Python, the launch, the wait for
+    the result) and the gaps between programs."""
     totals: dict = {}
-    for path in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
-        for plane in ProfileData.from_file(path).planes:
-            if not plane.name.startswith("/device:"):
-                continue
-            for line in plane.lines:
-                if line.name != "XLA Modules":
-                    continue
-                for event in line.events:
-                    entry = totals.setdefault(event.name, [0.0, 0])
-                    entry[0] += event.duration_ns / 1e3
-                    entry[1] += 1
+    for event in _device_events(trace_dir, "XLA Modules"):
+        entry = totals.setdefault(event.name, [0.0, 0])
+        entry[0] += event.duration_ns / 1e3
+        entry[1] += 1
     return {name: (us / calls, count / calls) for name, (us, count) in
             sorted(totals.items(), key=lambda item: -item[1][0])}
 
