@@ -68,7 +68,7 @@ from .counters import metrics, reset_metrics  # noqa: E402,F401
 from .device import backend  # noqa: E402
 from .loops import while_loop  # noqa: E402,F401
 from .modes import EagerMode  # noqa: E402,F401
-from .ops.memory import prefetch_to_cpu, to_cpu  # noqa: E402,F401
+from .ops.memory import prefetch_to_cpu, same_values, to_cpu  # noqa: E402,F401
 
 backend.register()
 

@@ -921,6 +921,17 @@ def _start_transfer(array) -> None:
         array.copy_to_host_async()
 
 
+def read_one_array(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether tpu tensors `a` and `b` of one shape and dtype each read a computed array whole, the same one
+    (one buffer's, or the kept upload of equal values that `from_host` gives every buffer made from them)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    buf_a, buf_b = buffer_of(a), buffer_of(b)
+    array = buf_a.array
+    return (isinstance(array, jax.Array) and buf_b.array is array
+            and _whole_buffer(view_of(a, buf_a), buf_a) and _whole_buffer(view_of(b, buf_b), buf_b))
+
+
 def host_copy(t: torch.Tensor) -> torch.Tensor:
     """A tpu tensor's value as a new CPU tensor, for a caller at a sync point already: no host sync
     is counted (a check on a device value, the copy behind `.cpu()`)."""

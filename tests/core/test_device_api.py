@@ -160,6 +160,29 @@ def test_prefetch_to_cpu_starts_the_transfers_a_later_copy_reads(monkeypatch):
         assert torch.equal(deferred.cpu(), logits.cpu() * 3)
 
 
+def test_same_values_is_known_without_the_device_for_one_array_read_whole():
+    """`hf_tpu.same_values(a, b)`: True for tensors reading one computed array whole (a tensor and its detached
+    alias, two uploads of the same small values); False where it is not known without the device: other values,
+    another shape or dtype, a view of part, a value written in place since, a deferred value, a CPU tensor."""
+    ids = torch.arange(128).reshape(1, 128)
+    first, second = ids.to("tpu"), ids.clone().to("tpu")
+    assert hf_tpu.same_values(first, second) and hf_tpu.same_values(first, first.detach())
+    assert not hf_tpu.same_values(first, (ids + 1).to("tpu"))
+    assert not hf_tpu.same_values(first, first.reshape(128)) and not hf_tpu.same_values(first, first.int())
+    assert not hf_tpu.same_values(first[:, 1:], second[:, 1:])
+    assert not hf_tpu.same_values(first, ids) and not hf_tpu.same_values(ids, ids)
+    written = second.clone()
+    alias = written.detach()
+    assert hf_tpu.same_values(written, alias)
+    written.add_(0)  # a new array in the buffer (computed at the sync): both tensors still read it
+    torch.tpu.synchronize()
+    assert hf_tpu.same_values(written, alias) and not hf_tpu.same_values(written, second)
+    with torch.tpu.use_eager_mode("DEFER_AND_FUSE"):
+        deferred = first * 1
+        assert not hf_tpu.same_values(deferred, deferred.detach())
+        assert torch.equal(deferred.cpu(), ids)
+
+
 def test_storages_move_and_say_where_they_are():
     host = torch.arange(3.0).untyped_storage()
     moved = host.tpu()
