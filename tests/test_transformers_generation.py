@@ -335,7 +335,8 @@ def test_a_cache_the_user_chose_is_kept(models):
 def test_a_warm_generate_of_one_token_costs_a_fixed_number_of_device_ops(models, monkeypatch):
     """The fixed cost of generate()'s first token on tpu, counted rather than timed, for a 2-layer model: the
     compiled prefill (which zeroes the static cache the previous call kept), the host reads of the ids and of the
-    first token's logits, and the uploads of the padded ids, their mask and positions and of the result. An op
+    first token's logits, and the uploads of the padded ids (twice: for the prefill launched ahead, then for
+    Transformers' inputs, which find the first's kept array), their mask and positions and of the result. An op
     or a transfer more per layer (Transformers' own cache allocation: 3 ops and an upload a layer) or per call
     shows here."""
     from hf_tpu.memory import buffer
@@ -351,7 +352,7 @@ def test_a_warm_generate_of_one_token_costs_a_fixed_number_of_device_ops(models,
     tpu.generate(prompt, max_new_tokens=1, do_sample=False)
     metrics = hf_tpu.metrics()
     assert metrics["compiles"] == 0
-    assert (metrics["ops_dispatched"], metrics["host_syncs"], len(uploads)) <= (0, 2, 4)
+    assert (metrics["ops_dispatched"], metrics["host_syncs"], len(uploads)) <= (0, 2, 5)
 
 
 @pytest.mark.parametrize("new_tokens", [1, 5])
@@ -383,8 +384,8 @@ def test_a_warm_generate_walks_no_state_and_reads_no_signature_anew(models, monk
 
 def test_a_prefill_gives_each_cache_layer_the_same_functions_at_each_call(models, monkeypatch):
     """The functions a prefill sets on its cache's layers (`_attending_to_the_prompt_only`) are the same objects
-    at every call of a prompt length, so that the cache's kept walk finds its layers unchanged; another length
-    gets its own."""
+    at every call of a prompt length (the prefill launched ahead of a warm call's setup and Transformers' own
+    alike), so that the cache's kept walk finds its layers unchanged; another length gets its own."""
     import contextlib
 
     from hf_tpu.integrations.transformers import generation
@@ -402,11 +403,15 @@ def test_a_prefill_gives_each_cache_layer_the_same_functions_at_each_call(models
 
     monkeypatch.setattr(generation, "_attending_to_the_prompt_only", recorded)
     past_the_bucket = torch.arange(generation.bucketed_length(PROMPT.shape[1]) + 1).remainder(100)[None] + 3
+    seen_by_prompt = []
     for prompt in (PROMPT, PROMPT, past_the_bucket):
+        seen.clear()
         tpu.generate(prompt.to("tpu"), max_new_tokens=1, do_sample=False)
-    first, again, longer = seen
-    assert all(a is b for before, now in zip(first, again) for a, b in zip(before, now))
-    assert not any(a is b for before, now in zip(first, longer) for a, b in zip(before, now))
+        seen_by_prompt.append(list(seen))
+    first, *again = [functions for call in seen_by_prompt[:2] for functions in call]
+    longer = seen_by_prompt[2]
+    assert again and all(a is b for now in again for before, after in zip(first, now) for a, b in zip(before, after))
+    assert longer and not any(a is b for now in longer for before, after in zip(first, now) for a, b in zip(before, after))
 
 
 def test_an_update_set_on_a_cache_layer_is_called_by_the_prefills_own_and_put_back(models, checkpoint,
@@ -488,6 +493,76 @@ def test_a_second_call_of_the_same_shape_reuses_the_static_cache_zeroed(models, 
         expected, actual = _both(models, prompt=prompt, max_new_tokens=6, do_sample=False)
         assert torch.equal(actual, expected)
     assert all(torch.equal(layer.keys.cpu(), before) for layer, before in zip(handed_out.layers, keys))
+
+
+def _prefill_events(monkeypatch) -> list:
+    """"launch" at each call of the compiled prefill, "prepared" where Transformers' `_prefill` has prepared its
+    inputs (the adapter then looks for a launch made ahead), in their order."""
+    from hf_tpu.integrations.transformers import generation
+
+    events = []
+    compiled_prefill, taken_from_ahead = generation._compiled_prefill, generation._taken_from_ahead
+
+    def counted(model, compile_config):
+        prefill = compiled_prefill(model, compile_config)
+        return lambda *args: events.append("launch") or prefill(*args)
+
+    monkeypatch.setattr(generation, "_compiled_prefill", counted)
+    monkeypatch.setattr(generation, "_taken_from_ahead", lambda *args: events.append("prepared") or
+                        taken_from_ahead(*args))
+    return events
+
+
+def test_a_warm_call_of_a_kind_seen_before_takes_the_prefill_launched_ahead(models, monkeypatch):
+    """A warm `generate()` with the arguments and prompt shape of the call before launches its prefill before
+    Transformers' setup, and Transformers' prefill takes that launch: one launch a call, the CPU's tokens, for new
+    prompts and for calls that decode on after the first token. A call of another kind launches nothing ahead."""
+    prompts = [torch.tensor([[3, 14, 15, 92, 65]]), torch.tensor([[9, 8, 7, 6, 5]]), torch.tensor([[4, 4, 2, 7, 1]])]
+    for new_tokens in (1, 6):
+        _both(models, max_new_tokens=new_tokens, do_sample=False)  # the kind's first call: its inputs are kept
+        events = _prefill_events(monkeypatch)
+        for prompt in prompts:
+            expected, actual = _both(models, prompt=prompt, max_new_tokens=new_tokens, do_sample=False)
+            assert torch.equal(actual, expected)
+        assert events == ["launch", "prepared"] * len(prompts)
+        monkeypatch.undo()
+    events = _prefill_events(monkeypatch)
+    expected, actual = _both(models, max_new_tokens=2, do_sample=False)  # a kind not seen: its own prefill
+    assert torch.equal(actual, expected) and events == ["prepared", "launch"]
+
+
+def test_a_prefill_launched_ahead_is_not_taken_when_the_cache_was_written_since(models, monkeypatch):
+    """A launch ahead whose cache Transformers' setup wrote in place (a `reset()`) is not taken: Transformers'
+    prefill launches its own, the tokens are the CPU's, and that kind is not launched ahead again. A model in
+    training mode launches nothing ahead."""
+    from hf_tpu.integrations.transformers import generation
+
+    cpu, tpu = models
+    _both(models, max_new_tokens=3, do_sample=False)
+    get_logits_processor = type(tpu)._get_logits_processor
+
+    def resetting(self, *args, **kwargs):  # runs in Transformers' setup, after the launch ahead
+        for cache in [generation.spare_static_cache(self), *generation.allocated_ahead]:
+            if cache is not None:
+                cache.reset()
+        return get_logits_processor(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(tpu), "_get_logits_processor", resetting)
+    events = _prefill_events(monkeypatch)
+    expected, actual = _both(models, max_new_tokens=3, do_sample=False)
+    assert torch.equal(actual, expected) and events == ["launch", "prepared", "launch"]
+    monkeypatch.setattr(type(tpu), "_get_logits_processor", get_logits_processor)
+    events.clear()
+    expected, actual = _both(models, max_new_tokens=3, do_sample=False)
+    assert torch.equal(actual, expected) and events == ["prepared", "launch"]
+    _both(models, max_new_tokens=4, do_sample=False)
+    tpu.train()
+    try:
+        events.clear()
+        expected, actual = _both(models, max_new_tokens=4, do_sample=False)
+        assert torch.equal(actual, expected) and events == ["prepared", "launch"]
+    finally:
+        tpu.eval()
 
 
 def test_a_kept_static_cache_is_zeroed_for_an_eager_prefill(models):

@@ -71,7 +71,7 @@ class _ResolvedConfigs:
         self.results: dict = {}
 
     def resolve(self, model, original, generation_config, kwargs: dict):
-        key = _plain_key(kwargs) if generation_config is None else None
+        key = plain_key(kwargs) if generation_config is None else None
         if key is not None and not self._unchanged(model):
             self.results.clear()
             self.generation_config, self.config = None, None
@@ -113,8 +113,9 @@ class _ResolvedConfigs:
 _PLAIN_VALUES = (bool, int, float, str, type(None))
 
 
-def _plain_key(kwargs: dict):
-    """`_ResolvedConfigs`' key of a call's kwargs, or None when one of them cannot be keyed."""
+def plain_key(kwargs: dict):
+    """A `generate()` call's kwargs as a key (`_ResolvedConfigs`', and part of the kind of call whose prefill is
+    launched ahead), or None when one of them cannot be keyed."""
     parts = []
     for name, value in kwargs.items():
         if isinstance(value, _PLAIN_VALUES):
@@ -283,6 +284,12 @@ def _wrap_prepare_static_cache(original):
         return cache
 
     return _prepare_static_cache
+
+
+def spare_static_cache(model):
+    """The static cache kept for `model`'s next call (`static_cache_kept`), or None."""
+    spare = _static_caches.get(model, {}).get("spare")
+    return None if spare is None else spare[1]
 
 
 def zero_static_cache(cache) -> None:
