@@ -15,7 +15,9 @@ median over the calls of the milliseconds from the call's start:
 - `returned`: `generate()` returned; `synchronized`: `torch.accelerator.synchronize()` returned.
 
 The time between `launched` and `logits computed` holds the device's program; the rest is the host's. A mark a
-call did not reach (a prefill that ran eagerly: no launch) is left out.
+call did not reach (a prefill that ran eagerly: no launch) is left out. The marks print in the order the calls
+reached them: a call of a kind seen before launches its prefill ahead of Transformers' setup, before `prefill
+entered`.
 
 Run: python -m benchmarks.first_token_timeline [--size 1b --length 128 --calls 40]   (on a TPU)
      python -m benchmarks.first_token_timeline --size tiny --length 16 --calls 5      (the CPU: what CI runs)
@@ -36,7 +38,7 @@ _PROMPTS = 8
 
 
 def timeline(size: str, length: int, calls: int) -> dict:
-    """{mark: median milliseconds from the call} over `calls` warm calls."""
+    """{mark: median milliseconds from the call} over `calls` warm calls, the earliest first."""
     import torch
 
     import hf_tpu  # noqa: F401  (registers tpu)
@@ -114,7 +116,8 @@ def timeline(size: str, length: int, calls: int) -> dict:
                     delattr(model_type, name)
                 else:
                     setattr(model_type, name, function)
-    return {name: statistics.median(s[name] for s in samples) for name in MARKS if all(name in s for s in samples)}
+    medians = {name: statistics.median(s[name] for s in samples) for name in MARKS if all(name in s for s in samples)}
+    return dict(sorted(medians.items(), key=lambda item: item[1]))
 
 
 def main(argv=None) -> None:
