@@ -532,9 +532,11 @@ def test_a_warm_call_of_a_kind_seen_before_takes_the_prefill_launched_ahead(mode
 
 
 def test_a_prefill_launched_ahead_is_not_taken_when_the_cache_was_written_since(models, monkeypatch):
-    """A launch ahead whose cache Transformers' setup wrote in place (a `reset()`) is not taken: Transformers'
-    prefill launches its own, the tokens are the CPU's, and that kind is not launched ahead again. A model in
-    training mode launches nothing ahead."""
+    """A launch ahead whose cache Transformers' setup wrote in place (a `reset()`), or whose compile config the
+    call no longer has, is not taken: Transformers' prefill launches its own, the tokens are the CPU's, and that
+    kind is not launched ahead again. A model in training mode launches nothing ahead."""
+    from transformers import CompileConfig
+
     from hf_tpu.integrations.transformers import generation
 
     cpu, tpu = models
@@ -555,6 +557,11 @@ def test_a_prefill_launched_ahead_is_not_taken_when_the_cache_was_written_since(
     events.clear()
     expected, actual = _both(models, max_new_tokens=3, do_sample=False)
     assert torch.equal(actual, expected) and events == ["prepared", "launch"]
+    _both(models, max_new_tokens=5, do_sample=False)
+    monkeypatch.setattr(tpu.generation_config, "compile_config", CompileConfig(backend="tpu", fullgraph=False))
+    events.clear()
+    expected, actual = _both(models, max_new_tokens=5, do_sample=False)
+    assert torch.equal(actual, expected) and events == ["launch", "prepared", "launch"]
     _both(models, max_new_tokens=4, do_sample=False)
     tpu.train()
     try:

@@ -122,9 +122,8 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors are known to hold equal values without asking the device: both on tpu, of one shape
     and dtype, reading one computed device array whole (views of one buffer, or two uploads of the same small
     values, which share the array hf_tpu keeps of them). False means not known, not unequal; nothing waits and
-    nothing is computed (a value still deferred is not known). For a caller that reuses device work done for
-    one set of inputs when it meets the same again: `generate()`'s prefill launched ahead of Transformers'
-    setup is taken when the inputs Transformers then makes are those it was launched with."""
+    nothing is computed (a value still deferred is not known). For a caller that launched device work ahead,
+    from the inputs it expected, and takes its results when the inputs then made are those."""
     return a.device.type == "tpu" and b.device.type == "tpu" and buffer.read_one_array(a, b)
 
 

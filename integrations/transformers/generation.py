@@ -650,7 +650,7 @@ def _wrap_prefill(original):
                                                               is_first_iteration=True, **model_kwargs)
             if not allocated:
                 _allocate_static_cache(self, cache, input_ids.shape[0], shape)
-            outputs = _taken_from_ahead(self, model_inputs)
+            outputs = _taken_from_ahead(self, generation_config.compile_config, model_inputs)
             if outputs is None:
                 outputs = _compiled_prefill(self, generation_config.compile_config)(self, model_inputs)
                 _note_prefill(self, generation_config.compile_config, model_inputs)
@@ -790,9 +790,10 @@ def _launch_ahead(model, record: _PrefillAhead, host_ids) -> None:
     record.launched = (inputs, outputs, _tensor_versions(caches[0]))
 
 
-def _taken_from_ahead(model, model_inputs: dict):
+def _taken_from_ahead(model, compile_config, model_inputs: dict):
     """The outputs of the prefill launched ahead for this call (`_prefill_launched_ahead`) when `model_inputs`
-    are what it was launched with, else None (and the kind is not launched ahead again)."""
+    and the compile config are what it was launched with, else None (and the kind is not launched ahead
+    again)."""
     record = _prefills_ahead.get(model)
     launched = None if record is None else record.launched
     if launched is None:
@@ -800,7 +801,8 @@ def _taken_from_ahead(model, model_inputs: dict):
     record.launched = None
     inputs, outputs, versions = launched
     caches = [value for value in inputs.values() if isinstance(value, _cache_type())]
-    if (list(model_inputs) == list(inputs) and all(_same_input(model_inputs[name], inputs[name]) for name in inputs)
+    if (compile_config == record.compile_config and list(model_inputs) == list(inputs)
+            and all(_same_input(model_inputs[name], inputs[name]) for name in inputs)
             and _tensor_versions(caches[0]) == versions):
         return outputs
     record.misses = True
