@@ -411,7 +411,8 @@ def test_a_prefill_gives_each_cache_layer_the_same_functions_at_each_call(models
     first, *again = [functions for call in seen_by_prompt[:2] for functions in call]
     longer = seen_by_prompt[2]
     assert again and all(a is b for now in again for before, after in zip(first, now) for a, b in zip(before, after))
-    assert longer and not any(a is b for now in longer for before, after in zip(first, now) for a, b in zip(before, after))
+    assert longer and not any(a is b for now in longer for before, after in zip(first, now)
+                              for a, b in zip(before, after))
 
 
 def test_an_update_set_on_a_cache_layer_is_called_by_the_prefills_own_and_put_back(models, checkpoint,

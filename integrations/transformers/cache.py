@@ -110,7 +110,8 @@ class _ResolvedConfigs:
         self.results[key] = (kept, taken, containers)
 
 
-_PLAIN_VALUES = (bool, int, float, str, type(None))
+# the values a call's kwargs and a prefill's inputs are compared by as they are
+PLAIN_VALUES = (bool, int, float, str, type(None))
 
 
 def plain_key(kwargs: dict):
@@ -118,11 +119,11 @@ def plain_key(kwargs: dict):
     launched ahead), or None when one of them cannot be keyed."""
     parts = []
     for name, value in kwargs.items():
-        if isinstance(value, _PLAIN_VALUES):
+        if isinstance(value, PLAIN_VALUES):
             parts.append((name, type(value), value))
         elif isinstance(value, torch.Tensor):
             parts.append((name, torch.Tensor))
-        elif isinstance(value, (list, tuple)) and all(isinstance(item, _PLAIN_VALUES) for item in value):
+        elif isinstance(value, (list, tuple)) and all(isinstance(item, PLAIN_VALUES) for item in value):
             parts.append((name, type(value), tuple((type(item), item) for item in value)))
         else:
             return None

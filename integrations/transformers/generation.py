@@ -16,8 +16,8 @@ import torch
 import hf_tpu
 from hf_tpu import model_patches
 
-from .cache import (ALLOCATED_WHOLE, allocated_ahead, plain_key, spare_static_cache, static_cache_kept,
-                    zero_static_cache)
+from .cache import (ALLOCATED_WHOLE, PLAIN_VALUES, allocated_ahead, plain_key, spare_static_cache,
+                    static_cache_kept, zero_static_cache)
 from .loading import _on_tpu, prepare_model
 from .settings import settings
 
@@ -821,7 +821,7 @@ def _note_prefill(model, compile_config, model_inputs: dict) -> None:
     cache_type = _cache_type()
     caches = [value for value in model_inputs.values() if isinstance(value, cache_type)]
     if len(caches) != 1 or not all(
-            isinstance(value, cache_type) or type(value) in _PLAIN_INPUTS
+            isinstance(value, cache_type) or type(value) in PLAIN_VALUES
             or (isinstance(value, torch.Tensor) and value.device.type == "tpu") for value in model_inputs.values()):
         return
     # in their order (the program's key follows it); the ids are each call's own
@@ -830,13 +830,10 @@ def _note_prefill(model, compile_config, model_inputs: dict) -> None:
     _prefills_ahead[model] = _PrefillAhead(kind, compile_config, inputs)
 
 
-_PLAIN_INPUTS = (bool, int, float, str, type(None))
-
-
 def _same_input(now, then) -> bool:
     if isinstance(now, torch.Tensor):
         return isinstance(then, torch.Tensor) and hf_tpu.same_values(now, then)
-    return now is then or (type(now) is type(then) and type(now) in _PLAIN_INPUTS and now == then)
+    return now is then or (type(now) is type(then) and type(now) in PLAIN_VALUES and now == then)
 
 
 def _tensor_versions(cache) -> tuple:
