@@ -754,9 +754,9 @@ def _prefill_launched_ahead(model, kind, host_ids):
     (special tokens, mask, cache, processors, input preparation: 1.2 ms of the v5e's host before the prefill's
     launch, with the chip idle), with the inputs the last call of its kind had and this call's ids; the setup
     then runs while the chip computes. The prefill Transformers then asks for takes that launch's outputs when
-    its inputs are exactly those: the same keys, the same objects and plain values, tensors reading the same
-    device arrays (`hf_tpu.same_values`: the ids and positions of a prompt of up to 4 KiB are shared uploads),
-    and the cache's tensors not written since. Otherwise it launches its own: the prefill zeroes the cache
+    its inputs are exactly those: the same keys in the same order, the same objects and plain values, tensors
+    reading the same device arrays (`hf_tpu.same_values`: the ids and positions of a prompt of up to 4 KiB are
+    shared uploads), the cache's tensors not written since, and the same compile config. Otherwise it launches its own: the prefill zeroes the cache
     and writes it whole, so running it again over the launch's leaves what one run leaves, and the kind is
     not launched ahead again (its inputs are new arrays each call: a longer prompt's ids).
 
@@ -778,6 +778,7 @@ def _prefill_launched_ahead(model, kind, host_ids):
 
 
 def _launch_ahead(model, record: _PrefillAhead, host_ids) -> None:
+    """Launch `record`'s prefill with this call's ids, where the cache it names is the one kept for this call."""
     inputs = {name: value() if isinstance(value, weakref.ref) else value for name, value in record.inputs.items()}
     caches = [value for name, value in inputs.items() if isinstance(record.inputs[name], weakref.ref)]
     if len(caches) != 1 or caches[0] is None or caches[0] is not spare_static_cache(model):
