@@ -517,7 +517,8 @@ def _prefill_events(monkeypatch) -> list:
 def test_a_warm_call_of_a_kind_seen_before_takes_the_prefill_launched_ahead(models, monkeypatch):
     """A warm `generate()` with the arguments and prompt shape of the call before launches its prefill before
     Transformers' setup, and Transformers' prefill takes that launch: one launch a call, the CPU's tokens, for new
-    prompts and for calls that decode on after the first token. A call of another kind launches nothing ahead."""
+    prompts and for calls that decode on after the first token. A call of another kind, or one whose prefill runs
+    eagerly (no static cache), launches nothing ahead."""
     prompts = [torch.tensor([[3, 14, 15, 92, 65]]), torch.tensor([[9, 8, 7, 6, 5]]), torch.tensor([[4, 4, 2, 7, 1]])]
     for new_tokens in (1, 6):
         _both(models, max_new_tokens=new_tokens, do_sample=False)  # the kind's first call: its inputs are kept
@@ -530,6 +531,14 @@ def test_a_warm_call_of_a_kind_seen_before_takes_the_prefill_launched_ahead(mode
     events = _prefill_events(monkeypatch)
     expected, actual = _both(models, max_new_tokens=2, do_sample=False)  # a kind not seen: its own prefill
     assert torch.equal(actual, expected) and events == ["prepared", "launch"]
+    saved = adapter.settings.static_cache
+    try:
+        adapter.configure(static_cache=False)  # a kind seen, whose prefill now runs eagerly: nothing launched
+        events.clear()
+        expected, actual = _both(models, max_new_tokens=2, do_sample=False)
+        assert torch.equal(actual, expected) and events == []
+    finally:
+        adapter.configure(static_cache=saved)
 
 
 def test_a_prefill_launched_ahead_is_not_taken_when_the_cache_was_written_since(models, monkeypatch):

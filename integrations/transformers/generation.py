@@ -162,7 +162,7 @@ def _wrap_generate(original):
                 host_mask = _prompt_mask(host_ids, resolved)
             host_ids, host_mask = _left_pad(host_ids, host_mask, padding)
         reuses_the_cache = _prefill_reuses_the_cache(resolved, host_ids.shape[1])
-        plain = plain_key(kwargs) if reuses_the_cache and generation_config is None else None
+        plain = plain_key(kwargs) if reuses_the_cache and settings.static_cache and generation_config is None else None
         kind = None if plain is None else (plain, tuple(host_ids.shape), host_mask is None)
         # the launch ahead first: the contexts after it set functions of their own on the model for the call
         with _prefill_launched_ahead(self, kind, host_ids), _step_inputs_on_the_model(self), \
@@ -756,9 +756,10 @@ def _prefill_launched_ahead(model, kind, host_ids):
     then runs while the chip computes. The prefill Transformers then asks for takes that launch's outputs when
     its inputs are exactly those: the same keys in the same order, the same objects and plain values, tensors
     reading the same device arrays (`hf_tpu.same_values`: the ids and positions of a prompt of up to 4 KiB are
-    shared uploads), the cache's tensors not written since, and the same compile config. Otherwise it launches its own: the prefill zeroes the cache
-    and writes it whole, so running it again over the launch's leaves what one run leaves, and the kind is
-    not launched ahead again (its inputs are new arrays each call: a longer prompt's ids).
+    shared uploads), the cache's tensors not written since, and the same compile config. Otherwise it launches
+    its own: the prefill zeroes the cache and writes it whole, so running it again over the launch's leaves what
+    one run leaves, and the kind is not launched ahead again (its inputs are new arrays each call: a longer
+    prompt's ids).
 
     Only for a model in eval mode (a prefill taken or not then draws no random numbers), and a cache kept from
     the last call (`static_cache_kept`), the one Transformers' setup then takes when the call is of that kind."""
