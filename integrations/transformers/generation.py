@@ -739,7 +739,7 @@ class _PrefillAhead:
 
     def __init__(self, kind, compile_config, inputs: dict):
         self.kind, self.compile_config, self.inputs = kind, compile_config, inputs
-        self.launched = None  # (the inputs launched with, their outputs, the cache's tensors' versions after)
+        self.launched = None  # (the inputs launched with, their outputs, the cache, its tensors' versions after)
         self.misses = False  # a launch of this kind was not taken: its inputs are not met again (see below)
 
 
@@ -789,7 +789,7 @@ def _launch_ahead(model, record: _PrefillAhead, host_ids) -> None:
     with torch.no_grad(), _attending_to_the_prompt_only(caches[0], host_ids.shape[1]):
         outputs = _compiled_prefill(model, record.compile_config)(model, inputs)
     hf_tpu.prefetch_to_cpu([outputs.logits])
-    record.launched = (inputs, outputs, _tensor_versions(caches[0]))
+    record.launched = (inputs, outputs, caches[0], _tensor_versions(caches[0]))
 
 
 def _taken_from_ahead(model, compile_config, model_inputs: dict):
@@ -801,11 +801,10 @@ def _taken_from_ahead(model, compile_config, model_inputs: dict):
     if launched is None:
         return None
     record.launched = None
-    inputs, outputs, versions = launched
-    caches = [value for value in inputs.values() if isinstance(value, _cache_type())]
+    inputs, outputs, cache, versions = launched
     if (compile_config == record.compile_config and list(model_inputs) == list(inputs)
             and all(_same_input(model_inputs[name], inputs[name]) for name in inputs)
-            and _tensor_versions(caches[0]) == versions):
+            and _tensor_versions(cache) == versions):
         return outputs
     record.misses = True
     return None
