@@ -460,3 +460,18 @@ def test_the_attention_compile_benchmark_runs_its_tiny_form(tmp_path):
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert set(rows) == {f"b{b} {name} x{n}" for b in (1, 8) for name in ("kernel", "xla") for n in (1, 16)}
     assert all(row["compile"] > 0 and row["ms"] > 0 for row in rows.values())
+
+
+@pytest.mark.slow  # a process of its own: about 12 s
+def test_the_attention_layouts_benchmark_computes_attention_in_every_layout(tmp_path):
+    """Each layout's kernel and splash, interpreted at tiny shapes, within a bfloat16 rounding (outputs up
+    to about 4: 0.0156 a unit in the last place) of the float32 reference."""
+    from benchmarks import attention_layouts
+
+    result = subprocess.run([sys.executable, "-m", "benchmarks.attention_layouts", "--json",
+                             str(tmp_path / "rows.json")], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "HF_TPU_PLATFORM": "cpu"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [r["form"] for r in rows] == ["splash 128/128/128", *attention_layouts.LAYOUTS]
+    assert all(r["ms"] > 0 and r["largest_difference"] <= 0.0157 for r in rows), rows
