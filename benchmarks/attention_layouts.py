@@ -33,8 +33,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -179,18 +177,9 @@ def _chained(attention, calls):
     return jax.jit(program)
 
 
-def _milliseconds(program, args, iters):
-    jax.block_until_ready(program(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(program(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
 def measure(length, heads, kv_heads, calls, iters, tiny):
     """Rows (name, ms for `calls` chained calls, largest difference from the reference) at one length."""
+    from benchmarks.common import timeit
     from hf_tpu.kernels import flash_attention
 
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
@@ -207,7 +196,8 @@ def measure(length, heads, kv_heads, calls, iters, tiny):
     rows = []
     for name, attention in forms.items():
         with jax.enable_x64(False):  # splash's index maps expect JAX's 32-bit default
-            ms = _milliseconds(_chained(attention, calls), (query, key, value), iters)
+            program = _chained(attention, calls)
+            ms = timeit(lambda: jax.block_until_ready(program(query, key, value)), warmup=1, iters=iters) * 1e3
             error = float(jnp.max(jnp.abs(jax.jit(attention)(query, key, value).astype(jnp.float32) - reference)))
         rows.append((name, ms, error))
         print(f"  {length}: {name}: {ms:.3f} ms, largest difference {error:.4f}", flush=True)
