@@ -18,11 +18,16 @@ inside the program. A buffer the function writes in place (a KV cache's `index_c
 program too: its array is donated (XLA writes the update in place) and the buffer holds the new array
 after the call, so every view of it sees the update, as after the eager call.
 
+What the function returns is rebuilt at each call: new tensors from the program's outputs, an input tensor or
+state object as itself, plain values as they were in the trace, and an object the trace made to hold new tensors
+(a model's new `DynamicCache`) as a new object of its type with its attributes rebuilt, as Dynamo rebuilds the
+objects a graph makes.
+
 A call that cannot be traced runs the `fallback` instead (by default the function itself, eagerly), with a
 log line saying why, and every later call with the same key does too: a host read (`.item()`, `bool(t)`),
 an op without a lowering, a tensor outside the inputs written in place, a tensor made in the trace kept
-outside it, an output that is neither a new tensor, an input tensor itself, a state object nor a plain
-value, or a change to Python state (an attribute of a state object, a module or an argument's list or dict
+outside it, an output that is none of the above (a view of an input, an object that holds no new tensor, one
+with slots or a `__new__` of its own), or a change to Python state (an attribute of a state object, a module or an argument's list or dict
 set, added or removed: the trace would not replay it). Autograd is off inside the trace
 (`torch.no_grad()`); a call made with gradients enabled and an input that requires them falls back.
 Inside the trace `torch.compiler.is_compiling()` is True (as under non-strict `torch.export`), so code
@@ -32,8 +37,8 @@ Programs are cached per function code and key: the argument tensors' shapes, dty
 the values of non-tensor arguments and closure contents (hashable ones: a number, a string, a tuple; an
 object with identity hashing is keyed by identity; an unhashable one makes the call fall back), the state
 tensors' shapes, dtypes and views, each module's type and `training` flag, a non-module state object's
-type and its attributes of plain value types (numbers, strings, devices, dtypes), the default dtype and
-autocast's state. Finding those takes a walk over every submodule, parameter and buffer; each state object's
+type and its attributes of plain value types (numbers, strings, devices, dtypes), the default dtype,
+autocast's state and the float32 matmul precision (which the lowerings read). Finding those takes a walk over every submodule, parameter and buffer; each state object's
 walk is kept and replayed by later calls while everything it read is unchanged (`_KeptWalk`). NOT guarded,
 as with `jax.jit`: globals the function reads, attributes of modules other than `training` and their
 tensors (a `config` object's fields, a module's Python-number attributes), the objects such attributes
@@ -451,23 +456,25 @@ def _call_key(inputs: _Inputs, functions, args, kwargs) -> tuple:
     state = tuple(inputs.root(o) for o in tuple(inputs.state))
     arguments = inputs.argument((tuple(_function_parts(f)[1] for f in functions), args, kwargs))
     return (state, arguments, tuple(inputs.buffer_keys), torch.get_default_dtype(),
-            torch.is_autocast_enabled("tpu"), torch.get_autocast_dtype("tpu"))
+            torch.is_autocast_enabled("tpu"), torch.get_autocast_dtype("tpu"), torch.get_float32_matmul_precision())
 
 
 class _Program:
     """One traced call: its jaxpr over (every input buffer's array, the rng key), the buffers it overwrites,
     what it returns, and its jitted forms."""
 
-    def __init__(self, name: str, jaxpr, mutated: tuple, outputs: list, treedef, checks: list, draws: int):
+    def __init__(self, name: str, jaxpr, mutated: tuple, outputs: list, new_outputs: int, treedef, checks: list,
+                 draws: int):
         self.name = name
         self.jaxpr = jaxpr
         self.mutated = mutated  # slots of the buffers written in place, ascending
-        # per output leaf: ("new", dtype) | ("input", position among the input tensors) | ("state", k) | ("value", v)
+        # per output leaf, how a call rebuilds it (`_output`): ("new", dtype) | ("input", position among the input
+        # tensors) | ("state", k) | ("value", v) | ("same", k) | an object made in the trace
         self.outputs = outputs
+        self.new_outputs = new_outputs  # the new tensors among them, each an output array of the program
         self.treedef = treedef
         self.checks = checks
         self.draws = draws
-        self.new_outputs = sum(kind == "new" for kind, _ in outputs)
         self.run = jax_core.jaxpr_as_fun(jaxpr)
         call = _named(f"traced_{name}", self.step)
         self.jitted = {True: jax.jit(call, donate_argnums=(0,)), False: jax.jit(call)}
@@ -485,18 +492,8 @@ class _Program:
         return list(flat[:n]), list(flat[n:])
 
     def results(self, arrays, inputs: _Inputs):
-        leaves, new = [], iter(arrays)
-        for kind, value in self.outputs:
-            if kind == "new":
-                array = next(new)
-                leaves.append(buffer.new_tensor(array.shape, value, inputs.device_index, array))
-            elif kind == "input":
-                leaves.append(inputs.tensors[value][0])
-            elif kind == "state":
-                leaves.append(inputs.state[value])
-            else:
-                leaves.append(value)
-        return pytree.tree_unflatten(leaves, self.treedef)
+        new, made = iter(arrays), []
+        return pytree.tree_unflatten([_rebuild(spec, new, inputs, made) for spec in self.outputs], self.treedef)
 
 
 def _named(name: str, fn):
@@ -552,13 +549,13 @@ def _trace(name: str, run, inputs: _Inputs, arrays: list) -> _Program:
             with torch.no_grad():
                 out = run()
             leaves, treedef = pytree.tree_flatten(out)
-            outputs, new_arrays = [], []
+            outputs, new_arrays, made = [], [], {}
             for leaf in leaves:
-                outputs.append(_output(leaf, inputs, first_new_address, new_arrays))
+                outputs.append(_output(leaf, inputs, first_new_address, new_arrays, made))
             finals = [buf._array for buf in inputs.buffers]
             mutated = tuple(i for i, (final, array) in enumerate(zip(finals, input_arrays)) if final is not array)
             _check_nothing_else_written(live, before, inputs_by_id)
-            found.update(mutated=mutated, outputs=outputs, treedef=treedef, draws=mode.draws,
+            found.update(mutated=mutated, outputs=outputs, new_outputs=len(new_arrays), treedef=treedef, draws=mode.draws,
                          checks=[(value.dtype, raise_if_bad) for value, raise_if_bad in mode.checks])
             failed = False
             return ([finals[i] for i in mutated], new_arrays, [buffer.array_of(value) for value, _ in mode.checks])
@@ -576,16 +573,23 @@ def _trace(name: str, run, inputs: _Inputs, arrays: list) -> _Program:
     traced.__name__ = traced.__qualname__ = f"trace_{name}"
     jaxpr = jax.jit(traced).trace(arrays, rng.example_key()).jaxpr
     _check_no_tensor_escaped(live, first_new_address)
-    return _Program(name, jaxpr, found["mutated"], found["outputs"], found["treedef"], found["checks"], found["draws"])
+    return _Program(name, jaxpr, found["mutated"], found["outputs"], found["new_outputs"], found["treedef"],
+                    found["checks"], found["draws"])
 
 
-def _output(leaf, inputs: _Inputs, first_new_address: int, new_arrays: list) -> tuple:
+def _output(leaf, inputs: _Inputs, first_new_address: int, new_arrays: list, made: dict, depth: int = 0) -> tuple:
+    """How a call rebuilds one returned value (`_rebuild`): a new tensor (its array appended to `new_arrays`), an input
+    tensor or state object itself, a plain value, or an object made in the trace that holds new tensors. `made` maps
+    the id of each new tensor and object met so far to its place among them, so that one met twice is rebuilt once."""
+    if id(leaf) in made:
+        return ("same", made[id(leaf)])
     if isinstance(leaf, torch.Tensor):
         if id(leaf) in inputs.tensor_index:
             return ("input", inputs.tensor_index[id(leaf)])
         if leaf.device.type == "tpu":
             buf = buffer.buffer_of(leaf)
             if buf.address >= first_new_address:
+                made[id(leaf)] = len(made)
                 new_arrays.append(buffer.array_of(leaf, buf))
                 return ("new", leaf.dtype)
         raise _Untraceable("it returns a view of an input tensor, or a CPU tensor")
@@ -593,7 +597,81 @@ def _output(leaf, inputs: _Inputs, first_new_address: int, new_arrays: list) -> 
         return ("state", inputs.state_index[id(leaf)])
     if isinstance(leaf, _VALUE_TYPES):
         return ("value", leaf)
-    raise _Untraceable(f"it returns a {type(leaf).__name__}, which may hold tensors of the trace")
+    arrays_before = len(new_arrays)
+    spec = _made_object(leaf, inputs, first_new_address, new_arrays, made, depth)
+    if spec is None or len(new_arrays) == arrays_before:  # holds no new tensor: it may be an object of the caller's
+        raise _Untraceable(f"it returns a {type(leaf).__name__}, which may hold tensors of the trace")
+    return spec
+
+
+def _made_object(x, inputs: _Inputs, first_new_address: int, new_arrays: list, made: dict, depth: int):
+    """The spec of an object the trace made to hold tensors it made (a Transformers `DynamicCache` in a model's
+    output, with its layers): rebuilt at each call as a new object of its type with its attributes, as Dynamo
+    rebuilds the objects a graph makes (`object.__new__`, then the attributes), since the traced one holds tracers.
+    Lists, tuples and dicts in it are rebuilt too; what holds no new tensor (a class, a config) is kept as it is.
+    None for anything else (a container of another type, an object with slots or its own `__new__`)."""
+    if depth > _DEPTH:
+        raise _Untraceable("it returns objects nested too deep")
+    kind = type(x)
+    if kind in (list, tuple, dict):
+        items = x.items() if kind is dict else enumerate(x)
+        specs = [(k, _output_or_kept(v, inputs, first_new_address, new_arrays, made, depth + 1)) for k, v in items]
+        return (kind.__name__, tuple(specs) if kind is dict else tuple(spec for _, spec in specs))
+    if not _plain_object(x) or kind.__new__ is not object.__new__ or _has_slots(kind):
+        return None
+    made[id(x)] = len(made)
+    attributes = tuple((name, _output_or_kept(value, inputs, first_new_address, new_arrays, made, depth + 1))
+                       for name, value in vars(x).items())
+    return ("object", kind, attributes)
+
+
+def _has_slots(kind: type) -> bool:
+    """Whether instances of `kind` keep attributes outside their `__dict__` (slots of a class in its MRO)."""
+    slots = [getattr(c, "__slots__", ()) for c in kind.__mro__]
+    return any(set([names] if isinstance(names, str) else names) - {"__dict__", "__weakref__"} for names in slots)
+
+
+def _output_or_kept(x, inputs: _Inputs, first_new_address: int, new_arrays: list, made: dict, depth: int) -> tuple:
+    """The spec of a value held by an object or container the trace made: rebuilt where it holds new tensors, else
+    kept as it is (a value that holds a tensor of the trace without being rebuilt is caught after the trace, a
+    tensor made there still holding a tracer: `_check_no_tensor_escaped`)."""
+    if isinstance(x, torch.Tensor) or id(x) in made or id(x) in inputs.state_index or isinstance(x, _VALUE_TYPES):
+        return _output(x, inputs, first_new_address, new_arrays, made, depth)
+    made_before, arrays_before = len(made), len(new_arrays)
+    spec = _made_object(x, inputs, first_new_address, new_arrays, made, depth)
+    if spec is not None and len(new_arrays) > arrays_before:
+        return spec
+    for k in [k for k, index in made.items() if index >= made_before]:  # objects holding no new tensor: kept
+        del made[k]
+    return ("value", x)
+
+
+def _rebuild(spec, new, inputs: _Inputs, made: list):
+    """The value `spec` (`_output`) describes, for one call: `new` yields the call's new arrays, and `made` gathers
+    the new tensors and objects rebuilt so far."""
+    kind = spec[0]
+    if kind == "input":
+        return inputs.tensors[spec[1]][0]
+    if kind == "state":
+        return inputs.state[spec[1]]
+    if kind == "value":
+        return spec[1]
+    if kind == "same":
+        return made[spec[1]]
+    if kind == "list":
+        return [_rebuild(item, new, inputs, made) for item in spec[1]]
+    if kind == "tuple":
+        return tuple(_rebuild(item, new, inputs, made) for item in spec[1])
+    if kind == "dict":
+        return {k: _rebuild(item, new, inputs, made) for k, item in spec[1]}
+    if kind == "new":
+        array = next(new)
+        made.append(buffer.new_tensor(array.shape, spec[1], inputs.device_index, array))
+        return made[-1]
+    obj = object.__new__(spec[1])  # "object": its attributes rebuilt after it, as `_made_object` met them
+    made.append(obj)
+    vars(obj).update((name, _rebuild(item, new, inputs, made)) for name, item in spec[2])
+    return obj
 
 
 def _check_nothing_else_written(live: dict, before: dict, inputs_by_id: set) -> None:
@@ -959,9 +1037,9 @@ def _check_loopable(program: _Program, carried: tuple, carried_slots: list) -> N
         raise _Untraceable("the step updates a carried tensor in place")
     if program.checks:
         raise _Untraceable("a while_loop step cannot check device values (a linalg error, an assert)")
-    kinds = [kind for kind, _ in program.outputs]
+    kinds = [spec[0] for spec in program.outputs]
     if len(kinds) != len(carried) + 1 or any(kind != "new" for kind in kinds):
         raise _Untraceable("a while_loop step must return as many tensors as it carries")
-    for t, (_, dtype) in zip(carried, program.outputs):
+    for t, (_, dtype) in zip(carried, program.outputs):  # each ("new", dtype)
         if dtype != t.dtype:
             raise _Untraceable("a while_loop step must return tensors of the carried dtypes")
