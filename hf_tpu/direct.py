@@ -251,7 +251,7 @@ class _Inputs:
             return self.state_object(x)  # gradients on: the walk also checks that no input requires them
         start = self.position()
         for walk in _kept_walks_of(x):
-            if walk.start == start and walk.replay(self, x):
+            if walk.start == start and walk.inputs_type is type(self) and walk.replay(self, x):
                 return walk.key
         self.walk_start, self.reached_back = start[:2], False
         key = self.state_object(x)
@@ -350,6 +350,7 @@ class _KeptWalk:
                            for name, count in _KeptWalk.ADDED_POSITIONS.items()})
         del self.added["objects"][0]  # the root, appended again at a replay
         self.device_index = inputs.device_index
+        self.inputs_type = type(inputs)  # a walk of another kind (`call(inputs_type=)`) keys other things
 
     def holds(self, x) -> bool:
         """Whether the walk holds `x` (kept under `x`, it would keep it alive)."""
@@ -441,6 +442,28 @@ def _same(a, b) -> bool:
     return a is b or (type(a) is type(b) and isinstance(a, _VALUE_TYPES) and a == b)
 
 
+def _new_values(changes: list):
+    """The values a change to the Python state (`_python_state_changes`) put in place."""
+    for container, before, _ in changes:
+        if isinstance(container, dict):
+            yield from (value for k, value in container.items() if k not in before or not _same(value, before[k]))
+        else:
+            yield from container
+
+
+def _holds_tensors(x, depth: int = 0) -> bool:
+    """Whether `x` is or holds a tensor (searched through containers and plain objects, as state is)."""
+    if isinstance(x, torch.Tensor):
+        return True
+    if depth > _DEPTH or isinstance(x, (torch.nn.Module, *_VALUE_TYPES)):
+        return isinstance(x, torch.nn.Module)
+    if isinstance(x, dict):
+        return any(_holds_tensors(v, depth + 1) for v in x.values())
+    if isinstance(x, (list, tuple, set, frozenset)):
+        return any(_holds_tensors(v, depth + 1) for v in x)
+    return _plain_object(x) and any(_holds_tensors(v, depth + 1) for v in vars(x).values())
+
+
 def _restore(changes: list) -> None:
     for container, before, _ in changes:
         if isinstance(container, dict):
@@ -525,10 +548,23 @@ def _arguments_text(args, kwargs, state, positional: str = "argument", most: int
     return ", ".join(shown[:most]) + more + (f", with the state of {kinds}" if kinds else "")
 
 
-def _trace(name: str, run, inputs: _Inputs, arrays: list) -> _Program:
-    """Run `run()` once with every input buffer holding a tracer; the program it makes."""
+class _PythonStateChanged(_Untraceable):
+    """A trace changed Python state the program cannot replay, and the changes were kept (`_trace(keep_changes=
+    True)`): `call` traces once more with them made, and undoes them (`changes`) if it falls back."""
+
+    def __init__(self, message: str, changes: list):
+        super().__init__(message)
+        self.changes = changes
+
+
+def _trace(name: str, run, inputs: _Inputs, arrays: list, keep_changes: bool = False) -> _Program:
+    """Run `run()` once with every input buffer holding a tracer; the program it makes. A change to the Python state
+    met (`_python_state_changes`) raises `_Untraceable`, the change undone, or, with `keep_changes` and values that
+    hold no tensor, `_PythonStateChanged` with the change kept."""
     live = buffer.allocator.live
-    before = {address: buf._array for address, buf in list(live.items())}
+    # the arrays every buffer holds now, to find those the trace writes; not a tracer an earlier trace left in a
+    # buffer that something still holds (a frame of its error's traceback)
+    before = {address: buf._array for address, buf in list(live.items()) if not isinstance(buf._array, jax.core.Tracer)}
     # each input buffer's own array, which it holds again after the trace (`arrays` may be copies placed
     # on a sharded model's mesh, for the program only)
     own = [buf._array for buf in inputs.buffers]
@@ -566,9 +602,13 @@ def _trace(name: str, run, inputs: _Inputs, arrays: list) -> _Program:
                 buf.array = array
             changes = _python_state_changes(python_state)
             if changes:
-                _restore(changes)
-                if not failed:
-                    raise _Untraceable(f"it changes Python state the program cannot replay ({changes[0][2]})")
+                message = f"it changes Python state the program cannot replay ({changes[0][2]})"
+                if failed or not keep_changes or any(map(_holds_tensors, _new_values(changes))):
+                    _restore(changes)
+                    if not failed:
+                        raise _Untraceable(message)
+                else:
+                    raise _PythonStateChanged(message, changes)
 
     traced.__name__ = traced.__qualname__ = f"trace_{name}"
     jaxpr = jax.jit(traced).trace(arrays, rng.example_key()).jaxpr
@@ -741,17 +781,18 @@ class _Key(tuple):
         return self._hash
 
 
-def _prepare(site, functions, args, kwargs, state) -> tuple:
+def _prepare(site, functions, args, kwargs, state, inputs_type=_Inputs) -> tuple:
     """(inputs, key) of a call, or raises `_Unkeyable`."""
-    inputs = _Inputs(tuple(state))
+    inputs = inputs_type(tuple(state))
     return inputs, _Key((site, _call_key(inputs, functions, args, kwargs)))
 
 
 def _traced_program(key, name: str, run, inputs: _Inputs, arrays: list, description: str, inputs_text,
-                    function: str, disk_digest: str | None):
+                    function: str, disk_digest: str | None, keep_changes: bool = False):
     """The program cached for `key`, traced now if there is none (its first compile then named `disk_digest` in
     the disk cache); raises what a failed trace raised (and every later call with this key gets `_Untraceable` at
-    once)."""
+    once, unless the trace raised `_PythonStateChanged`: `keep_changes`, see `_trace`). Every trace counts towards
+    the site's limit, a failed one too."""
     program = _programs.get(key)
     if program is _NOT_TRACEABLE:
         raise _Untraceable("an earlier call with these inputs could not be traced")
@@ -764,15 +805,16 @@ def _traced_program(key, name: str, run, inputs: _Inputs, arrays: list, descript
     pending = compile_log.begin(description, "hf_tpu.jit", function, started, captured=True,
                                 capture="Python trace")
     compile_log.describe(description, "hf_tpu.jit", inputs_text)
+    _site_counts[site] = _site_counts.get(site, 0) + 1
     try:
-        program = _trace(name, run, inputs, arrays)
-    except UNTRACEABLE:
+        program = _trace(name, run, inputs, arrays, keep_changes)
+    except UNTRACEABLE as e:
         compile_log.end(pending, finished=False)
-        _programs[key] = _NOT_TRACEABLE
+        if not isinstance(e, _PythonStateChanged):
+            _programs[key] = _NOT_TRACEABLE
         raise
     program.disk_digest = disk_digest
     _programs[key] = program
-    _site_counts[site] = _site_counts.get(site, 0) + 1
     _trace_seconds[site] = time.perf_counter() - started
     _host_seconds.pop(key, None)
     return program
@@ -784,21 +826,28 @@ def _arrays(inputs: _Inputs) -> list:
     return buffer.place_together(arrays) if buffer.sharded_arrays_exist else arrays
 
 
-def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, meanwhile=None, trace_after: float = 0.0):
+def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, meanwhile=None, trace_after: float = 0.0,
+         inputs_type=_Inputs, changed_before: tuple | None = None):
     """`fn(*args, **kwargs)` as one traced program (see the module's docstring); `fallback(*args, **kwargs)`
     where it cannot be. With `meanwhile`, a call whose program the device has not compiled yet returns
-    `meanwhile(*args, **kwargs)` instead (see `jit`)."""
+    `meanwhile(*args, **kwargs)` instead (see `jit`). `inputs_type` is the class that walks the call's inputs and
+    keys them (`_Inputs`, or a subclass that keys more: `hf_tpu.compiled_modules`).
+
+    A trace that changes Python state (a setting made at a first call: hooks installed, a warning noted) is made
+    again with the change kept: the eager call would have made it, and the function then runs as it would at its
+    next call. A second trace that changes it too falls back, both changes undone (`changed_before`: the first
+    trace's key and changes)."""
     fallback = fn if fallback is None else fallback
     name = _name_of(fn)
     description = f"the direct trace of `{name}`"
     try:
-        inputs, key = _prepare(_function_parts(fn)[0], (fn,), args, kwargs, state)
+        inputs, key = _prepare(_function_parts(fn)[0], (fn,), args, kwargs, state, inputs_type)
     except (_Unkeyable, TypeError) as e:
         _log_fallback(name, e)
-        return fallback(*args, **kwargs)
+        return _fall_back(changed_before, fallback, args, kwargs)
     program = _programs.get(key)
     if program is _NOT_TRACEABLE or inputs.device_index is None:  # untraceable, or no tpu tensor to trace for
-        return fallback(*args, **kwargs)
+        return _fall_back(changed_before, fallback, args, kwargs)
     declined = False  # `meanwhile` returned NotImplemented: asked once per call
     if meanwhile is not None and program is None and not _trace_is_due(key, trace_after):
         started = _clock()
@@ -810,14 +859,25 @@ def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, meanwhile=None,
     # a key new to this process: its program's load from the disk cache starts now, beside the trace
     disk_digest = _expect_from_disk(key, inputs.device_index) if program is None else None
     arrays = _arrays(inputs)
+    failed, changed = False, None
     try:
         program = _traced_program(key, name, lambda: fn(*args, **kwargs), inputs, arrays, description,
-                                  lambda: _arguments_text(args, kwargs, inputs.state), f"traced_{name}", disk_digest)
+                                  lambda: _arguments_text(args, kwargs, inputs.state), f"traced_{name}", disk_digest,
+                                  keep_changes=changed_before is None)
         mutated, others = donation.split(arrays, program.mutated)
         donate, key_data = donatable(mutated), rng.current_key(inputs.device_index)
         compiling = None if meanwhile is None else _device_compile(key, program, donate, mutated, others, key_data)
+    except _PythonStateChanged as e:
+        log.info("hf_tpu: `%s` is traced again with the Python state its trace changed (%s)", name, e)
+        changed = (key, e.changes)
     except UNTRACEABLE as e:
-        return _untraceable(key, name, e, fallback, args, kwargs)
+        failed = _untraceable(key, name, e)
+    # past the error, whose traceback holds the trace's frames and their tracers: neither the next trace nor the
+    # fallback (Dynamo, whose own errors would chain to it) may keep them alive
+    if failed:
+        return _fall_back(changed_before, fallback, args, kwargs)
+    if changed is not None:
+        return call(fn, args, kwargs, state, fallback, meanwhile, trace_after, inputs_type, changed)
     if compiling is not None and not compiling.done():
         result = NotImplemented if declined else meanwhile(*args, **kwargs)
         if result is not NotImplemented:
@@ -827,7 +887,9 @@ def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, meanwhile=None,
         with launching(inputs.device_index, description), disk_cache.compiling(program.disk_digest):
             new, checked = program.jitted[donate](mutated, others, key_data)
     except UNTRACEABLE as e:
-        return _untraceable(key, name, e, fallback, args, kwargs)
+        failed = _untraceable(key, name, e)
+    if failed:
+        return fallback(*args, **kwargs)
     program.disk_digest = None  # compiled: another donation's program is not the one named
     for slot, array in zip(program.mutated, new):
         inputs.buffers[slot].array = array
@@ -835,11 +897,21 @@ def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, meanwhile=None,
     return program.results(new[len(program.mutated):], inputs)
 
 
-def _untraceable(key, name: str, error: Exception, fallback, args: tuple, kwargs: dict):
-    """A call whose trace or launch failed: its key marked, and the fallback's result."""
+def _untraceable(key, name: str, error: Exception) -> bool:
+    """A call whose trace or launch failed: its key marked (and True: the call falls back)."""
     compile_log.end()
     _programs[key] = _NOT_TRACEABLE
     _log_fallback(name, error)
+    return True
+
+
+def _fall_back(changed_before: tuple | None, fallback, args: tuple, kwargs: dict):
+    """The fallback's result, after undoing what a first trace changed in the Python state (`call`): the key of that
+    trace is marked, since its change would be made again."""
+    if changed_before is not None:
+        key, changes = changed_before
+        _restore(changes)
+        _programs[key] = _NOT_TRACEABLE
     return fallback(*args, **kwargs)
 
 

@@ -223,6 +223,50 @@ def test_a_host_read_falls_back_to_the_eager_function_with_its_result(fallbacks)
     assert len(fallbacks()) == 1 and "_Untraceable" in fallbacks()[0]  # later calls know without tracing
 
 
+def test_a_tracer_an_earlier_failed_trace_left_behind_is_not_taken_for_a_write(fallbacks):
+    kept = []
+
+    def leaky(x):
+        y = x + 1
+        kept.append(y)  # kept past the trace, which then fails: `kept` holds a tensor with a stale tracer
+        return y * (y.sum().item() > 0)
+
+    hf_tpu.jit(leaky)(torch.ones(2, device="tpu"))
+    torch.testing.assert_close(hf_tpu.jit(lambda x: x * 3)(torch.ones(2, device="tpu")).cpu(), torch.full((2,), 3.0))
+    assert len(fallbacks()) == 1 and "_Untraceable" in fallbacks()[0]
+
+
+def test_the_fallback_runs_with_no_error_of_the_trace_in_flight():
+    import sys
+
+    def fallback(x):  # Dynamo's errors would chain to one, and keep its traceback's tracers alive
+        return torch.full((1,), float(sys.exc_info()[0] is None), device="tpu")
+
+    traced = hf_tpu.jit(lambda x: x + x.sum().item(), fallback=fallback)
+    assert traced(torch.ones(2, device="tpu")).item() == 1.0
+
+
+def test_a_python_state_change_made_once_is_traced_again_with_it_made(model, fallbacks):
+    class Lazy:
+        def __init__(self):
+            self.ready = False
+            self.scale = torch.full((4,), 2.0, device="tpu")
+
+    lazy = Lazy()
+
+    def f(x):
+        if not lazy.ready:  # a setting made at the first call (as Transformers installs hooks)
+            lazy.ready = True
+        return model(x) * lazy.scale
+
+    traced = hf_tpu.jit(f, state=(model, lazy))
+    x = torch.randn(2, 4, device="tpu")
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(traced(x).cpu(), (model(x) * 2).cpu())
+    assert lazy.ready and _traced() == 2 and not fallbacks()  # the first trace, then the one with the change made
+
+
 def test_a_fallback_given_runs_instead():
     calls = []
 
