@@ -1,0 +1,239 @@
+"""`torch.compile(module, backend="tpu")` served by the direct trace (`hf_tpu.compiled_modules`), against the same
+module run eagerly on the CPU: the results, what a compiled module must see change between calls (an in-place
+update, `train()`/`eval()`, an attribute, a config field, a hook), and Dynamo wherever the trace cannot mean the
+same."""
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo.utils
+
+import hf_tpu
+from hf_tpu import direct
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    direct.reset()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+
+
+def _traced() -> int:
+    return hf_tpu.metrics()["compiles_by_mode"].get("COMPILE", 0)
+
+
+def _captured() -> int:
+    """Frames Dynamo captured since the test began."""
+    return torch._dynamo.utils.counters["frames"]["ok"]
+
+
+class Block(torch.nn.Module):
+    """A forward that reads a Python attribute, a config object's field and its training flag."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.linear = torch.nn.Linear(4, 4)
+        self.scale = 2.0
+
+    def forward(self, x, shift=None):
+        y = self.linear(x) * self.scale
+        if self.config.squash:
+            y = torch.tanh(y)
+        if self.training:
+            y = y + 1
+        return y if shift is None else y + shift
+
+
+class Config:
+    def __init__(self):
+        self.squash = False
+
+
+def _pair():
+    torch.manual_seed(0)
+    cpu = Block(Config()).eval()
+    return cpu, copy.deepcopy(cpu).to("tpu")
+
+
+def _check(compiled, cpu, *args, **kwargs):
+    with torch.no_grad():
+        expected = cpu(*args, **kwargs)
+        actual = compiled(*[a.to("tpu") if isinstance(a, torch.Tensor) else a for a in args],
+                          **{k: v.to("tpu") if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+    torch.testing.assert_close(actual.cpu(), expected)
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "Module.compile", "forward"])
+def test_a_compiled_module_is_traced_directly_without_dynamo(how):
+    cpu, module = _pair()
+    if how == "torch.compile":
+        compiled = torch.compile(module, backend="tpu")
+    elif how == "Module.compile":
+        module.compile(backend="tpu")
+        compiled = module
+    else:
+        compiled = torch.compile(module.forward, backend="tpu")
+    x = torch.randn(3, 4)
+    for _ in range(2):
+        _check(compiled, cpu, x)
+    _check(compiled, cpu, torch.randn(5, 4))  # a new shape: a new trace
+    assert _traced() == 2 and _captured() == 0
+
+
+def test_what_the_eager_module_would_see_change_is_seen():
+    cpu, module = _pair()
+    compiled = torch.compile(module, backend="tpu")
+    x = torch.randn(3, 4)
+    _check(compiled, cpu, x)
+    with torch.no_grad():  # an optimizer's in-place update: read at the next call, no new trace
+        for p in (*cpu.parameters(), *module.parameters()):
+            p.mul_(0.5)
+    _check(compiled, cpu, x)
+    assert _traced() == 1
+    for m in (cpu, module):
+        m.scale = 3.0  # a Python attribute the forward reads
+    _check(compiled, cpu, x)
+    for m in (cpu, module):
+        m.config.squash = True  # a field of an object a module holds
+    _check(compiled, cpu, x)
+    for m in (cpu, module):
+        m.train()
+    _check(compiled, cpu, x)
+    assert _traced() == 4
+    module.linear.weight = torch.nn.Parameter(torch.ones(4, 4, device="tpu"))  # a parameter replaced: an input of
+    cpu.linear.weight = torch.nn.Parameter(torch.ones(4, 4))  # the same program
+    _check(compiled, cpu, x)
+    module.linear.bias = torch.nn.Parameter(torch.ones(2, device="tpu")[:1].expand(4))  # a view: a new program
+    cpu.linear.bias = torch.nn.Parameter(torch.ones(4))
+    _check(compiled, cpu, x)
+    assert _traced() == 5 and _captured() == 0
+
+
+def test_the_modules_own_hooks_run_at_every_call_and_a_submodules_send_it_to_dynamo():
+    cpu, module = _pair()
+    compiled = torch.compile(module, backend="tpu")
+    calls = []
+
+    def pre_hook(m, args):
+        calls.append("pre")
+        return (args[0] * 2,)
+
+    def hook(m, args, output):
+        calls.append("post")
+        return output - 1
+
+    for m in (cpu, module):
+        m.register_forward_pre_hook(pre_hook)
+        m.register_forward_hook(hook)
+    x = torch.randn(3, 4)
+    for _ in range(2):
+        _check(compiled, cpu, x)
+    assert calls == ["pre", "post"] * 4 and _traced() == 1 and _captured() == 0
+    inner_calls = []
+    for m in (cpu, module):
+        m.linear.register_forward_hook(lambda m, args, output: inner_calls.append(1))
+    _check(compiled, cpu, x)  # a hook inside the forward: Dynamo's
+    _check(compiled, cpu, x)
+    assert len(inner_calls) == 4 and _captured() >= 1
+
+
+def test_a_hook_known_to_act_within_the_call_is_traced(monkeypatch):
+    cpu, module = _pair()
+    compiled = torch.compile(module, backend="tpu")
+
+    def doubling(m, args, output):
+        return output * 2
+
+    for m in (cpu, module):
+        m.linear.register_forward_hook(doubling)
+    from hf_tpu import compiled_modules
+
+    monkeypatch.setattr(compiled_modules, "HOOKS_WITHIN_THE_CALL", {doubling.__code__})
+    _check(compiled, cpu, torch.randn(3, 4))
+    assert _traced() == 1 and _captured() == 0
+
+
+def test_gradients_and_untraceable_forwards_run_through_dynamo():
+    cpu, module = _pair()
+    compiled = torch.compile(module, backend="tpu")
+    x = torch.randn(3, 4)
+    compiled(x.to("tpu")).sum().backward()  # with gradients: Dynamo's graph has a backward
+    cpu(x).sum().backward()
+    torch.testing.assert_close(module.linear.weight.grad.cpu(), cpu.linear.weight.grad)
+    assert _captured() == 1
+
+    class Branching(torch.nn.Module):
+        def forward(self, x):
+            return x * 2 if x.sum() > 0 else -x  # a host read
+
+    compiled = torch.compile(Branching(), backend="tpu")
+    for sign in (1.0, -1.0):
+        x = torch.full((3,), sign, device="tpu")
+        torch.testing.assert_close(compiled(x).cpu(), Branching()(x.cpu()))
+
+
+def test_a_python_side_effect_runs_at_every_call_through_dynamo():
+    class Counting(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return x + self.calls
+
+    module = Counting()
+    compiled = torch.compile(module, backend="tpu")
+    x = torch.zeros(2, device="tpu")
+    outs = [compiled(x).cpu() for _ in range(3)]
+    assert module.calls == 3 and [o[0].item() for o in outs] == [1.0, 2.0, 3.0]
+
+
+def test_an_object_argument_is_state_and_a_compiled_submodule_is_traced_within_its_caller():
+    cpu, module = _pair()
+    module.linear.compile(backend="tpu")  # compiled on its own, called inside a module traced directly
+    compiled = torch.compile(module, backend="tpu")
+
+    class Shift:
+        def __init__(self, value):
+            self.value = value
+
+    x = torch.randn(3, 4)
+    for value in (1.0, 2.0):
+        shift_cpu, shift_tpu = Shift(torch.full((4,), value)), Shift(torch.full((4,), value, device="tpu"))
+        with torch.no_grad():
+            expected = cpu(x, shift_cpu.value)
+            actual = compiled(x.to("tpu"), shift_tpu.value)
+            torch.testing.assert_close(actual.cpu(), expected)
+    assert _traced() == 1 and _captured() == 0
+
+
+def test_turned_off_every_call_is_dynamos(monkeypatch):
+    monkeypatch.setenv("HF_TPU_COMPILE_DIRECT", "0")
+    cpu, module = _pair()
+    compiled = torch.compile(module, backend="tpu")
+    _check(compiled, cpu, torch.randn(3, 4))
+    assert _captured() == 1
+
+
+def test_a_transformers_model_with_its_cache_output_against_the_cpu():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=64, vocab_size=128)
+    cpu = transformers.LlamaForCausalLM(config).eval()
+    compiled = torch.compile(copy.deepcopy(cpu).to("tpu"), backend="tpu")
+    ids = torch.randint(0, 128, (2, 8))
+    with torch.no_grad():
+        expected, actual = cpu(ids), compiled(ids.to("tpu"))
+        hidden = compiled(ids.to("tpu"), output_hidden_states=True, use_cache=False)
+    torch.testing.assert_close(actual.logits.cpu(), expected.logits, atol=1e-5, rtol=1e-4)
+    assert type(actual.past_key_values) is type(expected.past_key_values)
+    for layer, expected_layer in zip(actual.past_key_values.layers, expected.past_key_values.layers):
+        torch.testing.assert_close(layer.keys.cpu(), expected_layer.keys, atol=1e-5, rtol=1e-4)
+    assert len(hidden.hidden_states) == 3 and hidden.past_key_values is None
+    assert _captured() <= 1  # Transformers installs its output-capturing hooks in the first such call
