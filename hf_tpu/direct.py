@@ -65,7 +65,7 @@ import torch
 from jax.extend import core as jax_core
 from torch.utils import _pytree as pytree
 
-from . import _replay, compile_log, disk_cache, loops, modes
+from . import _replay, compile_log, constant_masks, disk_cache, loops, modes
 from .compile import UNTRACEABLE, _Tracing, _Untraceable, count_trace, donatable, finish_call, launching, loop_chunk
 from .device import rng
 from .memory import buffer, donation
@@ -582,7 +582,7 @@ def _trace(name: str, run, inputs: _Inputs, arrays: list, keep_changes: bool = F
             buf.array = array
         failed = True
         try:
-            with torch.no_grad():
+            with torch.no_grad(), constant_masks.KnownValues():
                 out = run()
             leaves, treedef = pytree.tree_flatten(out)
             outputs, new_arrays, made = [], [], {}
