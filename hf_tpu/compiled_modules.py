@@ -62,6 +62,12 @@ _HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backw
 HOOKS_WITHIN_THE_CALL: set = set()
 
 
+# the names of module attributes that hold what a forward does not read, left out of the key (an adapter adds its
+# library's: Transformers' `generation_config`, whose `_original_object_hash` differs in every process and would
+# give the program another name in the disk cache there)
+NOT_READ_BY_FORWARD: set = set()
+
+
 def _hooks_outside_the_call(hooks) -> bool:
     return any(getattr(hook, "__code__", None) not in HOOKS_WITHIN_THE_CALL for hook in hooks.values())
 
@@ -90,8 +96,9 @@ def _module_inputs():
                 self.containers += hooks  # a kept walk is replayed only while they hold what they hold now
             extra = []
             for name, value in attributes.items():
-                if name in _MODULE_INTERNALS or name in _HOOKS or (type(value) is torch.Tensor and name[0] != "_"):
-                    continue  # the tensors `super()._module` keyed
+                if (name in _MODULE_INTERNALS or name in _HOOKS or name in NOT_READ_BY_FORWARD
+                        or (type(value) is torch.Tensor and name[0] != "_")):  # the tensors `super()._module` keyed
+                    continue
                 if isinstance(value, direct._VALUE_TYPES):
                     extra.append((name, type(value), value))
                 elif isinstance(value, (torch.Tensor, torch.nn.Module, list, tuple, dict)) or direct._plain_object(value):
@@ -205,6 +212,9 @@ def _module_called(fn) -> tuple:
     """(the module, whether `fn` is its whole call) where `fn` is a module's call (`module.__call__`,
     `module._call_impl`: what `OptimizedModule` and `Module.compile()` compile) or its class's forward
     (`torch.compile(module.forward)`); (None, False) otherwise."""
+    wrapped = getattr(fn, "__wrapped__", None)
+    if isinstance(wrapped, torch.nn.Module) and getattr(fn, "__code__", None) is _wrap_inline_code():
+        return wrapped, True  # an `OptimizedModule` of a torch.nn module calls it through Dynamo's `wrap_inline`
     module = getattr(fn, "__self__", None)
     function = getattr(fn, "__func__", None)
     if not isinstance(module, torch.nn.Module) or function is None:
@@ -212,6 +222,13 @@ def _module_called(fn) -> tuple:
     if function in (torch.nn.Module.__call__, torch.nn.Module._call_impl):
         return module, True
     return (module, False) if function is getattr(type(module).forward, "__func__", type(module).forward) else (None, False)
+
+
+@functools.cache
+def _wrap_inline_code():
+    from torch._dynamo import external_utils
+
+    return external_utils.wrap_inline(lambda: None).__code__
 
 
 def _compiles_for_tpu(context) -> bool:

@@ -237,3 +237,12 @@ def test_a_transformers_model_with_its_cache_output_against_the_cpu():
         torch.testing.assert_close(layer.keys.cpu(), expected_layer.keys, atol=1e-5, rtol=1e-4)
     assert len(hidden.hidden_states) == 3 and hidden.past_key_values is None
     assert _captured() <= 1  # Transformers installs its output-capturing hooks in the first such call
+
+
+def test_a_torch_nn_module_compiled_is_traced_directly_too():
+    """`torch.compile` of a `torch.nn` module (Dynamo calls it through `wrap_inline`) takes the same path."""
+    torch.manual_seed(0)
+    cpu = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
+    compiled = torch.compile(copy.deepcopy(cpu).to("tpu"), backend="tpu")
+    _check(compiled, cpu, torch.randn(3, 4))
+    assert _traced() == 1 and _captured() == 0
