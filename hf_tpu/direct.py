@@ -839,8 +839,9 @@ def jit(fn, *, state=(), fallback=None, meanwhile=None, trace_after: float = 0.0
     parameters, buffers and tensor attributes), a tensor, another object (a KV cache: the tensors among its
     attributes), or a tuple, list or dict of them, nested; or a function of the call's arguments that returns
     such state. Tensors written in place become outputs of the program, donated to XLA and rebound after the
-    call: the caller's tensor objects hold the new values, as after the eager call. `fallback` (by default `fn`, run eagerly) runs any call that cannot be traced. See
-    `hf_tpu.direct` for what is keyed and what is not guarded.
+    call: the caller's tensor objects hold the new values, as after the eager call. `fallback` (by default
+    `fn`, run eagerly) runs any call that cannot be traced. See `hf_tpu.direct` for what is keyed and what is
+    not guarded.
 
     `meanwhile`: a function of the same arguments whose result a call returns while the device has not
     compiled the call's program: the device's compile runs on a thread of its own, and the calls after it
