@@ -107,7 +107,7 @@ STATE_FORMS = {
     "a module": _in_a_module,
     "a list": lambda model, cache: [model, cache],
     "a dict": lambda model, cache: {"model": model, "cache": cache},
-    "nested": lambda model, cache: ((model,), {"cache": [cache]}),
+    "nested": lambda model, cache: (cache, [{"model": model}]),
     "a function of the arguments": lambda model, cache: lambda x, position: (model, cache),
 }
 
