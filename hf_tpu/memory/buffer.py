@@ -740,12 +740,38 @@ def to_numpy(array) -> np.ndarray:
 
 
 def put_sharded(value, sharding):
-    """`value` (a NumPy array or a jax.Array) laid out as `sharding`. Where the sharding spans other
-    processes' chips, each process writes its own chips from its own copy of the value: every process
-    runs the same program, so holds the same value (JAX cannot send it between processes' chips)."""
+    """`value` (a NumPy array or a jax.Array) laid out as `sharding`, for one program's arguments: it may
+    share device memory with `value` (what a buffer keeps is made by `place`). Where the sharding spans other
+    processes' chips, each process writes its own chips from its own copy of the value: every process runs
+    the same program, so holds the same value (JAX cannot send it between processes' chips)."""
     if sharding.is_fully_addressable or (isinstance(value, jax.Array) and not value.is_fully_addressable):
         return jax.device_put(value, sharding)
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def place(value, placement):
+    """`value` (a NumPy array or a jax.Array) laid out as `placement` (a sharding, or one jax Device), for a
+    buffer to keep: in device memory of its own unless it is `value` itself.
+
+    Buffers may hold one jax.Array together: the allocator counts its holders, and no program is donated an
+    array another buffer holds. Two arrays over the same memory look unshared to that count, and donating
+    either deletes the other's data (XLA: "Attempt to donate the same buffer twice", "Buffer has been
+    deleted or donated"). `jax.device_put` makes such arrays: it keeps each part of the value already on its
+    target chip (a weight on `tpu:0` replicated over a mesh keeps its memory on chip 0, two LayerNorm weights
+    uploaded as one kept array of ones then shared it), and `may_alias=False` does not stop it for a
+    multi-chip sharding (jax 0.10.2). So a placement that reaches a chip the source is on is copied once,
+    by a program, whose results never alias arguments it is not donated."""
+    if isinstance(placement, jax.Device):
+        placed = jax.device_put(value, placement)
+    else:
+        placed = put_sharded(value, placement)
+    if placed is value or not isinstance(value, jax.Array) \
+            or value.sharding.device_set.isdisjoint(placed.sharding.device_set):
+        return placed
+    return _copy(placed)
+
+
+_copy = jax.jit(lambda array: array)
 
 
 def host_array(t: torch.Tensor) -> np.ndarray:
