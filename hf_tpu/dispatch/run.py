@@ -6,11 +6,9 @@ program, run it through the current execution mode, wrap the results as tensors)
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from .. import counters, dtypes, modes
+from .. import counters, dtypes, modes, platform
 from ..device import current, rng
 from ..memory import buffer
 from ..memory.out_of_memory import check_allocation
@@ -49,8 +47,9 @@ def run_lowered(sig: Signature, values: list, analysed=None):
     device_index = call.device_index
     if device_index is None:  # a factory (zeros, randn, ...): refused at once beyond the device's memory
         device_index = _factory_device(sig, values)
-        check_allocation(_result_bytes(program), device_index,
-                         lambda: f"{sig.name} of {_result_shapes(program)}")
+        check_allocation(program.result_bytes, device_index, lambda: f"{sig.name} of {_result_shapes(program)}")
+    elif program.large_result_bytes:  # so is an op's large result, before its launch
+        _check_large_result(program, call.arrays, device_index)
     rng_key = random_key(device_index, _generator_arg(sig, values)) if call.rng else None
     if program.data_dependent:
         modes.host_read(f"{sig.name} has a data-dependent output shape")
@@ -100,9 +99,15 @@ def _generator_arg(sig, values):
     return None
 
 
-def _result_bytes(program) -> int:
-    """The bytes of the new tensors a program makes (not those it writes in place)."""
-    return sum(math.prod(spec[0]) * spec[1].itemsize for spec in program.out_specs or () if spec[0] != "mutated")
+def _check_large_result(program, arrays, device_index: int) -> None:
+    """Refuse a program's large results (`Program.large_result_bytes`) beyond what the device has left. Where an
+    operand may be sharded, XLA lays the results out, and only the least a chip can hold of them, their share
+    of every chip, is checked: a check must never refuse a result that may fit."""
+    nbytes, split = program.large_result_bytes, 1
+    if buffer.sharded_arrays_exist and any(buffer.may_be_sharded(a) for a in arrays):
+        split = len(platform.global_devices())
+    check_allocation(nbytes // split, device_index, lambda: f"{program.name} of {_result_shapes(program)}"
+                     + (f", split over {split} chips at best," if split > 1 else ""))
 
 
 def _result_shapes(program) -> str:

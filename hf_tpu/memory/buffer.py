@@ -312,6 +312,16 @@ def is_sharded(array) -> bool:
         and type(array.sharding) is not jax.sharding.SingleDeviceSharding and len(array.sharding.device_set) > 1
 
 
+def may_be_sharded(value) -> bool:
+    """Whether an operand's array may live on more than one chip: a concrete one that does, or a deferred
+    result (`Lazy`) of a graph that reads one (a graph's values are laid out over the chips of its inputs)."""
+    if type(value) is Lazy:
+        if value.concrete is not None:
+            return is_sharded(value.concrete)
+        return any(is_sharded(array) for array in value.graph.inputs)
+    return is_sharded(value)
+
+
 @functools.cache
 def _chip_index(device) -> int:
     return platform.devices().index(device)
