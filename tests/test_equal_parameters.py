@@ -92,16 +92,21 @@ def test_equal_parameters_train_as_on_the_cpu_over_eight_chips():
     assert done.stdout.count("trains as on the CPU") == len(EIGHT_CHIP_CASES)
 
 
-def test_a_replicated_array_shares_no_chip_memory_with_its_source():
-    """`dist.replicate` of a tpu tensor, and two tensors made from equal values, each get memory of their own:
-    the allocator counts the holders of one jax.Array, never arrays over the same memory."""
+def test_placements_share_no_chip_memory_with_their_source():
+    """Every placement a tensor keeps (`dist.replicate` and `dist.shard` of a tpu tensor, `copy_` into a sharded
+    tensor, `.to()` another chip of a replicated one) has memory of its own, apart from its source's and from
+    the one kept upload that tensors made from equal values share: the allocator counts the holders of one
+    jax.Array, never arrays over the same memory."""
     mesh = dist.mesh(2, "dp")
     a, b = torch.ones(16).to("tpu"), torch.ones(16).to("tpu")  # one kept upload
     replicas = [dist.replicate(t, mesh) for t in (a, b, a)]
+    halves = dist.shard(a, mesh, ("dp",))
+    made = [*replicas, halves, dist.replicate(halves, mesh), replicas[0].to("tpu:1"),
+            dist.replicate(torch.zeros(16), mesh).copy_(b)]
     pointers = [{s.data.unsafe_buffer_pointer() for s in buffer.buffer_of(t).array.addressable_shards}
-                for t in (a, *replicas)]
+                for t in (a, *made)]
     assert all(p.isdisjoint(q) for i, p in enumerate(pointers) for q in pointers[i + 1:]), pointers
-    assert all(torch.equal(r.cpu(), torch.ones(16)) for r in replicas)
+    assert all(torch.equal(t.cpu(), torch.ones(16)) for t in made)
 
 
 @pytest.mark.parametrize("compiler", ["torch.compile", "hf_tpu.jit"])

@@ -769,16 +769,22 @@ def place(value, placement):
     deleted or donated"). `jax.device_put` makes such arrays: it keeps each part of the value already on its
     target chip (a weight on `tpu:0` replicated over a mesh keeps its memory on chip 0, two LayerNorm weights
     uploaded as one kept array of ones then shared it), and `may_alias=False` does not stop it for a
-    multi-chip sharding (jax 0.10.2). So a placement that reaches a chip the source is on is copied once,
-    by a program, whose results never alias arguments it is not donated."""
+    multi-chip sharding (jax 0.10.2). So the parts of a placement on the chips the source is on are copied
+    once, by a program, whose results never alias arguments it is not donated (a weight replicated from
+    `tpu:0` over 8 chips: chip 0's copy)."""
     if isinstance(placement, jax.Device):
         placed = jax.device_put(value, placement)
     else:
         placed = put_sharded(value, placement)
-    if placed is value or not isinstance(value, jax.Array) \
-            or value.sharding.device_set.isdisjoint(placed.sharding.device_set):
+    if placed is value or not isinstance(value, jax.Array):
         return placed
-    return _copy(placed)
+    source_chips = value.sharding.device_set
+    if source_chips.isdisjoint(placed.sharding.device_set):
+        return placed
+    if len(placed.sharding.device_set) == 1:
+        return _copy(placed)
+    shards = [_copy(shard.data) if shard.device in source_chips else shard.data for shard in placed.addressable_shards]
+    return jax.make_array_from_single_device_arrays(placed.shape, placed.sharding, shards)
 
 
 _copy = jax.jit(lambda array: array)
