@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import counters, dtypes, modes, platform
+from .. import counters, dtypes, modes
 from ..device import current, rng
 from ..memory import buffer
-from ..memory.out_of_memory import check_allocation
+from ..memory.out_of_memory import check_allocation, check_results
 from . import index_checks
 from .call import Call
 from .fallback import run_unlowered
@@ -49,7 +49,9 @@ def run_lowered(sig: Signature, values: list, analysed=None):
         device_index = _factory_device(sig, values)
         check_allocation(program.result_bytes, device_index, lambda: f"{sig.name} of {_result_shapes(program)}")
     elif program.large_result_bytes:  # so is an op's large result, before its launch
-        _check_large_result(program, call.arrays, device_index)
+        check_results(program.large_result_bytes, device_index,
+                      buffer.sharded_arrays_exist and any(map(buffer.may_be_sharded, call.arrays)),
+                      lambda: f"{sig.name} of {_result_shapes(program)}")
     rng_key = random_key(device_index, _generator_arg(sig, values)) if call.rng else None
     if program.data_dependent:
         modes.host_read(f"{sig.name} has a data-dependent output shape")
@@ -97,17 +99,6 @@ def _generator_arg(sig, values):
         if kind == GENERATOR:
             return v
     return None
-
-
-def _check_large_result(program, arrays, device_index: int) -> None:
-    """Refuse a program's large results (`Program.large_result_bytes`) beyond what the device has left. Where an
-    operand may be sharded, XLA lays the results out, and only the least a chip can hold of them, their share
-    of every chip, is checked: a check must never refuse a result that may fit."""
-    nbytes, split = program.large_result_bytes, 1
-    if buffer.sharded_arrays_exist and any(buffer.may_be_sharded(a) for a in arrays):
-        split = len(platform.global_devices())
-    check_allocation(nbytes // split, device_index, lambda: f"{program.name} of {_result_shapes(program)}"
-                     + (f", split over {split} chips at best," if split > 1 else ""))
 
 
 def _result_shapes(program) -> str:

@@ -82,6 +82,15 @@ def check_allocation(nbytes: int, device_index: int, what) -> None:
     )
 
 
+def check_results(nbytes: int, device_index: int, may_be_split: bool, what) -> None:
+    """`check_allocation` of a program's results before its launch. Where they may be split over the chips (an
+    operand is sharded: XLA lays the results out), only the least a chip can hold of them, their share of
+    every chip, is checked: a check must never refuse results that may fit."""
+    split = len(platform.global_devices()) if may_be_split else 1
+    check_allocation(nbytes // split, device_index,
+                     lambda: what() + (f", split over {split} chips at best," if split > 1 else ""))
+
+
 def raise_out_of_memory(error, device_index: int, what: str) -> None:
     """XLA's out-of-memory error (`is_out_of_memory`) becomes `torch.OutOfMemoryError`, with the sizes
     involved, raised without XLA's error chained to it; any other error is left to the caller to

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from .. import counters, platform
 from ..memory import buffer, donation, out_of_memory
-from ..memory.out_of_memory import check_allocation, raise_out_of_memory
+from ..memory.out_of_memory import check_results, raise_out_of_memory
 from .kinds import ModeKind
 from .scalars import on_device
 
@@ -239,7 +239,8 @@ class Deferred:
         key = (structure, tuple((a.shape, a.dtype) for a in graph.inputs))
         fused = self.cache.get(key)
         if fused is None:
-            fused = self.cache[key] = _Fused(graph.nodes, outputs, donated, _large_result_bytes(graph, holders, donated))
+            large = _large_result_bytes(graph, holders, donated)
+            fused = self.cache[key] = _Fused(graph.nodes, outputs, donated, large)
             if _settings.get("HF_TPU_LOG_COMPILES"):
                 why = "new input shapes" if structure in self.seen_structures else "new graph"
                 log.warning("hf_tpu: compiling a fused graph of %d ops (%s), flushed because %s",
@@ -251,10 +252,9 @@ class Deferred:
         if buffer.sharded_arrays_exist:  # a sharded tensor (hf_tpu.distributed) may meet single-chip ones
             graph.inputs = buffer.place_together(graph.inputs)
         if fused.large_result_bytes:  # each op's result was checked alone; together they may not fit
-            split = len(platform.global_devices()) if any(map(buffer.is_sharded, graph.inputs)) else 1
-            check_allocation(fused.large_result_bytes // split, graph.device_index,
-                             lambda: f"a fused graph of {len(graph.nodes)} ops" + (f", split over {split} chips at best,"
-                                                                                 if split > 1 else ""))
+            check_results(fused.large_result_bytes, graph.device_index,
+                          buffer.sharded_arrays_exist and any(map(buffer.is_sharded, graph.inputs)),
+                          lambda: f"a fused graph of {len(graph.nodes)} ops")
         scalars = on_device([node[2] for node in graph.nodes], graph.device_index)
         rngs = [node[3] for node in graph.nodes]
         try:
