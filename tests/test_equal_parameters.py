@@ -5,7 +5,6 @@ each over a mesh made arrays over that same chip memory, which an optimizer step
 "Attempt to donate the same buffer twice", a SIGSEGV on several chips). The in-process tests use 1 and 2 of
 the chips conftest simulates; the 8-chip ones run this file as a script."""
 
-import os
 import subprocess
 import sys
 
@@ -80,18 +79,22 @@ CASES += [(2, "compiled", True), (1, "DEFER_NEVER", False), (1, "DEFER_NEVER", T
 EIGHT_CHIP_CASES = [(8, "DEFER_NEVER", False), (8, "DEFER_NEVER", True)]
 
 
-@pytest.mark.parametrize("chips, mode, foreach", CASES)
+@pytest.mark.parametrize("chips, mode, foreach", [
+    pytest.param(*case, marks=pytest.mark.requires_chips(case[0])) for case in CASES])
 def test_equal_parameters_train_as_on_the_cpu(chips, mode, foreach):
     check(chips, mode, foreach)
 
 
 def test_equal_parameters_train_as_on_the_cpu_over_eight_chips():
-    env = dict(os.environ, HF_TPU_NUM_DEVICES="8", HF_TPU_PLATFORM="cpu")
+    from tests.util import cpu_process_env  # (not at the top: this file also runs as a script)
+
+    env = cpu_process_env(HF_TPU_NUM_DEVICES="8")
     done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     assert done.stdout.count("trains as on the CPU") == len(EIGHT_CHIP_CASES)
 
 
+@pytest.mark.requires_chips(2)
 def test_placements_share_no_chip_memory_with_their_source():
     """Every placement a tensor keeps (`dist.replicate` and `dist.shard` of a tpu tensor, `copy_` into a sharded
     tensor, `.to()` another chip of a replicated one) has memory of its own, apart from its source's and from
@@ -109,6 +112,7 @@ def test_placements_share_no_chip_memory_with_their_source():
     assert all(torch.equal(t.cpu(), torch.ones(16)) for t in made)
 
 
+@pytest.mark.requires_chips(2)
 @pytest.mark.parametrize("compiler", ["torch.compile", "hf_tpu.jit"])
 def test_a_program_writes_equal_replicated_tensors_in_place(compiler):
     """A compiled program donates the arrays it overwrites: two equal tensors replicated over a mesh each
