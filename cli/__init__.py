@@ -98,5 +98,6 @@ def main(argv=None) -> int:
             settings.validate()
         except ValueError as e:
             parser.exit(2, f"hf-tpu {args.command}: error: {e} (`hf-tpu env` lists every variable)\n")
+        settings.tolerate_malformed(False)  # an adapter's variable, registered later, raises where it is read
     command = importlib.import_module(f".{args.command}", __name__)  # only the command's own imports
     return _run(command, args)

@@ -169,12 +169,12 @@ def source(name: str) -> str:
 _tolerant = False
 
 
-def tolerate_malformed() -> None:
+def tolerate_malformed(tolerate: bool = True) -> None:
     """From now on, a malformed variable reads as its default instead of raising (`describe` and `validate`
-    still report it): for the `hf-tpu` command only, which reports it itself (`import hf_tpu` calls this in
-    that process)."""
+    still report it), or, with False, raises again: for the `hf-tpu` command only, whose process `import hf_tpu`
+    starts tolerant, and which reports a malformed variable itself."""
     global _tolerant
-    _tolerant = True
+    _tolerant = tolerate
 
 
 def _default(name: str):

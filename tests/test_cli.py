@@ -183,3 +183,17 @@ def test_output_into_a_closed_pipe_ends_quietly():
     _, err = process.communicate(timeout=300)
     assert process.returncode == 1
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_past_the_check_a_command_reads_settings_strictly(monkeypatch, capsys):
+    """The `hf-tpu` process starts tolerant (so that env can list what is malformed); a command that passed the
+    check reads strictly again: an adapter's variable, registered after the check in that process, raises where
+    it is read instead of standing in for its default unseen."""
+    from hf_tpu import settings
+    from hf_tpu.integrations.transformers import Settings
+
+    monkeypatch.setattr(settings, "_tolerant", True)  # as `import hf_tpu` leaves it in the hf-tpu process
+    assert cli.main(["compat"]) == 0
+    monkeypatch.setenv("HF_TPU_PROMPT_BUCKETS", "a,b")
+    with pytest.raises(ValueError, match="HF_TPU_PROMPT_BUCKETS='a,b': expected positive lengths"):
+        Settings()
