@@ -93,8 +93,9 @@ def _lengths(setting, text):
 
 
 def _address(setting, text):
-    host, _, port = text.rpartition(":")
-    return text if host and _integer(port, 1) is not None and int(port) <= 65535 else None
+    host, _, port = text.rpartition(":")  # an IPv6 host is bracketed: [::1]:8476
+    port_number = _integer(port, 1)
+    return text if host and port_number is not None and port_number <= 65535 else None
 
 
 _PARSERS = {
