@@ -45,6 +45,7 @@ program traced before it.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import enum
 import functools
 import gc
@@ -59,6 +60,7 @@ import jax
 import torch
 from jax.extend import core as jax_core
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import _replay, compile_log, disk_cache, loops, modes
 from .compile import UNTRACEABLE, _Tracing, _Untraceable, count_trace, donatable, finish_call, launching, loop_chunk
@@ -70,6 +72,7 @@ log = logging.getLogger("hf_tpu.compile")
 # values keyed by value; every other non-tensor argument by its hash (identity, unless its type says otherwise)
 _VALUE_TYPES = (bool, int, float, complex, str, bytes, type(None), torch.device, torch.dtype, torch.Size,
                 torch.memory_format, torch.layout, enum.Enum)
+_PLAIN_TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))  # a tensor of any other type may be a subclass
 _DEPTH = 12  # how deep arguments and state are searched (a deeper structure makes the call fall back)
 _PROGRAMS_PER_SITE = 64  # programs one function code may trace; then new keys fall back, as Dynamo's limit does
 
@@ -154,6 +157,8 @@ class _Inputs:
         return ("seen", index)
 
     def tensor(self, t: torch.Tensor):
+        if type(t) not in _PLAIN_TENSOR_TYPES and is_traceable_wrapper_subclass(t):
+            return self._subclass_tensor(t)
         if t.device.type != "tpu":
             raise _Unkeyable(f"it is given a {t.device.type} tensor (hf_tpu.jit takes tpu tensors)")
         if t.requires_grad and self.grad_enabled:
@@ -175,6 +180,23 @@ class _Inputs:
         self.tensor_index.setdefault(id(t), len(self.tensors))
         self.tensors.append((t, slot))
         return slot, buffer.view_of(t, buf)
+
+    def _subclass_tensor(self, t: torch.Tensor):
+        """The key of a tensor subclass that keeps its data in tensors of its own (PyTorch's `__tensor_flatten__`
+        protocol: torchao's quantized weights, an int8 tensor and its scales): those inner tensors are the inputs,
+        and its type, outer shape, strides and dtype and the context of its flattening (a block size, an
+        activation's quantization settings) are keyed. The object itself runs in the trace: its ops reach its inner
+        tensors, whose buffers hold tracers, through its `__torch_dispatch__`. Its attributes are Python state, as a
+        state object's are: the trace must not change them, and a kept walk rereads them."""
+        if id(t) in self.seen:
+            return self._seen_key(t)
+        if t.requires_grad and self.grad_enabled:
+            raise _Unkeyable("an input requires gradients and gradients are enabled (hf_tpu.jit runs without autograd)")
+        self.seen[id(t)] = len(self.objects)
+        self.objects.append(t)
+        names, context = t.__tensor_flatten__()
+        inner = tuple((name, self.tensor(getattr(t, name))) for name in names)
+        return ("subclass", type(t), tuple(t.shape), t.stride(), t.dtype, _frozen(context), inner)
 
     def argument(self, x, depth: int = 0):
         """The key of an argument (or a value a closure holds); its tensors become inputs."""
@@ -279,6 +301,22 @@ class _Inputs:
         """A copy of the Python state met, to compare with after a trace (`python_state_changes`)."""
         return ([(vars(obj), dict(vars(obj)), f"an attribute of a {type(obj).__name__}") for obj in self.objects]
                 + [(c, c.copy(), f"the contents of a {type(c).__name__}") for c in self.containers])
+
+
+def _frozen(context):
+    """A tensor subclass's flattening context as a key: lists as tuples, dataclasses (torchao's settings objects) as
+    their type and fields; `_Unkeyable` for anything else that is unhashable."""
+    if isinstance(context, (list, tuple)):
+        return (type(context), tuple(map(_frozen, context)))
+    if isinstance(context, dict):
+        return (dict, tuple((k, _frozen(v)) for k, v in context.items()))
+    if dataclasses.is_dataclass(context) and not isinstance(context, type):
+        return (type(context), tuple((f.name, _frozen(getattr(context, f.name))) for f in dataclasses.fields(context)))
+    try:
+        hash(context)
+    except TypeError:
+        raise _Unkeyable(f"a tensor subclass's flattening holds an unhashable {type(context).__name__}") from None
+    return context
 
 
 def _layouts(tensors: list) -> list:
@@ -581,6 +619,9 @@ def _trace(name: str, run, inputs: _Inputs, arrays: list) -> _Program:
 
 def _output(leaf, inputs: _Inputs, first_new_address: int, new_arrays: list) -> tuple:
     if isinstance(leaf, torch.Tensor):
+        if type(leaf) not in _PLAIN_TENSOR_TYPES and is_traceable_wrapper_subclass(leaf):
+            raise _Untraceable(f"it returns a {type(leaf).__name__}, a tensor subclass (its inner tensors can be "
+                               "returned instead)")
         if id(leaf) in inputs.tensor_index:
             return ("input", inputs.tensor_index[id(leaf)])
         if leaf.device.type == "tpu":
