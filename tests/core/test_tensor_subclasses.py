@@ -44,8 +44,12 @@ class QuantizedWeight(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
+        weight = args[0]
         if func is torch.ops.aten.detach.default:
-            return QuantizedWeight(args[0].qdata, args[0].scale, args[0].block_size)
+            return QuantizedWeight(weight.qdata, weight.scale, weight.block_size)
+        if func is torch.ops.aten._to_copy.default:  # a move: the inner tensors move
+            device = (kwargs or {}).get("device")
+            return QuantizedWeight(weight.qdata.to(device), weight.scale.to(device), weight.block_size)
         raise NotImplementedError(f"QuantizedWeight does not implement {func}")
 
 
@@ -146,3 +150,18 @@ def test_a_subclass_returned_falls_back_saying_so(fallbacks):
     traced = hf_tpu.jit(lambda: tpu.weight, state=(tpu,))
     assert traced() is tpu.weight
     assert any("QuantizedWeight, a tensor subclass" in message for message in fallbacks())
+
+
+def test_module_to_moves_a_subclass_parameters_inner_tensors():
+    """`Module.to("tpu")` swaps each parameter's contents for the moved one's, then puts back the attributes set on
+    it: a subclass's data is among its attributes, and stays the moved one's."""
+    linear = _quantized_linear()
+    weight = linear.weight
+    weight.note = "set by a library"
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        expected = linear(x)
+        linear.to("tpu")
+        assert linear.weight is weight and weight.note == "set by a library"
+        assert weight.qdata.device.type == weight.scale.device.type == "tpu"
+        torch.testing.assert_close(linear(x.to("tpu")).cpu(), expected)
