@@ -50,6 +50,11 @@ class QuantizedWeight(torch.Tensor):
         if func is torch.ops.aten._to_copy.default:  # a move: the inner tensors move
             device = (kwargs or {}).get("device")
             return QuantizedWeight(weight.qdata.to(device), weight.scale.to(device), weight.block_size)
+        if func is torch.ops.aten.slice.Tensor:  # rows take their scales along; a slice of inputs keeps them all
+            _, dim, start, end = args[:4]
+            scale = weight.scale[start:end] if dim == 0 else weight.scale
+            return QuantizedWeight(weight.qdata[start:end] if dim == 0 else weight.qdata[:, start:end], scale,
+                                   weight.block_size)
         raise NotImplementedError(f"QuantizedWeight does not implement {func}")
 
 
@@ -165,3 +170,22 @@ def test_module_to_moves_a_subclass_parameters_inner_tensors():
         assert linear.weight is weight and weight.note == "set by a library"
         assert weight.qdata.device.type == weight.scale.device.type == "tpu"
         torch.testing.assert_close(linear(x.to("tpu")).cpu(), expected)
+
+
+@pytest.mark.parametrize("style", ["colwise", "rowwise"])
+def test_shard_model_splits_a_subclass_inner_tensors_as_its_slicing_does(style):
+    import hf_tpu.distributed as dist
+
+    linear = _quantized_linear()
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        expected = linear(x)
+        dist.shard_model(linear, {"": style}, dist.mesh(2, "tp"))
+        weight = linear.weight
+        assert type(weight) is QuantizedWeight
+        rows_split = style == "colwise"
+        assert dist.sharding(weight.qdata).spec == (("tp", None) if rows_split else (None, "tp"))
+        assert dist.sharding(weight.scale).spec == (("tp",) if rows_split else (None,))
+        torch.testing.assert_close(linear(x.to("tpu")).cpu(), expected)
+        traced = hf_tpu.jit(lambda x: linear(x), state=(linear,))
+        torch.testing.assert_close(traced(x.to("tpu")).cpu(), expected)
