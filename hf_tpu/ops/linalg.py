@@ -802,3 +802,22 @@ def _pdist_backward(grad, self, p, pdist):
     first, second = _pairs(self.shape[0])
     pair_grad = grad[:, None] * _p_distance_grad(self[first] - self[second], pdist, p)
     return jnp.zeros_like(self).at[first].add(pair_grad).at[second].add(-pair_grad)
+
+
+def _install_out_dtype() -> None:
+    """`torch._higher_order_ops.out_dtype(aten.mm, torch.int32, a, b)` with int8 operands on tpu: the product of
+    the int8 matrices counted in int32, through `_int_mm`, whose lowering asks XLA for int32 products of the int8
+    operands (on a TPU, its int8 matrix unit, at twice the bfloat16 unit's rate). PyTorch's own rule off CUDA
+    casts both operands to int32 first, a product of int32 matrices. torchao's int8 activation-and-weight layers
+    call it (`safe_int_mm`) under `torch.compile` and in `hf_tpu.jit`'s trace; other calls keep PyTorch's rule."""
+    from torch._higher_order_ops.out_dtype import out_dtype, out_dtype_fallback
+
+    @out_dtype.py_impl(torch._C.DispatchKey.PrivateUse1)
+    def out_dtype_on_tpu(op, output_dtype, *args):
+        if (op is aten.mm.default and output_dtype == torch.int32 and len(args) == 2
+                and args[0].dtype == args[1].dtype == torch.int8):
+            return torch._int_mm(*args)
+        return out_dtype_fallback(op, output_dtype, *args)
+
+
+_install_out_dtype()
