@@ -21,17 +21,18 @@ after the call, so every view of it sees the update, as after the eager call.
 A call that cannot be traced runs the `fallback` instead (by default the function itself, eagerly), with a
 log line saying why, and every later call with the same key does too: a host read (`.item()`, `bool(t)`),
 an op without a lowering, a tensor outside the inputs written in place, a tensor made in the trace kept
-outside it, an output that is neither a new tensor, an input tensor itself, a state object nor a plain
-value, or a change to Python state (an attribute of a state object, a module or an argument's list or dict
-set, added or removed: the trace would not replay it). Autograd is off inside the trace
+outside it, an output that is neither a new tensor (a tensor subclass made in the trace is returned over
+new tensors), an input tensor itself, a state object nor a plain value, or a change to Python state (an
+attribute of a state object, a module or an argument's list or dict set, added or removed: the trace
+would not replay it). Autograd is off inside the trace
 (`torch.no_grad()`); a call made with gradients enabled and an input that requires them falls back.
 Inside the trace `torch.compiler.is_compiling()` is True (as under non-strict `torch.export`), so code
 written for compilation takes its traceable branches.
 
 Programs are cached per function code and key: the argument tensors' shapes, dtypes, devices and views,
 the values of non-tensor arguments and closure contents (hashable ones: a number, a string, a tuple; an
-object with identity hashing is keyed by identity; an unhashable one makes the call fall back), the state
-tensors' shapes, dtypes and views, each module's type and `training` flag, a non-module state object's
+object with identity hashing is keyed by identity, an unhashable dataclass by its fields; another
+unhashable one makes the call fall back), the state tensors' shapes, dtypes and views, each module's type and `training` flag, a non-module state object's
 type and its attributes of plain value types (numbers, strings, devices, dtypes), the default dtype and
 autocast's state. Finding those takes a walk over every submodule, parameter and buffer; each state object's
 walk is kept and replayed by later calls while everything it read is unchanged (`_KeptWalk`). NOT guarded,
@@ -227,6 +228,8 @@ class _Inputs:
         try:
             hash(x)
         except TypeError:
+            if dataclasses.is_dataclass(x) and not isinstance(x, type):  # settings (torchao's): keyed by value
+                return ("dataclass", _frozen(x))
             raise _Unkeyable(f"it is given an unhashable {type(x).__name__} that is not declared as state") from None
         return ("object", x)
 
@@ -505,7 +508,7 @@ class _Program:
         self.treedef = treedef
         self.checks = checks
         self.draws = draws
-        self.new_outputs = sum(kind == "new" for kind, _ in outputs)
+        self.new_outputs = sum(map(_new_arrays, outputs))
         self.run = jax_core.jaxpr_as_fun(jaxpr)
         call = _named(f"traced_{name}", self.step)
         self.jitted = {True: jax.jit(call, donate_argnums=(0,)), False: jax.jit(call)}
@@ -523,18 +526,36 @@ class _Program:
         return list(flat[:n]), list(flat[n:])
 
     def results(self, arrays, inputs: _Inputs):
-        leaves, new = [], iter(arrays)
-        for kind, value in self.outputs:
-            if kind == "new":
-                array = next(new)
-                leaves.append(buffer.new_tensor(array.shape, value, inputs.device_index, array))
-            elif kind == "input":
-                leaves.append(inputs.tensors[value][0])
-            elif kind == "state":
-                leaves.append(inputs.state[value])
-            else:
-                leaves.append(value)
+        new = iter(arrays)
+        leaves = [_result(output, new, inputs) for output in self.outputs]
         return pytree.tree_unflatten(leaves, self.treedef)
+
+
+def _new_arrays(output: tuple) -> int:
+    """How many of the program's new arrays an output takes: a tensor subclass's, those of its inner tensors."""
+    kind, value = output
+    if kind == "subclass":
+        return sum(map(_new_arrays, value[-1]))
+    return kind == "new"
+
+
+def _result(output: tuple, new, inputs: _Inputs):
+    """The value a call returns for one output of its program (`_output`), taking its new arrays from `new`."""
+    kind, value = output
+    if kind == "new":
+        array = next(new)
+        return buffer.new_tensor(array.shape, value, inputs.device_index, array)
+    if kind == "input":
+        return inputs.tensors[value][0]
+    if kind == "state":
+        return inputs.state[value]
+    if kind == "object":
+        return inputs.objects[value]
+    if kind == "subclass":
+        cls, names, context, size, stride, inner = value
+        tensors = {name: _result(part, new, inputs) for name, part in zip(names, inner)}
+        return cls.__tensor_unflatten__(tensors, context, size, stride)
+    return value
 
 
 def _named(name: str, fn):
@@ -620,8 +641,14 @@ def _trace(name: str, run, inputs: _Inputs, arrays: list) -> _Program:
 def _output(leaf, inputs: _Inputs, first_new_address: int, new_arrays: list) -> tuple:
     if isinstance(leaf, torch.Tensor):
         if type(leaf) not in _PLAIN_TENSOR_TYPES and is_traceable_wrapper_subclass(leaf):
-            raise _Untraceable(f"it returns a {type(leaf).__name__}, a tensor subclass (its inner tensors can be "
-                               "returned instead)")
+            index = inputs.seen.get(id(leaf))
+            if index is not None and inputs.objects[index] is leaf:  # one among the inputs: that very object
+                return ("object", index)
+            # a new tensor subclass (a weight quantized in the trace): its inner tensors are the outputs, and the
+            # call returns a new object of its type over them, made with its flattening's context
+            names, context = leaf.__tensor_flatten__()
+            inner = [_output(getattr(leaf, name), inputs, first_new_address, new_arrays) for name in names]
+            return ("subclass", (type(leaf), tuple(names), context, leaf.shape, leaf.stride(), inner))
         if id(leaf) in inputs.tensor_index:
             return ("input", inputs.tensor_index[id(leaf)])
         if leaf.device.type == "tpu":

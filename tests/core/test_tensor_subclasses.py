@@ -150,11 +150,28 @@ def test_an_inner_tensor_written_in_place_is_rebound(fallbacks):
     assert not fallbacks()
 
 
-def test_a_subclass_returned_falls_back_saying_so(fallbacks):
+def test_a_subclass_made_in_the_trace_is_returned_and_an_input_one_is_itself(fallbacks):
+    """A weight quantized inside the trace comes back as a new object of its type over the program's new arrays
+    (one program however many ops the quantization takes); one among the inputs comes back as that object."""
     tpu = _on_tpu(_quantized_linear())
-    traced = hf_tpu.jit(lambda: tpu.weight, state=(tpu,))
-    assert traced() is tpu.weight
-    assert any("QuantizedWeight, a tensor subclass" in message for message in fallbacks())
+
+    def quantize(weight, rows_per_scale):
+        scale = weight.abs().amax(dim=1) / 127
+        qdata = torch.round(weight / scale[:, None]).to(torch.int8)
+        return QuantizedWeight(qdata, scale[::rows_per_scale], [rows_per_scale, weight.shape[1]])
+
+    weight = torch.randn(4, 8)
+    expected = quantize(weight, 2)
+    traced = hf_tpu.jit(quantize)
+    hf_tpu.reset_metrics()
+    for _ in range(2):
+        actual = traced(weight.to("tpu"), 2)
+        assert type(actual) is QuantizedWeight and actual.block_size == [2, 8]
+        assert torch.equal(actual.qdata.cpu(), expected.qdata)
+        torch.testing.assert_close(actual.scale.cpu(), expected.scale)
+    assert _traced() == 1
+    assert hf_tpu.jit(lambda: tpu.weight, state=(tpu,))() is tpu.weight
+    assert not fallbacks()
 
 
 def test_module_to_moves_a_subclass_parameters_inner_tensors():
@@ -189,3 +206,23 @@ def test_shard_model_splits_a_subclass_inner_tensors_as_its_slicing_does(style):
         torch.testing.assert_close(linear(x.to("tpu")).cpu(), expected)
         traced = hf_tpu.jit(lambda x: linear(x), state=(linear,))
         torch.testing.assert_close(traced(x.to("tpu")).cpu(), expected)
+
+
+def test_an_unhashable_dataclass_argument_is_keyed_by_its_fields(fallbacks):
+    """torchao passes its settings as dataclasses that are not hashable (`QuantizeTensorToInt8Kwargs`): keyed by
+    value, equal settings share a program and other settings trace another."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Settings:
+        scale: float
+        rows: list
+
+    traced = hf_tpu.jit(lambda x, settings: x * settings.scale + len(settings.rows))
+    x = torch.ones(3, device="tpu")
+    hf_tpu.reset_metrics()
+    assert traced(x, Settings(2.0, [1])).tolist() == [3.0] * 3
+    assert traced(x, Settings(2.0, [1])).tolist() == [3.0] * 3
+    assert _traced() == 1
+    assert traced(x, Settings(3.0, [1, 2])).tolist() == [5.0] * 3
+    assert _traced() == 2 and not fallbacks()
