@@ -29,18 +29,18 @@ would not replay it). Autograd is off inside the trace
 Inside the trace `torch.compiler.is_compiling()` is True (as under non-strict `torch.export`), so code
 written for compilation takes its traceable branches.
 
-Programs are cached per function code and key: the argument tensors' shapes, dtypes, devices and views,
-the values of non-tensor arguments and closure contents (hashable ones: a number, a string, a tuple; an
-object with identity hashing is keyed by identity, an unhashable dataclass by its fields; another
-unhashable one makes the call fall back), the state tensors' shapes, dtypes and views, each module's type and `training` flag, a non-module state object's
-type and its attributes of plain value types (numbers, strings, devices, dtypes), the default dtype and
-autocast's state. Finding those takes a walk over every submodule, parameter and buffer; each state object's
-walk is kept and replayed by later calls while everything it read is unchanged (`_KeptWalk`). NOT guarded,
-as with `jax.jit`: globals the function reads, attributes of modules other than `training` and their
-tensors (a `config` object's fields, a module's Python-number attributes), the objects such attributes
-hold, and the content of a tensor that is not an input (a `tpu` tensor reached only through a global or an
-unlisted object is read as a constant of the program). Change such a thing and the next call runs the
-program traced before it.
+Programs are cached per function code and key: the argument tensors' shapes, dtypes, devices and views, the
+values of non-tensor arguments and closure contents (hashable ones: a number, a string, a tuple; an object
+with identity hashing is keyed by identity, an unhashable dataclass by its fields; another unhashable one
+makes the call fall back), the state tensors' shapes, dtypes and views, each module's type and `training`
+flag, a non-module state object's type and its attributes of plain value types (numbers, strings, devices,
+dtypes), the default dtype and autocast's state. Finding those takes a walk over every submodule, parameter
+and buffer; each state object's walk is kept and replayed by later calls while everything it read is unchanged
+(`_KeptWalk`). NOT guarded, as with `jax.jit`: globals the function reads, attributes of modules other than
+`training` and their tensors (a `config` object's fields, a module's Python-number attributes), the objects
+such attributes hold, and the content of a tensor that is not an input (a `tpu` tensor reached only through a
+global or an unlisted object is read as a constant of the program). Change such a thing and the next call runs
+the program traced before it.
 """
 
 from __future__ import annotations
