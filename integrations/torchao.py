@@ -17,6 +17,8 @@ See docs/design/quantization.md.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 import hf_tpu
@@ -97,10 +99,27 @@ def _int4_without_mslk() -> None:
     int4_tensor.Int4Tensor.implements_torch_function(torch.nn.functional.linear)(_int4_linear)
 
 
+def _quantized_as_one_program(from_hp):
+    """A torchao tensor's `from_hp` (the quantization of a weight: twenty-odd ops), run through `hf_tpu.jit` where
+    the weight is on tpu in strict eager: one program per weight shape, compiled once, where each op would be a
+    program of its own (on a TPU, a model's load would compile each of them for each shape). Elsewhere as it is."""
+    traced = hf_tpu.jit(from_hp)
+
+    @functools.wraps(from_hp)
+    def quantize(cls, hp_tensor, *args, **kwargs):
+        if hp_tensor.device.type == "tpu" and _strict_eager():
+            with torch.no_grad():
+                return traced(cls, hp_tensor, *args, **kwargs)
+        return from_hp(cls, hp_tensor, *args, **kwargs)
+
+    quantize.hf_tpu_wraps = from_hp
+    return classmethod(quantize)
+
+
 def install(module) -> None:
-    """Give torchao's `Int4Tensor` what it lacks without mslk (`_int4_without_mslk`), then wrap the `F.linear` of
-    every torchao tensor subclass defined so far (`_one_program_on_tpu`); a class already wrapped is left as it
-    is."""
+    """Give torchao's `Int4Tensor` what it lacks without mslk (`_int4_without_mslk`), then wrap the `F.linear` and
+    `from_hp` of every torchao tensor subclass defined so far (`_one_program_on_tpu`, `_quantized_as_one_program`);
+    what is wrapped already is left as it is."""
     from torchao.utils import TorchAOBaseTensor
 
     _int4_without_mslk()
@@ -110,3 +129,6 @@ def install(module) -> None:
         implementation = table.get(torch.nn.functional.linear)
         if implementation is not None and not hasattr(implementation, "hf_tpu_wraps"):
             table[torch.nn.functional.linear] = _one_program_on_tpu(implementation)
+        from_hp = cls.__dict__.get("from_hp")
+        if isinstance(from_hp, classmethod) and not hasattr(from_hp.__func__, "hf_tpu_wraps"):
+            cls.from_hp = _quantized_as_one_program(from_hp.__func__)

@@ -84,6 +84,16 @@ def test_weights_stay_quantized_on_tpu(models):
         assert weight.qdata.numel() == (weight.numel() // 2 if name.startswith("int4") else weight.numel())
 
 
+@pytest.mark.parametrize("name", ["int8_weight_only", "int4_weight_only_group_32"])
+def test_loading_onto_tpu_quantizes_each_weight_shape_in_one_program(checkpoint, name):
+    direct.reset()
+    _load(checkpoint, name, device_map="tpu")
+    traced = [p.name for p in direct._programs.values() if p is not direct._NOT_TRACEABLE]
+    # q_proj and o_proj (64 x 64), k_proj and v_proj (32 x 64), gate_proj and up_proj (128 x 64), down_proj (64 x 128)
+    assert sum(n.endswith("from_hp") for n in traced) == 4, traced
+    assert direct._NOT_TRACEABLE not in direct._programs.values()
+
+
 def test_strict_eager_forward_runs_each_layer_as_one_program(models, moved):
     name, cpu, _ = models
     tpu = moved
