@@ -77,10 +77,13 @@ def _product_dtype(dtype, rows: int):
 def dot(a, b, dimension_numbers, epilogue: bool = False):
     """`lax.dot_general` with PyTorch's precision and accumulation; the caller casts the result. `epilogue`: the
     caller adds to the product (addmm's `beta * self`) or casts it to a dtype of its own before it is rounded, so
-    it is asked for in its accumulation dtype on every platform, rounded once as PyTorch's CPU kernels round it."""
+    it is asked for in its accumulation dtype on every platform, rounded once as PyTorch's CPU kernels round it.
+    A precision is a float product's choice: an integer product (int8 x int8 -> int32, the TPU's int8 matrix unit)
+    asks for none."""
     dtype = jnp.result_type(a, b)
     rows = math.prod(n for d, n in enumerate(a.shape) if d not in dimension_numbers[0][0])
-    product = functools.partial(jax.lax.dot_general, precision=matmul_precision(),
+    precision = matmul_precision() if jnp.issubdtype(dtype, jnp.inexact) else None
+    product = functools.partial(jax.lax.dot_general, precision=precision,
                                 preferred_element_type=accumulation_dtype(dtype) if epilogue
                                 else _product_dtype(dtype, rows))
     vector_side = _half_precision_vector_on_cpu(a, b, dimension_numbers)

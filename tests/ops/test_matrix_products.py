@@ -134,3 +134,4 @@ def test_out_dtype_int32_of_int8_matrices_is_an_int8_product(traced):
         dots = [e for e in _equations(program.jaxpr) if e.primitive.name == "dot_general"]
         assert [str(v.aval.dtype) for e in dots for v in e.invars] == ["int8", "int8"]
         assert [e.params["preferred_element_type"] for e in dots] == [jnp.int32]
+        assert [e.params["precision"] for e in dots] == [None]  # a float product's setting, not an integer one's
