@@ -160,8 +160,9 @@ def _forms(spec: dict, rows, device, batch: int) -> None:
     """The Llama model's layers' weight products alone (attention's projections and the MLP, no LM head), in raw
     JAX at `batch` rows, with the weights in each form, timed per call: what XLA reads of each form on this
     platform, beside the bytes it holds. int4 "two products" is `hf_tpu::int4_linear`'s lowering (the even and
-    odd input features times the low and high nibbles of the packed bytes); int4 "JAX int4 array" keeps the weight
-    as an `int4` array, which XLA stores two to a byte itself: what an int4 layout of XLA's own would read."""
+    odd input features times the low and high nibbles of the packed bytes); "interleaved" puts the nibbles back in
+    column order into one operand (a change of the minor dimension's layout); "JAX int4 array" keeps the weight as
+    an `int4` array, which XLA stores two to a byte itself: what an int4 layout of XLA's own would read."""
     import jax
     import jax.numpy as jnp
 
@@ -185,7 +186,7 @@ def _forms(spec: dict, rows, device, batch: int) -> None:
                     put(jnp.full((out_features, 1), 1e-3, jnp.bfloat16)))
         groups = (in_features // group, out_features)
         scales = (put(jnp.full(groups, 1e-2, jnp.bfloat16)), put(jnp.zeros(groups, jnp.bfloat16)))
-        if form == "int4 two products":
+        if form in ("int4 two products", "int4 interleaved"):
             return (put(jax.random.randint(next(keys), (out_features, in_features // 2), -128, 128, jnp.int8)),
                     *scales)
         return (put(jax.random.randint(next(keys), shape, -8, 8, jnp.int8).astype(jnp.int4)), *scales)
@@ -197,12 +198,17 @@ def _forms(spec: dict, rows, device, batch: int) -> None:
             return (x @ w[0].T.astype(x.dtype)) * w[1][:, 0]
         if form == "int4 two products":
             return int4_linear(x, *w, group)
+        if form == "int4 interleaved":  # the nibbles put back in column order: one operand of (out, in)
+            packed, scale, zero = w
+            q = jnp.stack([(packed << 4) >> 4, packed >> 4], axis=-1).reshape(packed.shape[0], -1)
+            grouped = q.astype(jnp.bfloat16).reshape(q.shape[0], -1, group)
+            return x @ (grouped * scale.T[:, :, None] + zero.T[:, :, None]).reshape(q.shape).T
         q, scale, zero = w
         grouped = q.astype(jnp.bfloat16).reshape(q.shape[0], -1, group)
         return x @ (grouped * scale.T[:, :, None] + zero.T[:, :, None]).reshape(q.shape).T
 
     x0 = put(jax.random.normal(next(keys), (batch, h), jnp.bfloat16))
-    for form in ("bf16", "int8", "int4 two products", "int4 JAX int4 array"):
+    for form in ("bf16", "int8", "int4 two products", "int4 interleaved", "int4 JAX int4 array"):
         layers = [[weights(form, shape) for shape in shapes] for _ in range(config["num_hidden_layers"])]
         held = sum(a.size * a.dtype.itemsize for layer in layers for w in layer for a in w)
         if form == "int4 JAX int4 array":
