@@ -99,6 +99,22 @@ def _int4_without_mslk() -> None:
     int4_tensor.Int4Tensor.implements_torch_function(torch.nn.functional.linear)(_int4_linear)
 
 
+def _int_scaled_matmul_on_tpu(int_scaled_matmul):
+    """torchao's `int_scaled_matmul(a, b, scales)` (int8 activations times int8 weights, rows scaled), as its CPU
+    path computes it where the operands are on tpu: `_int_mm` (the int8 matrix unit) then the scales. torchao's
+    own path off the CPU, `safe_int_mm`, tests `repr(input)` for fake tensors: a host read of the activation at
+    every call, which under defer-and-fuse also cuts the graph (2596 host reads in a one-layer Llama's forward)."""
+
+    @functools.wraps(int_scaled_matmul)
+    def product(a, b, scales):
+        if a.device.type != "tpu":
+            return int_scaled_matmul(a, b, scales)
+        return torch._int_mm(a, b).to(scales.dtype) * scales
+
+    product.hf_tpu_wraps = int_scaled_matmul
+    return product
+
+
 def _quantized_as_one_program(from_hp):
     """A torchao tensor's `from_hp` (the quantization of a weight: twenty-odd ops), run through `hf_tpu.jit` where
     the weight is on tpu in strict eager: one program per weight shape, compiled once, where each op would be a
@@ -117,12 +133,16 @@ def _quantized_as_one_program(from_hp):
 
 
 def install(module) -> None:
-    """Give torchao's `Int4Tensor` what it lacks without mslk (`_int4_without_mslk`), then wrap the `F.linear` and
+    """Give torchao's `Int4Tensor` what it lacks without mslk (`_int4_without_mslk`), its int8 product a tpu path
+    (`_int_scaled_matmul_on_tpu`), then wrap the `F.linear` and
     `from_hp` of every torchao tensor subclass defined so far (`_one_program_on_tpu`, `_quantized_as_one_program`);
     what is wrapped already is left as it is."""
+    from torchao.quantization.quantize_.workflows.int8 import int8_tensor
     from torchao.utils import TorchAOBaseTensor
 
     _int4_without_mslk()
+    if not hasattr(int8_tensor.int_scaled_matmul, "hf_tpu_wraps"):
+        int8_tensor.int_scaled_matmul = _int_scaled_matmul_on_tpu(int8_tensor.int_scaled_matmul)
 
     for cls in _subclasses(TorchAOBaseTensor):
         table = cls.__dict__.get("_TORCH_FN_TABLE", {}).get(cls, {})

@@ -108,6 +108,17 @@ def test_strict_eager_forward_runs_each_layer_as_one_program(models, moved):
     _assert_close_logits(actual, expected, name)
 
 
+def test_a_defer_and_fuse_forward_reads_only_its_result(models, moved):
+    name, cpu, _ = models
+    with torch.tpu.use_eager_mode("DEFER_AND_FUSE"), torch.no_grad():
+        moved(PROMPT.to("tpu"))
+        hf_tpu.reset_metrics()
+        actual = moved(PROMPT.to("tpu")).logits.cpu()
+        assert hf_tpu.metrics()["host_syncs"] == 1  # the .cpu(): nothing read on the way (torchao's int8 product
+        # tests repr(input) for fake tensors off the CPU)
+    _assert_close_logits(actual, cpu(PROMPT).logits, name)
+
+
 def test_generate_gives_the_cpus_tokens(models):
     name, cpu, tpu = models
     expected = cpu.generate(PROMPT, max_new_tokens=6, do_sample=False)
