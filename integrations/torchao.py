@@ -1,16 +1,18 @@
-"""torchao's quantized tensors on tpu: int4 weights without CUDA, and each quantized linear layer one program in
-strict eager.
+"""torchao's quantized tensors on tpu: int4 weights without CUDA, int8 products on the int8 matrix unit, and each
+quantized linear layer one program in strict eager.
 
 torchao keeps a quantized weight as a tensor subclass over plain tensors (`Int8Tensor`: int8 data and its scales)
 and implements `F.linear` on it in PyTorch ops (dequantize, or quantize the activation, then a product). Traced
 (`generate()`'s programs, `hf_tpu.jit`, `torch.compile`) those ops are one XLA program, where the int8 data's
-conversion fuses into the product and no dequantized copy of the weight is ever made. In strict eager each op
-would be a program of its own: the conversion would write a bfloat16 copy of the weight to device memory and
-the product read it back, and torchao's int8 product (`safe_int_mm`) would read the activation's values on the
-host (it tests `repr(input)` for fake tensors) at every call. So on tpu in strict eager each layer's `F.linear`
-runs through `hf_tpu.jit`: one program per shape, the same ops traced once. The core's `hf_tpu.jit` sees through
-the subclass (its inner tensors are the program's inputs), and on tpu `out_dtype(mm, int32, int8, int8)`, which
-torchao's traced int8 product calls, is the int8 matrix unit's product (`hf_tpu.ops.linalg`).
+conversion fuses into the product and no dequantized copy of the weight is ever made; the core's `hf_tpu.jit`
+sees through the subclass (its inner tensors are the program's inputs). What the adapter adds:
+
+- in strict eager, where each op would be a program of its own (the conversion writing a bfloat16 copy of the
+  weight), each torchao `F.linear` and each weight's quantization (`from_hp`) run through `hf_tpu.jit`: one
+  program per shape;
+- torchao's int8 activation product on tpu computed as its CPU path computes it (`_int_mm`, then the scales),
+  without the host read of the activation its other path makes;
+- torchao's default int4 layout (`Int4Tensor`) quantized and multiplied without mslk, its CUDA-only kernels.
 
 See docs/design/quantization.md.
 """
