@@ -19,10 +19,11 @@ One command prints, from one run, side by side:
   counts, for which its ops compile again: each call is stopped by `max_time` (`moe_eager_seconds`); where the
   first call makes all its tokens, the step is timed warm, else the ratio, compiles included, is a bound from
   below;
-- `quant` and `quant_big` (run only when `--only` names them, a chip command each; `benchmarks.quant`): the Llama
-  model's decode in bfloat16, int8 weight-only and int4 side by side against the HBM limit of each one's bytes, its
-  prefill with int8 activations and weights against bfloat16's, what XLA fused in each quantized program; a 7B and
-  a 9B model loaded in int8 from a bfloat16 checkpoint onto one chip, their peak memory, loading GB/s and decode.
+- `quant`, `quant_prefill` and `quant_big` (run only when `--only` names them, a chip command each;
+  `benchmarks.quant`): the Llama model's decode in bfloat16, int8 weight-only and int4 side by side against the
+  HBM limit of each one's bytes; its prefill with int8 activations and weights against bfloat16's, and its weight
+  products alone in raw JAX in each form; what XLA fused in each quantized program; a 7B and a 9B model loaded in
+  int8 from a bfloat16 checkpoint onto one chip, their peak memory, loading GB/s and decode.
 
 Each group runs in its own process with its own time limit (`--timeout`, `--budget`): torchax and hf-tpu both
 claim PyTorch's PrivateUse1 backend, one process at a time holds a TPU chip, and a group that runs out of time
@@ -41,7 +42,7 @@ Run: python -m benchmarks.chip                              (the 1.1B and MoE mo
      python -m benchmarks.chip --size small --only ttft         (a 512-wide, 8-layer Llama at 128 and 1024 tokens)
      python -m benchmarks.chip --only forward,torchax --dump-hlo DIR   (XLA's optimized HLO of each side)
      python -m benchmarks.chip --only forward,torchax,decode --profile DIR   (device time per XLA op)
-     python -m benchmarks.chip --only quant        then   --only quant_big   (quantized models: needs torchao)
+     python -m benchmarks.chip --only quant   (then --only quant_prefill, --only quant_big: quantized models, torchao)
 """
 
 from __future__ import annotations
@@ -733,6 +734,12 @@ def _group_quant(spec: dict, rows: _Rows) -> None:
     quant.group_quant(spec, rows)
 
 
+def _group_quant_prefill(spec: dict, rows: _Rows) -> None:
+    from benchmarks import quant
+
+    quant.group_quant_prefill(spec, rows)
+
+
 def _group_quant_big(spec: dict, rows: _Rows) -> None:
     from benchmarks import quant
 
@@ -748,10 +755,11 @@ GROUPS = {  # name: (the worker, its default time limit in seconds)
     "eager": (_group_eager, 300),
     "moe": (_group_moe, 540),
     "quant": (_group_quant, 570),
+    "quant_prefill": (_group_quant_prefill, 570),
     "quant_big": (_group_quant_big, 570),
 }
-# groups a run takes only when `--only` names them: each is a chip command's worth of device time on its own
-NAMED_ONLY = ("quant", "quant_big")
+# groups a run takes only when `--only` names them: each is most of a chip command's device time on its own
+NAMED_ONLY = ("quant", "quant_prefill", "quant_big")
 
 
 # --- The parent: starts each group's process, relays its figures

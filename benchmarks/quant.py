@@ -28,7 +28,7 @@ import tempfile
 import time
 
 # the HLO XLA dumps for the programs summarised (`_hlo_summary`): generate()'s and the prefill's
-_DUMPED_PROGRAMS = r".*(loop_body|traced__prefill_forward|traced_prefill).*"
+_DUMPED_PROGRAMS = r".*(loop_body|traced__prefill_forward|traced_forward).*"
 
 
 def _dump_hlo_here() -> str:
@@ -233,52 +233,28 @@ def _forms(spec: dict, rows, device, batch: int) -> None:
 # --- The groups
 
 
-def group_quant(spec: dict, rows) -> None:
-    folder = _dump_hlo_here()
+def _each_variant(spec: dict, rows, folder: str, names: tuple, work) -> None:
+    """The Llama model saved once as a bfloat16 checkpoint, then loaded with `device_map="tpu"` in each variant of
+    `names` (a bfloat16 one and torchao configs, `_configs`), one at a time: its load timed, `work(name, model)`
+    run, and XLA's optimized HLO of the traced programs the variant compiled, dumped under `folder`
+    (`_dump_hlo_here`), summarised (`hlo_summary`)."""
     import torch
 
-    import hf_tpu
-    from benchmarks.chip import _generate, _ids, _llama, _median_seconds, _step_seconds, kv_bytes_per_token, measure_limits
+    from benchmarks.chip import _llama
 
-    device = measure_limits(spec, rows)  # the HBM bandwidth the limits are figured at
     checkpoint = tempfile.mkdtemp(prefix="hf-tpu-quant-llama-")
+    configs = _configs(spec)
+    least = spec["model"]["hidden_size"] ** 2 // 8  # the smallest quantized weight's packed int4 half
     try:
         _llama(spec).save_pretrained(checkpoint)
-        vocab, steps, prompt = spec["model"]["vocab_size"], spec["quant_steps"], spec["lengths"][0]
-        prefill_batch, prefill_length = spec["quant_prefill"]
-        least = spec["model"]["hidden_size"] * spec["model"]["hidden_size"] // 4
-        for name, config in _configs(spec).items():
+        for name in names:
             dumped = _dumped(folder)
             started = time.perf_counter()
-            model = _load(checkpoint, config)
+            model = _load(checkpoint, configs[name])
             torch.accelerator.synchronize()
             rows.emit("quant_load", variant=name, seconds=time.perf_counter() - started, step_bytes=step_bytes(model))
-            if "activations" not in name:  # weight-only forms decode
-                generate = _generate(model)
-                for batch in spec["batches"]:
-                    ids = _ids(vocab, batch, prompt).to("tpu")
-                    step, first = _step_seconds(generate, ids, steps, max(2, spec["iters"] // 3))
-                    if step is None:
-                        rows.skip(f"{name} decode {batch}x{prompt}", "a decode step is below the timing noise")
-                        continue
-                    rows.emit("quant_decode", variant=name, batch=batch, length=prompt, step_seconds=step,
-                              first_call=first, context=prompt + steps // 2, step_bytes=step_bytes(model),
-                              kv_bytes_per_token=kv_bytes_per_token(spec["model"]))
-            if name == "bf16" or "activations" in name:  # the prefill, on the int8 matrix unit for int8 activations
-                def prefill(ids, model=model):
-                    return model(ids, use_cache=False, logits_to_keep=1).logits
-
-                traced = hf_tpu.jit(prefill, state=(model,))
-                ids = _ids(vocab, prefill_batch, prefill_length).to("tpu")
-
-                def run():
-                    with torch.no_grad():
-                        traced(ids)
-                    torch.accelerator.synchronize()
-
-                rows.emit("quant_prefill", variant=name, batch=prefill_batch, length=prefill_length,
-                          seconds=_median_seconds(run, spec["iters"]))
-            if config is not None:
+            work(name, model)
+            if configs[name] is not None:
                 for program, summary in _summaries(folder, _dumped(folder) - dumped, least).items():
                     rows.emit("quant_hlo", variant=name, program=program, **summary)
             del model
@@ -286,6 +262,59 @@ def group_quant(spec: dict, rows) -> None:
     finally:
         shutil.rmtree(checkpoint, ignore_errors=True)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def group_quant(spec: dict, rows) -> None:
+    """Decode tokens/s in bfloat16, int8 weight-only and int4 at each batch of the grid, after its first prompt
+    length."""
+    folder = _dump_hlo_here()  # before JAX starts
+    from benchmarks.chip import _generate, _ids, _step_seconds, kv_bytes_per_token, measure_limits
+
+    measure_limits(spec, rows)  # the HBM bandwidth the limits are figured at
+    vocab, steps, prompt = spec["model"]["vocab_size"], spec["quant_steps"], spec["lengths"][0]
+
+    def decode(name, model):
+        generate = _generate(model)
+        for batch in spec["batches"]:
+            ids = _ids(vocab, batch, prompt).to("tpu")
+            step, first = _step_seconds(generate, ids, steps, max(2, spec["iters"] // 3))
+            if step is None:
+                rows.skip(f"{name} decode {batch}x{prompt}", "a decode step is below the timing noise")
+                continue
+            rows.emit("quant_decode", variant=name, batch=batch, length=prompt, step_seconds=step, first_call=first,
+                      context=prompt + steps // 2, step_bytes=step_bytes(model),
+                      kv_bytes_per_token=kv_bytes_per_token(spec["model"]))
+
+    _each_variant(spec, rows, folder, ("bf16", "int8 weight-only", f"int4 group {spec['int4_group']}"), decode)
+
+
+def group_quant_prefill(spec: dict, rows) -> None:
+    """The prefill (`logits_to_keep=1`, as `generate()`'s, traced with `hf_tpu.jit`) in bfloat16 and with int8
+    activations and weights; then the weight products alone in raw JAX in each form (`_forms`)."""
+    folder = _dump_hlo_here()  # before JAX starts
+    import torch
+
+    import hf_tpu
+    from benchmarks.chip import _ids, _median_seconds, measure_limits
+
+    device = measure_limits(spec, rows)
+    batch, length = spec["quant_prefill"]
+    ids = _ids(spec["model"]["vocab_size"], batch, length)
+
+    def prefill(name, model):
+        def forward(ids):
+            return model(ids, use_cache=False, logits_to_keep=1).logits
+
+        traced, on_tpu = hf_tpu.jit(forward, state=(model,)), ids.to("tpu")
+
+        def run():
+            with torch.no_grad():
+                traced(on_tpu)
+            torch.accelerator.synchronize()
+
+        rows.emit("quant_prefill", variant=name, batch=batch, length=length, seconds=_median_seconds(run, spec["iters"]))
+
+    _each_variant(spec, rows, folder, ("bf16", "int8 activations+weights"), prefill)
     _forms(spec, rows, device, spec["batches"][0])
 
 
@@ -359,7 +388,7 @@ def group_quant_big(spec: dict, rows) -> None:
     phases = jax_compile_phases()
     root = spec.get("quant_big_folder") or os.environ.get("HF_TPU_BENCH_CHECKPOINTS") or tempfile.gettempdir()
     for label, model_type, config in spec["quant_big"]:
-        need = 2.2 * 2 * _parameters(model_type, config)
+        need = 1.1 * 2 * _parameters(model_type, config)  # its bfloat16 bytes
         free = shutil.disk_usage(root).free
         if free < need:
             rows.skip(label, f"needs ~{need / 1e9:.0f} GB of disk under {root} for its checkpoint, has {free / 1e9:.0f}")

@@ -288,19 +288,19 @@ def test_the_first_token_timeline_marks_each_step_of_a_warm_generate_in_order():
 
 
 def test_tiny_quantization_run_reports_each_form_beside_bfloat16(tmp_path):
-    """`--only quant,quant_big` at the tiny size: the Llama model loaded from its bfloat16 checkpoint in each torchao
+    """`--only quant,quant_prefill,quant_big` at the tiny size: the Llama model loaded from its bfloat16 checkpoint in each torchao
     config, decoding (or skipped below the timing noise), the prefill in bfloat16 and with int8 activations, what
     XLA made of each quantized program, the raw-JAX forms; the two big-model stand-ins written, loaded in int8 and
     decoding."""
     out = tmp_path / "figures.json"
-    proc = _chip("--size", "tiny", "--only", "quant,quant_big", "--batches", "2", "--lengths", "16", "--json", str(out),
-                 timeout=900)
+    proc = _chip("--size", "tiny", "--only", "quant,quant_prefill,quant_big", "--batches", "2", "--lengths", "16",
+                 "--json", str(out), timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     by_section = {}
     for figure in json.loads(out.read_text()):
         by_section.setdefault(figure["section"], []).append(figure)
     variants = ["bf16", "int8 weight-only", "int4 group 32", "int8 activations+weights"]
-    assert [f["variant"] for f in by_section["quant_load"]] == variants
+    assert [f["variant"] for f in by_section["quant_load"]] == variants[:3] + ["bf16", variants[3]]
     loads = {f["variant"]: f["step_bytes"] for f in by_section["quant_load"]}
     assert loads["int4 group 32"] < loads["int8 weight-only"] < loads["bf16"]
     skipped = {f["row"] for f in by_section.get("skipped", [])}
@@ -309,7 +309,7 @@ def test_tiny_quantization_run_reports_each_form_beside_bfloat16(tmp_path):
         assert [f["batch"] for f in decoded] == [2] or f"{variant} decode 2x16" in skipped
     assert [f["variant"] for f in by_section["quant_prefill"]] == ["bf16", "int8 activations+weights"]
     hlo = {(f["variant"], f["program"]): f for f in by_section["quant_hlo"]}
-    assert hlo[("int8 activations+weights", "traced_prefill")]["int8_products"] == 7  # a layer's 7 linear layers
+    assert hlo[("int8 activations+weights", "traced_forward")]["int8_products"] == 7  # a layer's 7 linear layers
     assert all(f["products"] > 0 for f in hlo.values())
     assert [f["form"] for f in by_section["quant_forms"]] == ["bf16", "int8", "int4 two products",
                                                                "int4 interleaved", "int4 JAX int4 array"]
