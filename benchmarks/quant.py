@@ -312,7 +312,8 @@ def group_quant_prefill(spec: dict, rows) -> None:
                 traced(on_tpu)
             torch.accelerator.synchronize()
 
-        rows.emit("quant_prefill", variant=name, batch=batch, length=length, seconds=_median_seconds(run, spec["iters"]))
+        rows.emit("quant_prefill", variant=name, batch=batch, length=length,
+                  seconds=_median_seconds(run, spec["iters"]))
 
     _each_variant(spec, rows, folder, ("bf16", "int8 activations+weights"), prefill)
     _forms(spec, rows, device, spec["batches"][0])
@@ -338,7 +339,8 @@ def write_random_checkpoint(model_type: str, config: dict, folder: str, seconds:
 
     def block(shape):
         if shape not in blocks:
-            blocks[shape] = (torch.rand(shape, generator=generator, dtype=torch.float32) - 0.5).mul_(0.04).to(torch.bfloat16)
+            drawn = torch.rand(shape, generator=generator, dtype=torch.float32)
+            blocks[shape] = drawn.sub_(0.5).mul_(0.04).to(torch.bfloat16)
         return blocks[shape]
 
     files, index, written = {}, {}, 0
@@ -349,8 +351,10 @@ def write_random_checkpoint(model_type: str, config: dict, folder: str, seconds:
         tensors = {}
         for name in names:
             shape = shapes[name]
-            tensors[name] = torch.ones(shape, dtype=torch.bfloat16) if name.endswith("norm.weight") else block(shape) * (
-                1 + 0.01 * (len(tensors) % 7))
+            if name.endswith("norm.weight"):
+                tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
+            else:
+                tensors[name] = block(shape) * (1 + 0.01 * (len(tensors) % 7))
         filename = f"model-{part}.safetensors"
         save_file(tensors, os.path.join(folder, filename), metadata={"format": "pt"})
         written += sum(t.numel() * 2 for t in tensors.values())
@@ -391,7 +395,8 @@ def group_quant_big(spec: dict, rows) -> None:
         need = 1.1 * 2 * _parameters(model_type, config)  # its bfloat16 bytes
         free = shutil.disk_usage(root).free
         if free < need:
-            rows.skip(label, f"needs ~{need / 1e9:.0f} GB of disk under {root} for its checkpoint, has {free / 1e9:.0f}")
+            rows.skip(label, f"needs ~{need / 1e9:.0f} GB of disk under {root} for its checkpoint, has "
+                             f"{free / 1e9:.0f}")
             continue
         folder = tempfile.mkdtemp(prefix=f"hf-tpu-{label}-", dir=root)
         try:
@@ -454,7 +459,8 @@ def describe(row: dict, hbm: float | None) -> str | None:
         return (f"[quant] raw JAX weight products, {row['form']}, batch {row['batch']}: {row['seconds'] * 1e3:.3f} ms "
                 f"({row['bytes'] / 1e6:.0f} MB held, {gbs:.0f} GB/s of them)")
     if section == "quant_load":
-        return f"[quant] {row['variant']}: loaded in {row['seconds']:.1f} s, {row['step_bytes'] / 1e9:.2f} GB read a step"
+        return (f"[quant] {row['variant']}: loaded in {row['seconds']:.1f} s, {row['step_bytes'] / 1e9:.2f} GB read "
+                "a step")
     if section in ("quant_decode", "quant_big_decode"):
         tokens = row["batch"] / row["step_seconds"]
         limit = _limit(row, hbm)
@@ -462,8 +468,9 @@ def describe(row: dict, hbm: float | None) -> str | None:
         group = "quant" if section == "quant_decode" else "quant_big"
         extra = ""
         if section == "quant_big_decode":
+            device = f", device peak {row['device_peak'] / 1e9:.2f} GB" if row.get("device_peak") else ""
             extra = (f", peak {row['peak'] / 1e9:.2f} GB ({row['peak'] / (row['held'] + row['cache']):.2f}x weights "
-                     f"+ cache)" + (f", device peak {row['device_peak'] / 1e9:.2f} GB" if row.get("device_peak") else ""))
+                     f"+ cache){device}")
         return (f"[{group}] {what} decode batch {row['batch']} after {row['length']}: {row['step_seconds'] * 1e3:.2f} "
                 f"ms/step, {tokens:.0f} tokens/s" + (f" ({100 * tokens / limit:.0f}% of its bytes' HBM limit)"
                                                      if limit else "") + f", first call {row['first_call']:.1f} s"
@@ -479,8 +486,9 @@ def describe(row: dict, hbm: float | None) -> str | None:
                 f"{row['seconds']:.0f} s")
     if section == "quant_big_load":
         device = f", device peak {row['device_peak'] / 1e9:.2f} GB" if row.get("device_peak") else ""
-        return (f"[quant_big] {row['model']}: loaded in int8 in {row['seconds']:.1f} s ({row['bytes'] / row['seconds'] / 1e9:.2f}"
-                f" GB/s of checkpoint; XLA compiles {row['xla_compile']:.1f} s of it), {row['held'] / 1e9:.2f} GB held, "
+        return (f"[quant_big] {row['model']}: loaded in int8 in {row['seconds']:.1f} s "
+                f"({row['bytes'] / row['seconds'] / 1e9:.2f} GB/s of checkpoint; XLA compiles "
+                f"{row['xla_compile']:.1f} s of it), {row['held'] / 1e9:.2f} GB held, "
                 f"peak {row['peak'] / 1e9:.2f} GB ({row['peak'] / row['held']:.2f}x){device}")
     return None
 

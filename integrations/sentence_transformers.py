@@ -191,7 +191,8 @@ _not_on_the_host: "weakref.WeakSet" = weakref.WeakSet()
 def _plain_state(model) -> bool:
     """Whether every parameter and buffer is a plain tensor: not a subclass over tensors of its own (torchao's
     quantized weights), which has no storage whose address and version the host copies could follow."""
-    return all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in itertools.chain(model.parameters(), model.buffers()))
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    return all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
 
 
 def _state_bytes(model) -> int:

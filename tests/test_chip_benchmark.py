@@ -288,10 +288,10 @@ def test_the_first_token_timeline_marks_each_step_of_a_warm_generate_in_order():
 
 
 def test_tiny_quantization_run_reports_each_form_beside_bfloat16(tmp_path):
-    """`--only quant,quant_prefill,quant_big` at the tiny size: the Llama model loaded from its bfloat16 checkpoint in each torchao
-    config, decoding (or skipped below the timing noise), the prefill in bfloat16 and with int8 activations, what
-    XLA made of each quantized program, the raw-JAX forms; the two big-model stand-ins written, loaded in int8 and
-    decoding."""
+    """`--only quant,quant_prefill,quant_big` at the tiny size: the Llama model loaded from its bfloat16 checkpoint
+    in each torchao config, decoding (or skipped below the timing noise), the prefill in bfloat16 and with int8
+    activations, what XLA made of each quantized program, the raw-JAX forms; the two big-model stand-ins written,
+    loaded in int8 and decoding."""
     out = tmp_path / "figures.json"
     proc = _chip("--size", "tiny", "--only", "quant,quant_prefill,quant_big", "--batches", "2", "--lengths", "16",
                  "--json", str(out), timeout=900)
@@ -337,7 +337,7 @@ def test_the_hlo_summary_tells_fused_conversions_from_written_weights():
 %fused_computation.9 (param_0.1: s8[64,2048], param_1.1: s8[2048,2048]) -> s32[64,2048] {
   %param_0.1 = s8[64,2048]{1,0} parameter(0)
   %param_1.1 = s8[2048,2048]{1,0} parameter(1)
-  ROOT %convolution.5 = s32[64,2048]{1,0} convolution(s8[64,2048]{1,0} %param_0.1, s8[2048,2048]{1,0} %param_1.1), dim_labels=bf_io->bf
+  ROOT %convolution.5 = s32[64,2048]{1,0} convolution(s8[64,2048]{1,0} %param_0.1, s8[2048,2048]{1,0} %param_1.1)
 }
 %fused_computation.3 (param_0.8: s8[256,512]) -> f32[512,256] {
   %param_0.8 = s8[256,512]{1,0} parameter(0)

