@@ -179,6 +179,7 @@ def _unpacked(weight) -> torch.Tensor:
     return torch.stack([weight.qdata << 4 >> 4, weight.qdata >> 4], dim=-1).reshape(weight.shape).int()
 
 
+@pytest.mark.requires_chips(2)
 def test_tensor_parallel_over_two_chips_gives_the_cpus_logits(models, checkpoint):
     import hf_tpu.distributed as dist
 

@@ -189,6 +189,7 @@ def test_module_to_moves_a_subclass_parameters_inner_tensors():
         torch.testing.assert_close(linear(x.to("tpu")).cpu(), expected)
 
 
+@pytest.mark.requires_chips(2)
 @pytest.mark.parametrize("style", ["colwise", "rowwise"])
 def test_shard_model_splits_a_subclass_inner_tensors_as_its_slicing_does(style):
     import hf_tpu.distributed as dist
