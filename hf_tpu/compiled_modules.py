@@ -38,8 +38,10 @@ hands each result to `wrap`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -70,6 +72,24 @@ NOT_READ_BY_FORWARD: set = set()
 
 def _hooks_outside_the_call(hooks) -> bool:
     return any(getattr(hook, "__code__", None) not in HOOKS_WITHIN_THE_CALL for hook in hooks.values())
+
+
+@dataclasses.dataclass
+class Bucketing:
+    """A call computed as a call of another shape (a bucket: one program serves every call padded to it). `args` and
+    `kwargs` are the bucket's inputs, `unpad(result)` the call's result from the bucket's. `alternatives` are other
+    ways to compute the call, from calls whose programs may be compiled already while the bucket's is not: each
+    (calls, combine), `calls` a list of (args, kwargs), `combine(results)` the call's result from theirs."""
+
+    args: tuple
+    kwargs: dict
+    unpad: Callable
+    alternatives: list
+
+
+# the functions that pad a compiled call to its bucket (an adapter adds its library's: Transformers' causal LMs):
+# each of (module, args, kwargs, dynamic: torch.compile's `dynamic`) returns a `Bucketing`, or None where it cannot
+SHAPE_POLICIES: list = []
 
 
 @functools.cache
@@ -133,13 +153,15 @@ class _CompiledCall:
     whose own forward hooks then run here, eagerly and at every call as `Module._call_impl` runs them, around the
     traced forward; or its forward alone (`torch.compile(module.forward)`), whose hooks run outside it."""
 
-    def __init__(self, module: torch.nn.Module, forward, compiled, dynamo_compile, around: bool):
+    def __init__(self, module: torch.nn.Module, forward, compiled, dynamo_compile, around: bool, dynamic=None):
         self.module = module
+        self.dynamic = dynamic  # torch.compile's: False keeps every shape exact (no bucket)
         self.forward = forward
         self.compiled = compiled
         self.dynamo_compile = dynamo_compile  # Dynamo's compile of a function, in the context that made `compiled`
         self.around = around
         self.compiled_forward = None  # Dynamo's compile of the forward alone, for a module with hooks of its own
+        self.compiled_shapes = set()  # the signatures (`_signature`) of bucketed calls whose programs ran
 
     def __call__(self, args: tuple, kwargs: dict):
         module = self.module
@@ -149,14 +171,62 @@ class _CompiledCall:
                 or (self.around and "forward" in module.__dict__)):
             return self.compiled(*args, **kwargs)
         if not self.around or not (module._forward_pre_hooks or module._forward_hooks):
-            return _traced_call(self.forward, args, kwargs, module, self.compiled)
+            return self._traced(args, kwargs, self.compiled)
         if module._backward_hooks or module._backward_pre_hooks:
             return self.compiled(*args, **kwargs)
         args, kwargs = _forward_pre_hooks(module, args, kwargs)
         if self.compiled_forward is None:
             self.compiled_forward = self.dynamo_compile(self.forward)
-        result = _traced_call(self.forward, args, kwargs, module, self.compiled_forward)
+        result = self._traced(args, kwargs, self.compiled_forward)
         return _forward_hooks(module, args, kwargs, result)
+
+    def _traced(self, args: tuple, kwargs: dict, fallback):
+        """The forward traced directly, padded to its bucket where a shape policy gives one (`SHAPE_POLICIES`)."""
+        bucketing = next((b for b in (policy(self.module, args, kwargs, self.dynamic) for policy in SHAPE_POLICIES)
+                          if b is not None), None)
+        if bucketing is None:
+            return _traced_call(self.forward, args, kwargs, self.module, fallback)
+
+        def meanwhile(*_args, **_kwargs):
+            """While the bucket's program is not compiled: the call from programs that are, if any. The shapes whose
+            programs ran are noted (`compiled`), so that only an alternative of such shapes walks its inputs."""
+            for calls, combine in bucketing.alternatives:
+                if all(_signature(a, k) in self.compiled_shapes for a, k in calls) and all(
+                        _ready(self.forward, a, k, self.module) for a, k in calls):
+                    return _Served(combine([_traced_call(self.forward, a, k, self.module, fallback) for a, k in calls]))
+            return NotImplemented
+
+        from . import direct
+
+        result = direct.call(self.forward, bucketing.args, bucketing.kwargs, (self.module,), fallback, meanwhile, 0.0,
+                             _module_inputs())
+        if isinstance(result, _Served):
+            return result.result
+        signature = _signature(bucketing.args, bucketing.kwargs)
+        if signature not in self.compiled_shapes and _ready(self.forward, bucketing.args, bucketing.kwargs,
+                                                            self.module):
+            self.compiled_shapes.add(signature)
+        return bucketing.unpad(result)
+
+
+def _signature(args: tuple, kwargs: dict) -> tuple:
+    """A call's arguments as their tensors' shapes and dtypes and their other values."""
+    leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+    return (str(spec), tuple((tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor) else leaf
+                             for leaf in leaves))
+
+
+@dataclasses.dataclass
+class _Served:
+    """A bucketed call's result computed from other shapes' programs (`_CompiledCall._traced`), not the bucket's."""
+
+    result: object
+
+
+def _ready(forward, args: tuple, kwargs: dict, module: torch.nn.Module) -> bool:
+    from . import direct
+
+    return direct.ready(forward, args, kwargs, (module,), _module_inputs())
 
 
 def _traced_call(forward, args: tuple, kwargs: dict, module: torch.nn.Module, fallback):
@@ -249,4 +319,5 @@ def wrap(context, fn, compiled, dynamo_call):
     if module is None or not _compiles_for_tpu(context):
         return compiled
     forward = module.forward if around else fn
-    return _traced_first(_CompiledCall(module, forward, compiled, lambda f: dynamo_call(context, f), around))
+    return _traced_first(_CompiledCall(module, forward, compiled, lambda f: dynamo_call(context, f), around,
+                                       getattr(context, "_dynamic", None)))

@@ -548,6 +548,7 @@ class _Program:
         self.loop_compiling = None  # the loop's XLA compile started ahead (`while_loop(..., run=False)`)
         # `hf_tpu.jit(..., meanwhile=)`: the device's compile per donation, on a thread of its own
         self.device_compiles = {}
+        self.launched = False  # a call ran it (its XLA compile is done)
         # its key's name in the disk cache's prefetch entries (`disk_cache.expect`), until its first compile
         self.disk_digest = None
 
@@ -956,10 +957,23 @@ def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, meanwhile=None,
     if failed:
         return fallback(*args, **kwargs)
     program.disk_digest = None  # compiled: another donation's program is not the one named
+    program.launched = True
     for slot, array in zip(program.mutated, new):
         inputs.buffers[slot].array = array
     finish_call(inputs.device_index, program.draws, program.checks, checked)
     return program.results(new[len(program.mutated):], inputs)
+
+
+def ready(fn, args: tuple, kwargs: dict, state=(), inputs_type=_Inputs) -> bool:
+    """Whether `call` of `fn` with these arguments would launch a program compiled already (traces nothing, waits for
+    no compile)."""
+    try:
+        _, key = _prepare(_function_parts(fn)[0], (fn,), args, kwargs, state, inputs_type)
+    except (_Unkeyable, TypeError):
+        return False
+    program = _programs.get(key)
+    return isinstance(program, _Program) and (program.launched or any(
+        f.done() and f.exception() is None for f in program.device_compiles.values()))
 
 
 def _untraceable(key, name: str, error: Exception) -> bool:

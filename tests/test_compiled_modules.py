@@ -246,3 +246,78 @@ def test_a_torch_nn_module_compiled_is_traced_directly_too():
     compiled = torch.compile(copy.deepcopy(cpu).to("tpu"), backend="tpu")
     _check(compiled, cpu, torch.randn(3, 4))
     assert _traced() == 1 and _captured() == 0
+
+
+# --- buckets: a causal LM compiled, called with new lengths and batch sizes (the Transformers adapter's policy)
+
+
+@pytest.fixture
+def causal_lm():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=64, vocab_size=128)
+    cpu = transformers.LlamaForCausalLM(config).eval()
+    return cpu, copy.deepcopy(cpu).to("tpu")
+
+
+def _same_as_the_cpu(compiled, cpu, ids, **kwargs):
+    with torch.no_grad():
+        expected = cpu(ids, **kwargs)
+        actual = compiled(ids.to("tpu"), **{k: v.to("tpu") if isinstance(v, torch.Tensor) else v
+                                             for k, v in kwargs.items()})
+    assert actual.logits.shape == expected.logits.shape
+    torch.testing.assert_close(actual.logits.cpu(), expected.logits, atol=1e-5, rtol=1e-4)
+    if expected.past_key_values is not None:
+        for layer, expected_layer in zip(actual.past_key_values.layers, expected.past_key_values.layers):
+            torch.testing.assert_close(layer.keys.cpu(), expected_layer.keys, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(layer.values.cpu(), expected_layer.values, atol=1e-5, rtol=1e-4)
+    for hidden, expected_hidden in zip(actual.hidden_states or (), expected.hidden_states or ()):
+        torch.testing.assert_close(hidden.cpu(), expected_hidden, atol=1e-5, rtol=1e-4)
+    return actual
+
+
+def test_lengths_within_a_bucket_share_its_program_with_the_cpus_results(causal_lm):
+    cpu, tpu = causal_lm
+    compiled = torch.compile(tpu, backend="tpu")
+    for length in (40, 37, 48, 33):  # all padded to 48
+        _same_as_the_cpu(compiled, cpu, torch.randint(0, 128, (2, length)))
+    mask = torch.ones(2, 35, dtype=torch.long)
+    mask[1, :5] = 0  # a left-padded row
+    _same_as_the_cpu(compiled, cpu, torch.randint(0, 128, (2, 35)), attention_mask=mask, output_hidden_states=True)
+    # the mask and the hidden states make another program of the bucket, traced twice: Transformers installs its
+    # output-capturing hooks in the first trace, which is made again with them
+    assert _traced() == 3 and _captured() == 0
+
+
+def test_a_new_bucket_is_served_by_a_compiled_one_until_its_own_is_traced(causal_lm):
+    cpu, tpu = causal_lm
+    compiled = torch.compile(tpu, backend="tpu")
+    _same_as_the_cpu(compiled, cpu, torch.randint(0, 128, (1, 100)))  # bucket 128
+    _same_as_the_cpu(compiled, cpu, torch.randint(0, 128, (1, 20)))  # bucket 32: the 128 program runs it
+    _same_as_the_cpu(compiled, cpu, torch.randint(0, 128, (3, 20)))  # batch 3: rows in chunks of 1
+    assert _traced() == 1 and _captured() == 0
+    direct._trace_seconds.clear()  # a trace costs nothing now: the next call of a new bucket buys its own
+    _same_as_the_cpu(compiled, cpu, torch.randint(0, 128, (1, 20)))
+    assert _traced() == 2
+
+
+def test_static_shapes_stay_exact(causal_lm):
+    cpu, tpu = causal_lm
+    compiled = torch.compile(tpu, backend="tpu", dynamic=False)
+    for length in (40, 37):
+        _same_as_the_cpu(compiled, cpu, torch.randint(0, 128, (1, length)))
+    assert _traced() == 2
+
+
+def test_a_batch_marked_dynamic_is_padded_to_a_power_of_two(causal_lm):
+    cpu, tpu = causal_lm
+    compiled = torch.compile(tpu, backend="tpu")
+    for batch in (3, 4):
+        ids = torch.randint(0, 128, (batch, 16))
+        tpu_ids = ids.to("tpu")
+        torch._dynamo.mark_dynamic(tpu_ids, 0)
+        with torch.no_grad():
+            out = compiled(tpu_ids)
+        torch.testing.assert_close(out.logits.cpu(), cpu(ids).logits, atol=1e-5, rtol=1e-4)
+    assert _traced() == 1
