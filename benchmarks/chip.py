@@ -659,10 +659,15 @@ def _first_call_phases(fn) -> tuple[float, dict]:
 def _compile_row(rows: _Rows, side: str, what: str, fn, warm_iters: int = 3, **figures) -> None:
     """A first call of `fn` and where its time went (`_first_call_phases`), with a warm call's time: the rest of
     the first call beyond its compiles and a warm call is the capture (Dynamo and AOT autograd, where they ran)."""
+    import hf_tpu
+
+    traced = lambda: hf_tpu.metrics()["compiles_by_mode"].get("COMPILE", 0)  # noqa: E731
+    before = traced()
     first, spent = _first_call_phases(fn)
+    programs = traced() - before  # 0: the call ran programs compiled already (a bucket served by another's)
     warm = _median_seconds(fn, warm_iters)
     compiles = sum(spent.values())
-    rows.emit("compile", side=side, what=what, first_call=first, warm=warm,
+    rows.emit("compile", side=side, what=what, first_call=first, warm=warm, programs_traced=programs,
               capture=max(0.0, first - compiles - warm), **spent, **figures)
 
 
@@ -997,7 +1002,9 @@ def _compile_line(row: dict) -> str:
     parts = ", ".join(f"{name} {row[key]:.2f} s" for name, key in (
         ("capture", "capture"), ("Python trace", "python_trace"), ("trace", "trace"), ("lowering", "lowering"),
         ("XLA", "xla")) if row.get(key))
-    return f"{row['side']} {row['what']} {shape}: first call {row['first_call']:.2f} s ({parts}); warm {row['warm'] * 1e3:.1f} ms"
+    traced = f", {row['programs_traced']} programs traced" if "programs_traced" in row else ""
+    return (f"{row['side']} {row['what']} {shape}: first call {row['first_call']:.2f} s ({parts}{traced}); "
+            f"warm {row['warm'] * 1e3:.1f} ms")
 
 
 def describe(row: dict, spec: dict, limits: dict | None = None) -> str:
