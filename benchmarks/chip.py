@@ -92,7 +92,8 @@ SIZES["1b"].update(flux=dict(num_layers=6, num_single_layers=12, attention_head_
                              axes_dims_rope=[16, 56, 56]),
                    flux_images=[(512, 512), (768, 768)], flux_text=512, train_layers=4)
 SIZES["tiny"].update(flux=dict(num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-                               joint_attention_dim=32, pooled_projection_dim=16, in_channels=4, axes_dims_rope=[4, 4, 8]),
+                               joint_attention_dim=32, pooled_projection_dim=16, in_channels=4,
+                               axes_dims_rope=[4, 4, 8]),
                      flux_images=[(32, 32), (48, 48)], flux_text=16, train_layers=1)
 # the quantization groups (`benchmarks.quant`): a 7B Llama-2-shaped model (6.7B parameters, 13.5 GB in bfloat16)
 # and a Qwen3-8B-shaped one of 40 layers (9.0B parameters, 18 GB in bfloat16: more than a v5e holds)
@@ -1179,8 +1180,8 @@ def report(results: list, spec: dict) -> str:
         out.append("")
     compiles = by("compile")
     if compiles:
-        out.append("first calls, where the time goes (s): capture is Dynamo and AOT autograd; Python trace, hf_tpu.jit's "
-                   "trace of the module's Python; trace, JAX's trace of the program compiled")
+        out.append("first calls, where the time goes (s): capture is Dynamo and AOT autograd; Python trace, "
+                   "hf_tpu.jit's trace of the module's Python; trace, JAX's trace of the program compiled")
         out.append(_table(["group", "side", "what", "shape", "first call", "capture", "Python trace", "trace",
                            "lowering", "XLA", "warm ms"],
                           [[r["group"], r["side"], r["what"],

@@ -45,9 +45,9 @@ def _small_vae(latent_channels: int):
     """A VAE of Stable Diffusion's shape (8x downsampling) with few channels: its decode is a small part of an image."""
     from diffusers import AutoencoderKL
 
-    return AutoencoderKL(in_channels=3, out_channels=3, block_out_channels=(8, 8, 8, 8), latent_channels=latent_channels,
-                         down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                         norm_num_groups=4, layers_per_block=1)
+    return AutoencoderKL(in_channels=3, out_channels=3, block_out_channels=(8, 8, 8, 8),
+                         latent_channels=latent_channels, down_block_types=("DownEncoderBlock2D",) * 4,
+                         up_block_types=("UpDecoderBlock2D",) * 4, norm_num_groups=4, layers_per_block=1)
 
 
 def _clip(hidden: int, length: int):
@@ -182,7 +182,8 @@ def report(results: list) -> str:
     by = {}
     for row in results:
         if "seconds" in row:
-            by.setdefault((row["pipeline"], row["side"], row["height"], row["width"]), {})[row["image"]] = row["seconds"]
+            key = (row["pipeline"], row["side"], row["height"], row["width"])
+            by.setdefault(key, {})[row["image"]] = row["seconds"]
     for (pipeline, side, height, width), images in by.items():
         lines.append(f"{pipeline:9} {side:9} {f'{height}x{width}':>11} {images.get('first', 0):8.2f} "
                      f"{images.get('second', 0):8.2f}")

@@ -1,13 +1,13 @@
 """`torch.compile(module, backend="tpu")` and `module.compile(backend="tpu")`, served by the direct trace.
 
 Dynamo's capture of a model's forward (bytecode analysis, guards, fake-tensor propagation, AOT autograd) takes
-most of a first compiled call: on the development CPU, 18 s of a 8-layer Llama's 26 s, where `hf_tpu.jit`'s trace
+most of a first compiled call: on the development CPU, 18 s of an 8-layer Llama's 26 s, where `hf_tpu.jit`'s trace
 of the same call takes 1.3 s and gives the same program. So the call of a module compiled with the `tpu` backend
 goes first through the direct trace (`hf_tpu.direct`): `module.forward(*args, **kwargs)` traced from Python into
 one program, cached per key, with Dynamo's compiled call as the fallback for whatever the trace cannot take (and,
 per key, for every later call). What a compiled module must mean is PyTorch's: the same results as the eager
 module, and every change between calls that the eager module would see, seen. The direct trace keys what its
-program depends on; here it keys more than `hf_tpu.jit` does (`_ModuleInputs`), and leaves to Dynamo whatever
+program depends on; here it keys more than `hf_tpu.jit` does (`_module_inputs`), and leaves to Dynamo whatever
 the program could not mean:
 
 - State: every module's parameters, buffers and tensor attributes are inputs (an optimizer's in-place update is
@@ -18,9 +18,11 @@ the program could not mean:
   this keys all of them, so a change to one the forward does not read traces again, where Dynamo would not.
 - Arguments: tensors and plain values as `hf_tpu.jit` keys them; an object among them (a cache) is state, walked
   for its tensors, and a trace that changes it falls back.
-- Hooks: a module with a forward or backward hook, or a global module hook, runs through Dynamo (a hook is
-  Python with effects the program could not replay); so does a module whose `forward` is an instance attribute
-  (accelerate's offloading hooks replace it).
+- Hooks: the compiled module's own forward pre-hooks and hooks run outside the trace, eagerly and at every call,
+  as `Module._call_impl` runs them. A submodule's hook runs inside the forward, where a program could not replay
+  its effects: a module holding one runs through Dynamo, unless an adapter declared the hook's code to act
+  within the call (`HOOKS_WITHIN_THE_CALL`). So does a call with a global module hook or a backward hook, or a
+  module whose `forward` is an instance attribute (accelerate's offloading hooks replace it).
 - Gradients: a call with gradients enabled and a parameter or input that requires them runs through Dynamo,
   whose graph has a backward.
 - Not guarded, as under `jax.jit`: globals the forward reads (a tpu tensor reached only through a global is a
@@ -28,7 +30,13 @@ the program could not mean:
 
 Inside another trace (a module compiled this way, called by a function `hf_tpu.jit` traces, or by a larger module
 traced directly), the module's forward is traced as part of the enclosing program. `HF_TPU_COMPILE_DIRECT=0`
-turns all of this off: every call goes through Dynamo, as before.
+turns all of this off: every call goes through Dynamo.
+
+New shapes: an adapter's shape policy (`SHAPE_POLICIES`; the Transformers adapter's pads a causal LM's prompt on
+the right) pads a call to its bucket, whose one program serves every shape padded to it, and names other ways to
+compute the call; while a bucket's program is not compiled, its calls run those ways on programs that are (a
+longer bucket, the rows in chunks), and the bucket is traced once they have cost as long as a trace
+(`hf_tpu.jit(meanwhile=)`'s rent-or-buy rule). `torch.compile(..., dynamic=False)` keeps shapes exact.
 
 The hook is `OptimizeContext.__call__`, where both `torch.compile(module)` (through the `OptimizedModule`'s
 `forward`) and `Module.compile()` (through `_compiled_call_impl`) wrap the module's call: `hf_tpu.compile` wraps
@@ -121,7 +129,8 @@ def _module_inputs():
                     continue
                 if isinstance(value, direct._VALUE_TYPES):
                     extra.append((name, type(value), value))
-                elif isinstance(value, (torch.Tensor, torch.nn.Module, list, tuple, dict)) or direct._plain_object(value):
+                elif isinstance(value, (torch.Tensor, torch.nn.Module, list, tuple, dict)) \
+                        or direct._plain_object(value):
                     extra.append((name, self.state_object(value, 1)))
             return (*key, tuple(extra))
 
@@ -291,7 +300,8 @@ def _module_called(fn) -> tuple:
         return None, False
     if function in (torch.nn.Module.__call__, torch.nn.Module._call_impl):
         return module, True
-    return (module, False) if function is getattr(type(module).forward, "__func__", type(module).forward) else (None, False)
+    forward = type(module).forward
+    return (module, False) if function is getattr(forward, "__func__", forward) else (None, False)
 
 
 @functools.cache

@@ -29,10 +29,12 @@ an op without a lowering, a tensor outside the inputs written in place, a tensor
 outside it, an output that is none of the above (a view of an input, an object that holds no new tensor, one
 with slots or a `__new__` of its own; a tensor subclass made in the trace is returned over new tensors), or a
 change to Python state (an attribute of a state object, a module or an argument's list or dict set, added or
-removed: the trace would not replay it). Autograd is off inside the trace
-(`torch.no_grad()`); a call made with gradients enabled and an input that requires them falls back.
-Inside the trace `torch.compiler.is_compiling()` is True (as under non-strict `torch.export`), so code
-written for compilation takes its traceable branches.
+removed: the trace would not replay it) made by a second trace too: a first trace that changes only values
+holding no tensor (a setting made at a first call) keeps its change and is made again (see `call`). Autograd is
+off inside the trace (`torch.no_grad()`); a call made with gradients enabled and an input that requires them
+falls back. Inside the trace `torch.compiler.is_compiling()` is True (as under non-strict `torch.export`), so
+code written for compilation takes its traceable branches, and a tensor computed from constants alone has its
+value known on the host, where an attention call reads its mask's pattern (`constant_masks.KnownValues`).
 
 Programs are cached per function code and key: the argument tensors' shapes, dtypes, devices and views, the
 values of non-tensor arguments and closure contents (hashable ones: a number, a string, a tuple; an object
@@ -635,7 +637,8 @@ def _trace(name: str, run, inputs: _Inputs, arrays: list, keep_changes: bool = F
             finals = [buf._array for buf in inputs.buffers]
             mutated = tuple(i for i, (final, array) in enumerate(zip(finals, input_arrays)) if final is not array)
             _check_nothing_else_written(live, before, inputs_by_id)
-            found.update(mutated=mutated, outputs=outputs, new_outputs=len(new_arrays), treedef=treedef, draws=mode.draws,
+            found.update(mutated=mutated, outputs=outputs, new_outputs=len(new_arrays), treedef=treedef,
+                         draws=mode.draws,
                          checks=[(value.dtype, raise_if_bad) for value, raise_if_bad in mode.checks])
             failed = False
             return ([finals[i] for i in mutated], new_arrays, [buffer.array_of(value) for value, _ in mode.checks])

@@ -381,7 +381,8 @@ def test_first_call_phases_split_the_direct_trace_from_dynamos_capture(monkeypat
     from hf_tpu import direct
 
     rows = []
-    monkeypatch.setattr(chip._Rows, "emit", lambda self, section, **figures: rows.append(dict(section=section, **figures)))
+    monkeypatch.setattr(chip._Rows, "emit",
+                        lambda self, section, **figures: rows.append(dict(section=section, **figures)))
     x = torch.randn(4, 8, device="tpu")
     for direct_trace in ("1", "0"):
         monkeypatch.setenv("HF_TPU_COMPILE_DIRECT", direct_trace)

@@ -107,8 +107,8 @@ def bucketing(model, args: tuple, kwargs: dict, dynamic) -> Bucketing | None:
     own_batch, own_length = batches[0], lengths[0]
     alternatives = []
     for to_length in lengths[1:]:  # the whole batch, padded further
-        alternatives.append(([padded(slice(None), own_batch, to_length)],
-                             lambda results, to_length=to_length: _cut(results[0], batch, length, own_batch, to_length)))
+        alternatives.append(([padded(slice(None), own_batch, to_length)], lambda results, to_length=to_length:
+                             _cut(results[0], batch, length, own_batch, to_length)))
     for chunk in (b for b in (32, 16, 8, 4, 2, 1) if b < batch):  # the rows in chunks of a smaller batch size
         for to_length in lengths:
             calls = [padded(slice(start, start + chunk), chunk, to_length) for start in range(0, batch, chunk)]
