@@ -177,7 +177,7 @@ class _CompiledCall:
         if modes.current().kind is modes.ModeKind.TRACE:  # inside another trace: part of its program
             return (module._call_impl if self.around else self.forward)(*args, **kwargs)
         if (torch.compiler.is_compiling() or not enabled() or torch.nn.modules.module._has_any_global_hook()
-                or (self.around and "forward" in module.__dict__)):
+                or (self.around and "forward" in module.__dict__) or _needs_gradients(module, args, kwargs)):
             return self.compiled(*args, **kwargs)
         if not self.around or not (module._forward_pre_hooks or module._forward_hooks):
             return self._traced(args, kwargs, self.compiled)
@@ -242,6 +242,15 @@ def _traced_call(forward, args: tuple, kwargs: dict, module: torch.nn.Module, fa
     from . import direct
 
     return direct.call(forward, args, kwargs, (module,), fallback, inputs_type=_module_inputs())
+
+
+def _needs_gradients(module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether the call builds an autograd graph (gradients enabled, and a parameter or tensor argument that requires
+    them): Dynamo's, whose graph has a backward. Asked before the walk, which would refuse it at every call."""
+    if not torch.is_grad_enabled():
+        return False
+    return any(p.requires_grad for p in module.parameters()) or any(
+        isinstance(a, torch.Tensor) and a.requires_grad for a in (*args, *kwargs.values()))
 
 
 def _forward_pre_hooks(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
