@@ -85,14 +85,17 @@ def _hooks_outside_the_call(hooks) -> bool:
 @dataclasses.dataclass
 class Bucketing:
     """A call computed as a call of another shape (a bucket: one program serves every call padded to it). `args` and
-    `kwargs` are the bucket's inputs, `unpad(result)` the call's result from the bucket's. `alternatives` are other
-    ways to compute the call, from calls whose programs may be compiled already while the bucket's is not: each
-    (calls, combine), `calls` a list of (args, kwargs), `combine(results)` the call's result from theirs."""
+    `kwargs` are the bucket's inputs, `unpad(result)` the call's result from the bucket's, `shape` the bucket as the
+    policy names it (hashable). `alternatives()` yields other ways to compute the call, from calls whose programs
+    may be compiled already while the bucket's is not, most preferred first: each (shapes, make, combine), `shapes`
+    the policy's names of its calls' buckets, `make()` the calls' (args, kwargs), `combine(results)` the call's
+    result from theirs. Asked only while the bucket is not compiled, and made only for shapes that are."""
 
     args: tuple
     kwargs: dict
     unpad: Callable
-    alternatives: list
+    shape: object
+    alternatives: Callable
 
 
 # the functions that pad a compiled call to its bucket (an adapter adds its library's: Transformers' causal LMs):
@@ -170,7 +173,7 @@ class _CompiledCall:
         self.dynamo_compile = dynamo_compile  # Dynamo's compile of a function, in the context that made `compiled`
         self.around = around
         self.compiled_forward = None  # Dynamo's compile of the forward alone, for a module with hooks of its own
-        self.compiled_shapes = set()  # the signatures (`_signature`) of bucketed calls whose programs ran
+        self.compiled_shapes = set()  # the buckets (`Bucketing.shape`) whose programs ran
 
     def __call__(self, args: tuple, kwargs: dict):
         module = self.module
@@ -197,12 +200,15 @@ class _CompiledCall:
             return _traced_call(self.forward, args, kwargs, self.module, fallback)
 
         def meanwhile(*_args, **_kwargs):
-            """While the bucket's program is not compiled: the call from programs that are, if any. The shapes whose
-            programs ran are noted (`compiled`), so that only an alternative of such shapes walks its inputs."""
-            for calls, combine in bucketing.alternatives:
-                if all(_signature(a, k) in self.compiled_shapes for a, k in calls) and all(
-                        _ready(self.forward, a, k, self.module) for a, k in calls):
-                    return _Served(combine([_traced_call(self.forward, a, k, self.module, fallback) for a, k in calls]))
+            """While the bucket's program is not compiled: the call from programs that are, if any. The buckets whose
+            programs ran are noted (`compiled_shapes`): only an alternative of such buckets is made, and its calls'
+            keys checked (`direct.ready`)."""
+            for shapes, make, combine in bucketing.alternatives():
+                if all(shape in self.compiled_shapes for shape in shapes):
+                    calls = make()
+                    if all(_ready(self.forward, a, k, self.module) for a, k in calls):
+                        return _Served(combine([_traced_call(self.forward, a, k, self.module, fallback)
+                                                for a, k in calls]))
             return NotImplemented
 
         from . import direct
@@ -211,18 +217,10 @@ class _CompiledCall:
                              _module_inputs())
         if isinstance(result, _Served):
             return result.result
-        signature = _signature(bucketing.args, bucketing.kwargs)
-        if signature not in self.compiled_shapes and _ready(self.forward, bucketing.args, bucketing.kwargs,
-                                                            self.module):
-            self.compiled_shapes.add(signature)
+        if bucketing.shape not in self.compiled_shapes and _ready(self.forward, bucketing.args, bucketing.kwargs,
+                                                                  self.module):
+            self.compiled_shapes.add(bucketing.shape)
         return bucketing.unpad(result)
-
-
-def _signature(args: tuple, kwargs: dict) -> tuple:
-    """A call's arguments as their tensors' shapes and dtypes and their other values."""
-    leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
-    return (str(spec), tuple((tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor) else leaf
-                             for leaf in leaves))
 
 
 @dataclasses.dataclass

@@ -95,27 +95,35 @@ def bucketing(model, args: tuple, kwargs: dict, dynamic) -> Bucketing | None:
 
     def padded(rows: slice, to_batch: int, to_length: int) -> tuple:
         """The call's arguments for its rows `rows`, padded to (to_batch, to_length)."""
-        part = ids[rows]
-        arguments = dict(rest, input_ids=_pad(part, to_batch, to_length, 0))
+        whole = rows == slice(None)
+        arguments = dict(rest, input_ids=_pad(ids if whole else ids[rows], to_batch, to_length, 0))
         if mask is not None:
-            arguments["attention_mask"] = _pad(mask[rows], to_batch, to_length, 1)
+            arguments["attention_mask"] = _pad(mask if whole else mask[rows], to_batch, to_length, 1)
         return (), arguments
 
-    def cut(rows: int):
-        return lambda result: _cut(result, rows, length, batches[0], lengths[0])
-
+    kind = (mask is not None, tuple(sorted(rest.items())))  # what else makes a program of its own
     own_batch, own_length = batches[0], lengths[0]
-    alternatives = []
-    for to_length in lengths[1:]:  # the whole batch, padded further
-        alternatives.append(([padded(slice(None), own_batch, to_length)], lambda results, to_length=to_length:
-                             _cut(results[0], batch, length, own_batch, to_length)))
-    for chunk in (b for b in (32, 16, 8, 4, 2, 1) if b < batch):  # the rows in chunks of a smaller batch size
-        for to_length in lengths:
-            calls = [padded(slice(start, start + chunk), chunk, to_length) for start in range(0, batch, chunk)]
-            alternatives.append((calls, lambda results, chunk=chunk, to_length=to_length: _joined(
-                [_cut(r, min(chunk, batch - k * chunk), length, chunk, to_length) for k, r in enumerate(results)])))
+
+    def alternatives():
+        """Other ways to compute the call (`Bucketing`), made as they are asked for: the whole batch padded to a
+        longer bucket, then its rows in chunks of a smaller batch size at each bucket."""
+        for to_length in lengths[1:]:
+            yield ((kind, own_batch, to_length),), lambda to_length=to_length: [
+                padded(slice(None), own_batch, to_length)], lambda results, to_length=to_length: _cut(
+                results[0], batch, length, own_batch, to_length)
+        for chunk in (b for b in (32, 16, 8, 4, 2, 1) if b < batch):
+            starts = range(0, batch, chunk)
+            for to_length in lengths:
+                yield (((kind, chunk, to_length),) * len(starts),
+                       lambda chunk=chunk, to_length=to_length, starts=starts: [
+                           padded(slice(start, start + chunk), chunk, to_length) for start in starts],
+                       lambda results, chunk=chunk, to_length=to_length: _joined(
+                           [_cut(r, min(chunk, batch - k * chunk), length, chunk, to_length)
+                            for k, r in enumerate(results)]))
+
     call_args, call_kwargs = padded(slice(None), own_batch, own_length)
-    return Bucketing(call_args, call_kwargs, cut(batch), alternatives)
+    return Bucketing(call_args, call_kwargs, lambda result: _cut(result, batch, length, own_batch, own_length),
+                     (kind, own_batch, own_length), alternatives)
 
 
 def _pad(tensor: torch.Tensor, batch: int, length: int, value: int) -> torch.Tensor:
@@ -131,6 +139,9 @@ def _cut(result, rows: int, length: int, padded_rows: int, padded_length: int):
     """A bucket's result as the call's: tensors of (padded_rows, padded_length, ...) cut to (rows, length, ...), a
     `DynamicCache` cropped to `length` and its rows selected."""
     from transformers.cache_utils import DynamicCache
+
+    if (rows, length) == (padded_rows, padded_length):  # a call of the bucket's own shape: nothing to cut
+        return result
 
     def cut(value):
         if isinstance(value, torch.Tensor):
