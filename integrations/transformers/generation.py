@@ -297,7 +297,8 @@ def _decodes_on_device(model, logits_processor, stopping_criteria, generation_co
                        model_kwargs) -> bool:
     """Greedy search or sampling of a decoder-only model with Transformers' own input preparation, a static
     cache that Transformers would decode with a compiled forward, and nothing that needs the host per token
-    (a streamer, returned scores, a processor or stopping criterion that reads the growing ids)."""
+    (a streamer, returned scores, a processor or stopping criterion that reads the growing ids). Not where
+    the caller gave a `compile_config`: that asks for Transformers' compiled decode steps (`_traces_directly`)."""
     from transformers.cache_utils import StaticLayer
     from transformers.generation import GenerationMixin
     from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
@@ -306,6 +307,7 @@ def _decodes_on_device(model, logits_processor, stopping_criteria, generation_co
     return (
         settings.device_loop
         and _on_tpu(model)
+        and generation_config.compile_config is None  # one given asks for Transformers' compiled decode steps
         and not model.config.is_encoder_decoder
         and type(model).prepare_inputs_for_generation is GenerationMixin.prepare_inputs_for_generation
         and type(model)._update_model_kwargs_for_generation is GenerationMixin._update_model_kwargs_for_generation
@@ -382,12 +384,15 @@ def _runs_the_per_expert_loop(model) -> bool:
 def _wrap_get_compiled_call(original):
     @functools.wraps(original)
     def get_compiled_call(self, compile_config):
-        """On tpu, the compiled call is made when it is first called, not when it is asked for. Transformers'
-        `_sample` asks for it before the prefill, for the decode steps, also where none follows (a call of one
-        token) or where hf-tpu runs them as one device loop; making it is `torch.compile`, whose first use in a
-        process imports Dynamo's backends and AOT autograd (1.2 s in a fresh process on the development CPU, a
-        second process's first `generate()` of one token 1.47 -> 1.33 s)."""
-        if not _on_tpu(self):
+        """On tpu, the compiled call for Transformers' default compile config is made when it is first called,
+        not when it is asked for. Transformers' `_sample` asks for it before the prefill, for the decode steps,
+        also where none follows (a call of one token) or where hf-tpu runs them as one device loop; making it is
+        `torch.compile`, whose first use in a process imports Dynamo's backends and AOT autograd (1.2 s in a
+        fresh process on the development CPU, a second process's first `generate()` of one token 1.47 ->
+        1.33 s). A `compile_config` the caller gave asks for Transformers' compiled path (`_traces_directly`):
+        the call is made at once, as Transformers makes it, and the decode steps run it, so that the model holds
+        it as `_compiled_call` afterwards, as Transformers' API has it."""
+        if not _on_tpu(self) or compile_config is not None:
             return original(self, compile_config)
         return functools.partial(_call_compiled, original, self, compile_config)
 
@@ -551,12 +556,16 @@ def _prefill_forward(model, inputs: dict):
 def _traces_directly(compile_config) -> bool:
     """Whether the prefill and the decode loop are traced straight from Python (`hf_tpu.jit`,
     `hf_tpu.while_loop(state=...)`) rather than compiled with `torch.compile`: unless turned off
-    (`configure(direct_trace=False)`), for Transformers' default compile config on tpu and any other with the
-    `tpu` backend and static shapes, whose other settings (`fullgraph`, `mode`, `options`) change nothing the
-    trace makes. A config asking for dynamic shapes or another backend gets `torch.compile` with that config,
-    as in Transformers."""
-    return settings.direct_trace and (compile_config is None or (
-        compile_config.backend == "tpu" and not compile_config.dynamic))
+    (`configure(direct_trace=False)`), where the caller gave no `compile_config` (Transformers' default for tpu
+    then applies, `backend="tpu"`, static shapes, which the trace makes the same program of).
+
+    A `compile_config` the caller gave, per call or on the model's generation config, asks for Transformers'
+    compiled path, and gets it with the `tpu` backend (in place of Inductor, `cache._tpu_compile_config`): the
+    decode steps run one by one through `model.get_compiled_call(compile_config)` (`torch.compile` of the
+    model's call with that config, kept as `model._compiled_call`, as Transformers keeps it), with no device
+    loop (`_decodes_on_device`), and the prefill is `torch.compile`d with that config too. Its settings
+    (`fullgraph`, `dynamic`, `options`) then apply as the caller set them."""
+    return settings.direct_trace and compile_config is None
 
 
 def _prefill_state(model, inputs: dict) -> tuple:
@@ -575,8 +584,9 @@ def _compiled_prefill(model, compile_config):
     Not guarded, as in Transformers' compiled decode: the model's config (its attention implementation, say)
     and the Python attributes of its modules; changing them between calls needs a new model object. What the
     traced program does key is listed in `hf_tpu.direct`."""
+    traced = _traces_directly(compile_config)
     compile_config = compile_config or model._default_compile_config()
-    key = (compile_config, _traces_directly(compile_config))
+    key = (compile_config, traced)
     cached = model.__dict__.get(_COMPILED_PREFILL)
     if cached is None or cached[0] != key:
         compiled = functools.partial(_compiled_forward, functools.cache(
