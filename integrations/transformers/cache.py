@@ -24,22 +24,23 @@ _ADAPTER_CHOSE_STATIC_CACHE = "_hf_tpu_default_static_cache"
 def _wrap_prepare_generation_config(original):
     @functools.wraps(original)
     def _prepare_generation_config(self, generation_config=None, **kwargs):
+        """On tpu, whether `generate()` makes the adapter's static cache is decided with the config, and noted on
+        it (`_ADAPTER_CHOSE_STATIC_CACHE`) rather than set as its `cache_implementation`, which stays the caller's:
+        model code reads that field and changes what it does for a static cache the caller asked for (Whisper's
+        long-form `generate` pads the previous segments' text to a fixed length: a logits processor then saw
+        other ids than on the CPU, and a batch conditioned on previous text got other tokens). The cache is made
+        as Transformers makes a static one (`_prepare_cache_for_generation`)."""
         if not _on_tpu(self):
             return original(self, generation_config, **kwargs)
         generation_config, model_kwargs = _resolved_configs(self).resolve(self, original, generation_config, kwargs)
-        if (
-            settings.static_cache
-            and generation_config.cache_implementation is None
-            and model_kwargs.get("cache") is None
+        chooses_static_cache = (
+            model_kwargs.get("cache") is None
             and model_kwargs.get("past_key_values") is None
-            and generation_config.use_cache is not False
-            and not generation_config.output_attentions  # their key length would be the static cache's
-            and self._supports_default_dynamic_cache()
-            and getattr(self, "_can_compile_fullgraph", False)
-            and not _static_cache_has_sliding_layers(self.config)
-        ):
-            generation_config.cache_implementation = "static"
-            setattr(generation_config, _ADAPTER_CHOSE_STATIC_CACHE, True)
+            and _static_cache_suits(self, generation_config)
+        )
+        # decided anew for every config resolved: one resolved before (a model's own `generate`, Whisper's, hands
+        # its resolved config to Transformers' `generate`) keeps the attribute
+        setattr(generation_config, _ADAPTER_CHOSE_STATIC_CACHE, chooses_static_cache)
         compile_config = generation_config.compile_config
         if compile_config is not None and compile_config.backend == "inductor":
             generation_config.compile_config = _tpu_compile_config(compile_config)
@@ -142,6 +143,19 @@ def _copied_config(config, containers: tuple | None = None):
     return copied
 
 
+def _static_cache_suits(model, generation_config) -> bool:
+    """Whether the adapter decodes with a static cache where the caller chose no cache implementation."""
+    return (
+        settings.static_cache
+        and generation_config.cache_implementation is None
+        and generation_config.use_cache is not False
+        and not generation_config.output_attentions  # their key length would be the static cache's
+        and model._supports_default_dynamic_cache()
+        and getattr(model, "_can_compile_fullgraph", False)
+        and not _static_cache_has_sliding_layers(model.config)
+    )
+
+
 # model -> its `_ResolvedConfigs`
 _resolved_by_model: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -231,17 +245,34 @@ def _wrap_prepare_cache_for_generation(original):
         that call got a cache, and so a prefill program, of its own, where counting the last token too gives
         it the cache of calls asking for up to a multiple more (a first call of one token, then one of nine,
         compiled the 1.1B model's prefill twice on a TPU: 18 and 14 s)."""
-        if _on_tpu(self) and getattr(generation_config, _ADAPTER_CHOSE_STATIC_CACHE, False):
+        adapter_chose = _on_tpu(self) and getattr(generation_config, _ADAPTER_CHOSE_STATIC_CACHE, False)
+        if adapter_chose:
             multiple = settings.cache_length_multiple
             if multiple > 1:  # 1: the exact length Transformers gives
                 max_cache_length = -(-(max_cache_length + 1) // multiple) * multiple
-        result = original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length,
-                          *args, **kwargs)
+        with _static_cache_implementation(generation_config, adapter_chose):
+            result = original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length,
+                              *args, **kwargs)
         if _on_tpu(self):
             _shard_static_cache_like_the_model(self, model_kwargs.get("cache"))
         return result
 
     return _prepare_cache_for_generation
+
+
+@contextlib.contextmanager
+def _static_cache_implementation(generation_config, applies: bool):
+    """While Transformers makes the cache: `cache_implementation="static"` where the adapter chose the static cache,
+    and the caller's value again after."""
+    if not applies:
+        yield
+        return
+    callers = generation_config.cache_implementation
+    generation_config.cache_implementation = "static"
+    try:
+        yield
+    finally:
+        generation_config.cache_implementation = callers
 
 
 # --- The static cache kept from one `generate()` to the next
