@@ -2,7 +2,7 @@
 from a config (as Transformers' model testers build them), so that CI runs them without Transformers' test tree
 (its wheel ships no tests; docs/conformance.md runs the whole suite by hand): `GenerationTesterMixin`'s
 `test_static_cache_no_recompile_with_smaller_length` for the decoder models that compile their whole forward, and
-Whisper's `test_longform_generate_multi_batch_cond_prev`.
+Whisper's `test_generate_continue_from_past_key_values` and `test_longform_generate_multi_batch_cond_prev`.
 Each compares the tpu's tokens with the CPU's."""
 
 import pytest
@@ -83,6 +83,32 @@ def whisper():
 def _on(device, value):
     return {k: _on(device, v) for k, v in value.items()} if isinstance(value, dict) else (
         value.to(device) if isinstance(value, torch.Tensor) else value)
+
+
+def test_whisper_continues_from_the_cache_generate_returned_as_on_cpu(whisper):
+    """Three tokens, then one more from the returned cache and the longer decoder ids, give the four tokens of one
+    call and the cache the CPU holds (`test_generate_continue_from_past_key_values`). The returned cache counts
+    the tokens it holds: the adapter's static cache, returned through Whisper's own `generate()` (which rebuilds
+    it from each layer's tensors), held 128 positions, and the continuation fed none."""
+    torch.manual_seed(1)
+    inputs = dict(input_features=torch.randn(3, 80, 60), decoder_input_ids=torch.full((3, 1), 85))
+    kwargs = dict(eos_token_id=-1, do_sample=False, use_cache=True, return_dict_in_generate=True, output_scores=True)
+    results = {}
+    for device, model in zip(("cpu", "tpu"), whisper):
+        at_once = model.generate(**_on(device, inputs), max_new_tokens=4, **kwargs)
+        first = model.generate(**_on(device, inputs), max_new_tokens=3, **kwargs)
+        assert first.cache.get_seq_length() == 3
+        continued = model.generate(**_on(device, dict(inputs, decoder_input_ids=first.sequences)), cache=first.cache,
+                                   max_new_tokens=1, **kwargs)
+        assert torch.equal(continued.sequences.cpu(), at_once.sequences.cpu())
+        torch.testing.assert_close(continued.scores[0].cpu(), at_once.scores[3].cpu(), rtol=1e-5, atol=1e-5)
+        results[device] = continued
+    assert torch.equal(results["tpu"].sequences.cpu(), results["cpu"].sequences)
+    assert len(set(results["cpu"].sequences[:, 1:].flatten().tolist())) > 1  # tokens that tell a wrong cache apart
+    for name in ("self_attention_cache", "cross_attention_cache"):
+        for on_cpu, on_tpu in zip(getattr(results["cpu"].cache, name).layers, getattr(results["tpu"].cache, name).layers):
+            torch.testing.assert_close(on_tpu.keys.cpu(), on_cpu.keys, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(on_tpu.values.cpu(), on_cpu.values, rtol=1e-5, atol=1e-5)
 
 
 class _SegmentedTimestamps:

@@ -16,8 +16,8 @@ import torch
 import hf_tpu
 from hf_tpu import model_patches
 
-from .cache import (ALLOCATED_WHOLE, PLAIN_VALUES, allocated_ahead, plain_key, spare_static_cache,
-                    static_cache_kept, zero_static_cache)
+from .cache import (ALLOCATED_WHOLE, PLAIN_VALUES, allocated_ahead, given_caches_written_back, plain_key,
+                    returned_as_transformers_returns_it, spare_static_cache, static_cache_kept, zero_static_cache)
 from .loading import _on_tpu, prepare_model
 from .settings import settings
 
@@ -134,44 +134,54 @@ def _wrap_generate(original):
         """On tpu, the token bookkeeping of the loop (the growing ids, logits processors, stopping
         criteria, sampling) runs on the host, as Transformers allows for an accelerator (its
         `prepare_inputs_for_generation` moves each step's inputs to the model): a step then costs one
-        compiled forward, not dozens of small device ops whose shapes grow with every token."""
+        compiled forward, not dozens of small device ops whose shapes grow with every token. A result that
+        holds the cache the adapter chose holds the cache Transformers would have returned instead
+        (`cache.returned_as_transformers_returns_it`), and a `DynamicCache` the caller gave holds the tokens
+        cached afterwards (`cache.given_caches_written_back`)."""
         if not _on_tpu(self):
             return original(self, inputs, generation_config, *args, **kwargs)
-        prepare_model(self)
-        _signatures_read_once(self)
-        input_ids = inputs if inputs is not None else kwargs.get("input_ids")
-        if args or not isinstance(input_ids, torch.Tensor) or input_ids.device.type != "tpu":
-            return original(self, inputs, generation_config, *args, **kwargs)
-        resolved_kwargs = dict(kwargs)
-        resolved, model_kwargs = self._prepare_generation_config(generation_config, **resolved_kwargs)
-        if not _is_plain_prompt(self, input_ids, model_kwargs) or not _loop_runs_on_the_host(resolved, kwargs):
-            return original(self, inputs, generation_config, *args, **kwargs)
-        kwargs.pop("input_ids", None)
-        mask = kwargs.pop("attention_mask", None)
-        host_ids = input_ids.cpu()
-        host_mask = mask.cpu() if mask is not None else None
-        padding = 0
-        if settings.prompt_buckets and model_patches.pads_prompts(self) and _padding_keeps_the_result(
-                resolved, kwargs, model_kwargs):
-            padding = bucketed_length(host_ids.shape[1]) - host_ids.shape[1]
-            longest = _longest_sequence(self.config.get_text_config(decoder=True))
-            if longest is not None and host_ids.shape[1] + padding + resolved.max_new_tokens > longest:
-                padding = 0
-        if padding:
-            if host_mask is None:
-                host_mask = _prompt_mask(host_ids, resolved)
-            host_ids, host_mask = _left_pad(host_ids, host_mask, padding)
-        reuses_the_cache = _prefill_reuses_the_cache(resolved, host_ids.shape[1])
-        plain = plain_key(kwargs) if reuses_the_cache and settings.static_cache and generation_config is None else None
-        kind = None if plain is None else (plain, tuple(host_ids.shape), host_mask is None)
-        # the launch ahead first: the contexts after it set functions of their own on the model for the call
-        with _prefill_launched_ahead(self, kind, host_ids), _step_inputs_on_the_model(self), \
-                _config_resolved_once(self, resolved, model_kwargs, resolved_kwargs), \
-                static_cache_kept(self, keep=reuses_the_cache):
-            output = original(self, host_ids, generation_config, attention_mask=host_mask, **kwargs)
-        return _to_device(_strip_padding(output, padding), input_ids.device)
+        with given_caches_written_back(self):
+            output = _generate(original, self, inputs, generation_config, *args, **kwargs)
+        return returned_as_transformers_returns_it(self, output)
 
     return generate
+
+
+def _generate(original, self, inputs, generation_config, *args, **kwargs):
+    """`generate()` on tpu, the host-side bookkeeping where it applies (see `_wrap_generate`)."""
+    prepare_model(self)
+    _signatures_read_once(self)
+    input_ids = inputs if inputs is not None else kwargs.get("input_ids")
+    if args or not isinstance(input_ids, torch.Tensor) or input_ids.device.type != "tpu":
+        return original(self, inputs, generation_config, *args, **kwargs)
+    resolved_kwargs = dict(kwargs)
+    resolved, model_kwargs = self._prepare_generation_config(generation_config, **resolved_kwargs)
+    if not _is_plain_prompt(self, input_ids, model_kwargs) or not _loop_runs_on_the_host(resolved, kwargs):
+        return original(self, inputs, generation_config, *args, **kwargs)
+    kwargs.pop("input_ids", None)
+    mask = kwargs.pop("attention_mask", None)
+    host_ids = input_ids.cpu()
+    host_mask = mask.cpu() if mask is not None else None
+    padding = 0
+    if settings.prompt_buckets and model_patches.pads_prompts(self) and _padding_keeps_the_result(
+            resolved, kwargs, model_kwargs):
+        padding = bucketed_length(host_ids.shape[1]) - host_ids.shape[1]
+        longest = _longest_sequence(self.config.get_text_config(decoder=True))
+        if longest is not None and host_ids.shape[1] + padding + resolved.max_new_tokens > longest:
+            padding = 0
+    if padding:
+        if host_mask is None:
+            host_mask = _prompt_mask(host_ids, resolved)
+        host_ids, host_mask = _left_pad(host_ids, host_mask, padding)
+    reuses_the_cache = _prefill_reuses_the_cache(resolved, host_ids.shape[1])
+    plain = plain_key(kwargs) if reuses_the_cache and settings.static_cache and generation_config is None else None
+    kind = None if plain is None else (plain, tuple(host_ids.shape), host_mask is None)
+    # the launch ahead first: the contexts after it set functions of their own on the model for the call
+    with _prefill_launched_ahead(self, kind, host_ids), _step_inputs_on_the_model(self), \
+            _config_resolved_once(self, resolved, model_kwargs, resolved_kwargs), \
+            static_cache_kept(self, keep=reuses_the_cache):
+        output = original(self, host_ids, generation_config, attention_mask=host_mask, **kwargs)
+    return _to_device(_strip_padding(output, padding), input_ids.device)
 
 
 # what Transformers' `generate()` reads the signature of at each call: the model's `forward` (four times), its input
