@@ -950,6 +950,17 @@ def test_a_returned_cache_is_transformers_own_and_continues_past_the_static_leng
         torch.testing.assert_close(on_tpu.keys.cpu(), on_cpu.keys, rtol=1e-5, atol=1e-5)
 
 
+def test_a_static_cache_too_short_for_the_call_raises_index_error_as_on_cpu(models):
+    """The CPU raises at the first write past a given static cache's end; on tpu that write's start would be clamped
+    onto the last position, so the call raises before decoding."""
+    from transformers import StaticCache
+
+    for model in models:
+        cache = StaticCache(config=model.config, max_cache_len=8)
+        with pytest.raises(IndexError):
+            model.generate(PROMPT.to(model.device), cache=cache, max_new_tokens=10, do_sample=False, eos_token_id=None)
+
+
 def test_attentions_asked_for_have_the_cpu_shapes(checkpoint):
     """Attentions over the adapter's static cache would be as long as the cache: Transformers' own cache then."""
     from transformers import AutoModelForCausalLM

@@ -251,6 +251,8 @@ def _wrap_prepare_cache_for_generation(original):
         its tokens written in first, and gets the tokens cached back when the call ends (`given_caches_written_back`):
         decoding it as it is would run every op eagerly, a new program for every length, each token."""
         given = model_kwargs.get("cache")
+        if _on_tpu(self) and given is not None:
+            _check_static_layers_hold(given, max_cache_length)
         takes_over = _on_tpu(self) and _takes_over(self, generation_config, given, batch_size)
         if takes_over:
             del model_kwargs["cache"]
@@ -294,6 +296,22 @@ def _static_cache_implementation(generation_config, applies: bool):
 
 # set on a cache `generate()` made because the adapter chose the static cache (not one the caller asked for or gave)
 ADAPTERS_CACHE = "_hf_tpu_adapters_cache"
+
+
+def _check_static_layers_hold(cache, positions: int) -> None:
+    """A static cache the caller gave holds the positions the call writes (`positions`: the prompt and the new
+    tokens but the last), or `IndexError`, as the CPU raises at its first write past the end (`index_copy_`). On
+    tpu the write's start is clamped, as XLA clamps a dynamic-update-slice, and every token past the end would
+    overwrite the last position, silently; the check is made before decoding, where the lengths are host numbers
+    (a call that would stop early at an end-of-sequence token raises too)."""
+    from transformers.cache_utils import StaticLayer
+
+    lengths = [layer.max_cache_len for layer in getattr(cache, "self_attention_cache", cache).layers
+               if type(layer) is StaticLayer]
+    if lengths and min(lengths) < positions:
+        raise IndexError(f"the StaticCache given to generate() holds {min(lengths)} positions and this call writes "
+                         f"{positions} (the prompt and max_new_tokens, less one); give a StaticCache with "
+                         f"max_cache_len >= {positions}, or ask for fewer new tokens")
 
 
 # the (static cache, `DynamicCache` the caller gave) pairs of the `generate()` calls running, innermost last
