@@ -21,7 +21,10 @@ Installed by `hf_tpu.integrations.activate()` when `transformers.modeling_utils`
   program. The prefill and the device loop below are traced straight from Python with `hf_tpu.jit` (no
   Dynamo), with `torch.compile` where that trace cannot be made. Transformers' compiled call for the decode
   steps (`get_compiled_call`) is made when first called, not when `_sample` asks for it: making it imports
-  Dynamo's backends, and with the device loop, or one token, it is never called.
+  Dynamo's backends, and with the device loop, or one token, it is never called. A `compile_config` the caller
+  gives asks for Transformers' compiled path: decode steps one by one through that call (`torch.compile` with
+  that config), made at once. A result that holds the cache holds Transformers' own (a `DynamicCache`), and a
+  `DynamicCache` handed back is decoded in a static cache and given its tokens back.
 - continuous batching (`generate_batch`): the paged KV cache is sized from the tpu's memory
   (`continuous_batching`), not from the host's RAM.
 - greedy search and sampling with a static cache: after Transformers' own prefill and first token, the
