@@ -106,7 +106,8 @@ def test_whisper_continues_from_the_cache_generate_returned_as_on_cpu(whisper):
     assert torch.equal(results["tpu"].sequences.cpu(), results["cpu"].sequences)
     assert len(set(results["cpu"].sequences[:, 1:].flatten().tolist())) > 1  # tokens that tell a wrong cache apart
     for name in ("self_attention_cache", "cross_attention_cache"):
-        for on_cpu, on_tpu in zip(getattr(results["cpu"].cache, name).layers, getattr(results["tpu"].cache, name).layers):
+        layers = (getattr(results[device].cache, name).layers for device in ("cpu", "tpu"))
+        for on_cpu, on_tpu in zip(*layers):
             torch.testing.assert_close(on_tpu.keys.cpu(), on_cpu.keys, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(on_tpu.values.cpu(), on_cpu.values, rtol=1e-5, atol=1e-5)
 
