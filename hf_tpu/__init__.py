@@ -2,7 +2,7 @@
 
 `import hf_tpu` is all a user does: PyTorch's PrivateUse1 backend becomes `tpu`, `torch.tpu` appears,
 and every ATen op on a `tpu` tensor is routed to `hf_tpu.dispatch`. The layers, bottom up: `platform`,
-`dtypes`, `counters`, `dynamo_frames`; `memory/`; `device/current` and `device/rng`; `modes/`; `dispatch/`; `ops/`;
+`dtypes`, `counters`, `dynamo_frames`; `memory/`; `device_state/`; `modes/`; `dispatch/`; `ops/`;
 `device/` (`torch.tpu`, and `device/backend`, which registers it all); `compile`, `loops`,
 `distributed/`.
 """

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import torch
 
 from . import compile_log, constant_masks, counters, loops, modes, platform
-from .device import current, rng
+from .device_state import current, rng
 from .dispatch import _entry
 from .memory import buffer, donation
 

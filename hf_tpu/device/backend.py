@@ -9,8 +9,9 @@ import torch
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
 from .. import device, dispatch, ops  # noqa: F401  (`ops` fills the lowering registry)
+from ..device_state import rng
 from ..memory import pinned, storage_apis
-from . import accelerator, autocast, module_to, rng
+from . import accelerator, autocast, module_to
 
 
 class _Hooks(torch._C._acc.PrivateUse1Hooks):
