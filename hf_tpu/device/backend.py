@@ -9,9 +9,8 @@ import torch
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
 from .. import device, dispatch, ops  # noqa: F401  (`ops` fills the lowering registry)
-from ..device_state import rng
 from ..memory import pinned, storage_apis
-from . import accelerator, autocast, module_to
+from . import accelerator, autocast, generator, module_to
 
 
 class _Hooks(torch._C._acc.PrivateUse1Hooks):
@@ -39,5 +38,5 @@ def register() -> None:
     storage_apis.install()
     pinned.install()
     autocast.install()
-    rng.install()
+    generator.install()
     module_to.install()
