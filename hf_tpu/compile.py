@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import torch
 
 from . import compile_log, constant_masks, counters, loops, modes, platform
-from .device import current, rng
+from .device_state import current, rng
 from .dispatch import _entry
 from .memory import buffer, donation
 
@@ -534,7 +534,7 @@ def _capturable_on_tpu() -> None:
     from torch._dynamo.variables.optimizer import OptimizerVariable
 
     original = OptimizerVariable._set_capturable
-    if getattr(original, "_hf_tpu", False):
+    if getattr(original, "_hf_tpu_original", None) is not None:
         return
 
     def _set_capturable(self, tx):
@@ -545,7 +545,7 @@ def _capturable_on_tpu() -> None:
                 group["capturable"] = True
         return original(self, tx)
 
-    _set_capturable._hf_tpu = True
+    _set_capturable._hf_tpu_original = original
     OptimizerVariable._set_capturable = _set_capturable
 
 
@@ -557,7 +557,7 @@ def _tpu_generators_as_cpu_ones() -> None:
     from torch._dynamo.variables.builder import VariableBuilder
 
     original = VariableBuilder._wrap
-    if getattr(original, "_hf_tpu", False):
+    if getattr(original, "_hf_tpu_original", None) is not None:
         return
 
     def _wrap(self, value):
@@ -565,7 +565,7 @@ def _tpu_generators_as_cpu_ones() -> None:
             return self.wrap_user_defined(value)
         return original(self, value)
 
-    _wrap._hf_tpu = True
+    _wrap._hf_tpu_original = original
     VariableBuilder._wrap = _wrap
 
 
@@ -583,7 +583,7 @@ def _rng_state_ops_on_tpu() -> None:
     for hop, tpu_kernel, tensors_from in ((rng_prims.run_and_save_rng_state, _run_and_save_rng_state, 1),
                                           (rng_prims.run_with_rng_state, _run_with_rng_state, 2)):
         original = hop.py_kernels[DispatchKey.BackendSelect]
-        if getattr(original, "_hf_tpu", False):
+        if getattr(original, "_hf_tpu_original", None) is not None:
             continue
 
         def backend_select(*args, _original=original, _tpu_kernel=tpu_kernel, _start=tensors_from,
@@ -592,7 +592,7 @@ def _rng_state_ops_on_tpu() -> None:
                 return _tpu_kernel(*args, **kwargs)
             return _original(*args, **kwargs)
 
-        backend_select._hf_tpu = True
+        backend_select._hf_tpu_original = original
         hop.py_kernels[DispatchKey.BackendSelect] = backend_select
         hop._dispatch_cache.clear()
 

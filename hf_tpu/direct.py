@@ -65,7 +65,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import _replay, compile_log, disk_cache, loops, modes
 from .compile import UNTRACEABLE, _Tracing, _Untraceable, count_trace, donatable, finish_call, launching, loop_chunk
-from .device import rng
+from .device_state import rng
 from .memory import buffer, donation
 
 log = logging.getLogger("hf_tpu.compile")

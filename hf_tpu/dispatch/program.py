@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import torch
 
 from .. import dtypes
-from ..device import rng
+from ..device_state import rng
 from ..memory import buffer, out_of_memory
 from .call import Call, call_with, checked_by_assert, flatten_returns, is_number, is_static_scalar, promotion, to_meta
 from .registry import lowering_function

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .. import counters, dtypes, modes
-from ..device import current, rng
+from ..device_state import current, rng
 from ..memory import buffer
 from ..memory.out_of_memory import check_allocation, check_results
 from . import index_checks
