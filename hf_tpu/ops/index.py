@@ -405,6 +405,34 @@ def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=
     return weight[indices]
 
 
+# --- one_hot: PyTorch's composite kernel checks the classes on the host on CPU and leaves them to its scatter_'s
+# device assert elsewhere; here it is an op of its own, whose program checks them as CPU does
+# (`dispatch/index_checks.py`).
+
+
+@handler(aten.one_hot.default)
+def one_hot_call(sig, values):
+    self, num_classes = values
+    if self.dtype != torch.int64:
+        raise RuntimeError("one_hot is only applicable to index tensor of type LongTensor.")
+    if self.numel() == 0:
+        if num_classes <= 0:
+            raise RuntimeError("Can not infer total number of classes from empty tensor.")
+        return torch.empty((*self.shape, num_classes), dtype=torch.int64, device=self.device)
+    if num_classes < 1:  # counted from the values, or none fits: read on the host, as CPU reads them
+        if self.min().item() < 0:
+            raise RuntimeError("Class values must be non-negative.")
+        if num_classes != -1:
+            raise RuntimeError("Class values must be smaller than num_classes.")
+        num_classes = self.max().item() + 1
+    return dispatch.run_lowered(sig, [self, num_classes])
+
+
+@lowering(aten.one_hot.default)
+def one_hot(self, num_classes=-1):
+    return (self[..., None] == jnp.arange(num_classes)).astype(jnp.int64)
+
+
 @lowering(aten.embedding_renorm.default)
 def embedding_renorm(self, indices, max_norm, norm_type):
     """Rows named in `indices` whose `norm_type`-norm exceeds `max_norm` are scaled down to it."""
