@@ -61,8 +61,9 @@ def run_lowered(sig: Signature, values: list, analysed=None):
         if buffer.sharded_arrays_exist:
             arrays = buffer.place_together(arrays)
         results = program.fn(arrays, scalars, rng_key)
-        if index_check is not None:
+        if index_check is not None:  # computed at once, after a sync: checked at the call
             device_errors.keep(mode, device_index, results[-1])
+            device_errors.report(at_the_call=True)
             results = results[:-1]
         out_specs = [(tuple(r.shape), dtypes.to_torch(r.dtype)) for r in results]
     else:

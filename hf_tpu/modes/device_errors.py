@@ -22,6 +22,8 @@ record through its iterations (`fold_loop_step`).
 
 from __future__ import annotations
 
+import itertools
+import re
 import sys
 import typing
 
@@ -61,43 +63,62 @@ _site_ids: dict = {}  # (error, code, line) -> id, for eager ops' sites
 
 
 # --- Where an op was called: the innermost Python frame outside torch, JAX and hf_tpu (its code and line are
-# read at the call; its file and function named once per site).
+# read at the call; its file and function named once per site). Inside a `torch.compile` graph that frame is
+# FX's generated code, whose node knows the user's line it was traced from.
 
 _LIBRARY = ("/torch/", "/hf_tpu/", "/jax/", "/jaxlib/")
 _library_files: dict = {}  # file name -> whether it is library code
+_FX_CODE = "<eval_with_key"
+_TRACED_LINE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
 
 def _is_library(filename: str) -> bool:
     known = _library_files.get(filename)
-    if known is None:  # FX's generated code (`<eval_with_key>.3`) runs a torch.compile graph's ops
-        known = _library_files[filename] = filename.startswith("<eval_with_key") or \
-            any(part in filename for part in _LIBRARY)
+    if known is None:
+        known = _library_files[filename] = any(part in filename for part in _LIBRARY)
     return known
 
 
-def _caller() -> tuple:
-    """(code, line) of the user's frame that called the op being dispatched, or (None, 0)."""
+def _caller():
+    """The frame of the user's code that called the op being dispatched (or of the graph running it), or None."""
     frame = sys._getframe(2)
     while frame is not None:
-        code = frame.f_code
-        if not _is_library(code.co_filename):
-            return code, frame.f_lineno
+        filename = frame.f_code.co_filename
+        if filename.startswith(_FX_CODE) or not _is_library(filename):
+            return frame
         frame = frame.f_back
-    return None, 0
+    return None
 
 
-def _where(code, line: int) -> str:
-    return "an unknown place" if code is None else f"{code.co_filename}:{line} in {code.co_name}"
+def _where(frame) -> str:
+    if frame is None:
+        return "an unknown place"
+    code = frame.f_code
+    if code.co_filename.startswith(_FX_CODE):
+        return _traced_from(frame) or "a torch.compile graph"
+    return f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
+
+
+def _traced_from(frame) -> str | None:
+    """The user's line a graph's node was traced from (its `stack_trace`), for the FX frame running it."""
+    graph_module = frame.f_locals.get("self")
+    lines = getattr(graph_module, "_lineno_map", None)
+    if not lines:
+        return None
+    index = lines.get(frame.f_lineno - graph_module._prologue_start)
+    node = None if index is None else next(itertools.islice(graph_module.graph.nodes, index, None), None)
+    found = _TRACED_LINE.findall(node.meta.get("stack_trace") or "") if node is not None else ()
+    return f"{found[-1][0]}:{found[-1][1]} in {found[-1][2]}" if found else None
 
 
 def site(op: str, error) -> int:
     """The id of the site of an eager op now dispatched: its op and error (one per program) and the user's line."""
-    code, line = _caller()
-    key = (error, code, line)
+    frame = _caller()
+    key = (error, None, 0) if frame is None else (error, frame.f_code, frame.f_lineno)
     found = _site_ids.get(key)
     if found is None:
         found = _site_ids[key] = len(_sites)
-        _sites.append(Site(op, error, _where(code, line)))
+        _sites.append(Site(op, error, _where(frame)))
     return found
 
 
@@ -180,7 +201,7 @@ def operands(mode, device_index: int, op: str, error) -> tuple:
         tensor = buffer.new_tensor(SHAPE, torch.int64, device_index, jnp.zeros(SHAPE, DTYPE))
         traced = mode.index_record = _TraceRecord(tensor, TraceSites())
         mode.checks.append((tensor, traced.sites))
-    traced.sites.sites.append(Site(op, error, _where(*_caller())))
+    traced.sites.sites.append(Site(op, error, _where(_caller())))
     return buffer.array_of(traced.tensor), len(traced.sites.sites)
 
 
