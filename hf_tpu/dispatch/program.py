@@ -53,6 +53,7 @@ class Program:
     device_index: int | None
     jitted: object = None
     arrays_only_call: bool = False  # `jitted` takes the arrays as arguments and returns the one result
+    returns_list: bool = False  # ... or with `arrays_only_call`, the list of its several results
     jitted_donating: object = None  # the same program taking the overwritten operands' arrays as donations
     # output shapes depend on the data (nonzero, masked_select, unique): run on concrete arrays,
     # a sync point, and take the specs from the results
@@ -65,9 +66,9 @@ class Program:
     # (jitted, shape, dtype) where strict eager launches the program with its arrays alone and makes
     # its one new tensor: the C entry's whole work for a common call (`_entry.c`)
     direct_launch: tuple | None = None
-    # what it checks of its indices (`index_checks.IndexCheck`), or None. Such a program takes its device's record
-    # of errors as its last array and its site as its last scalar, and returns the record, with what it found
-    # written in, after its results (`modes.device_errors`)
+    # what it checks of its indices (`index_checks.IndexCheck`), or None. Such a program takes its site's id and its
+    # device's record of errors as its last two arrays, and returns the record, with what it found written in, after
+    # its results (`modes.device_errors`)
     index_check: object = None
 
     @functools.cached_property
@@ -211,8 +212,8 @@ def build_program(call: Call) -> Program:
     operand_dtypes = [op.tensor.dtype for op in call.operands]  # not the call: a program outlives its tensors
 
     def fn(arrays, scalars, rng_data):
-        if check is not None:  # the device's record of errors, and the op's site (`Program.index_check`)
-            record, site, arrays = arrays[-1], scalars[-1], arrays[:-1]
+        if check is not None:  # the op's site and the device's record of errors (`Program.index_check`)
+            site, record, arrays = arrays[-2], arrays[-1], arrays[:-2]
         rng_key = rng.key_from_data(rng_data) if rng_data is not None else None
         arrays = [jnp.zeros(*blank[i]) if a is None else a for i, a in enumerate(arrays)]
         starts = [None if k is None else scalars[k] for k in start_of]
@@ -363,7 +364,8 @@ def eval_specs(fn, call, index_checked: bool = False):
     arrays = [op.view if op.buf is None else a for op, a in zip(call.operands, arrays)]
     scalars = call.scalars
     if index_checked:
-        arrays, scalars = [*arrays, jax.ShapeDtypeStruct(device_errors.SHAPE, device_errors.DTYPE)], [*scalars, 0]
+        arrays = [*arrays, jax.ShapeDtypeStruct((), device_errors.DTYPE),
+                  jax.ShapeDtypeStruct(device_errors.SHAPE, device_errors.DTYPE)]
     key = rng.example_key() if call.rng else None
     shapes = jax.eval_shape(fn, arrays, scalars, key)
     if index_checked:

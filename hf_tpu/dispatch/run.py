@@ -50,17 +50,15 @@ def run_lowered(sig: Signature, values: list, analysed=None):
         check_allocation(_result_bytes(program), device_index,
                          lambda: f"{sig.name} of {_result_shapes(program)}")
     rng_key = random_key(device_index, _generator_arg(sig, values)) if call.rng else None
-    scalars = call.scalars
     index_check = program.index_check
     if program.data_dependent:
         modes.host_read(f"{sig.name} has a data-dependent output shape")
         arrays = [op.buf.value() if op.buf is not None else op.view for op in call.operands]
-        if index_check is not None:  # its program reads and writes the device's record of errors
-            record, site = device_errors.operands(mode, device_index, sig.name, index_check.error)
-            arrays, scalars = [*arrays, record], [*scalars, site]
+        if index_check is not None:  # its program reads its site, and reads and writes the device's record of errors
+            arrays = [*arrays, *device_errors.operands(mode, device_index, sig, index_check.error)]
         if buffer.sharded_arrays_exist:
             arrays = buffer.place_together(arrays)
-        results = program.fn(arrays, scalars, rng_key)
+        results = program.fn(arrays, call.scalars, rng_key)
         if index_check is not None:  # computed at once, after a sync: checked at the call
             device_errors.keep(mode, device_index, results[-1])
             device_errors.report(at_the_call=True)
@@ -69,11 +67,10 @@ def run_lowered(sig: Signature, values: list, analysed=None):
     else:
         arrays = call.arrays
         if index_check is not None:
-            record, site = device_errors.operands(mode, device_index, sig.name, index_check.error)
-            arrays, scalars = [*arrays, record], [*scalars, site]
+            arrays = [*arrays, *device_errors.operands(mode, device_index, sig, index_check.error)]
         if buffer.sharded_arrays_exist:  # a sharded tensor (hf_tpu.distributed) may meet single-chip ones
             arrays = buffer.place_together(arrays)
-        results = mode.execute(program, call.key, arrays, scalars, rng_key, device_index)
+        results = mode.execute(program, call.key, arrays, call.scalars, rng_key, device_index)
         if index_check is not None:
             device_errors.keep(mode, device_index, results[-1])
             results = results[:-1]

@@ -50,13 +50,18 @@ class _Eager:
         if donating:
             program.jitted_donating = jax.jit(traced, donate_argnums=(0,))
             return program.jitted_donating
-        if not scalars and rng is None and len(program.out_specs) == 1:
-            # arrays in, one array out, no pytree for jit's dispatch to walk: 1-1.5 us less per op.
-            # (A program's number of scalars and its use of a key are in its key: fixed per program.)
-            program.jitted = jax.jit(lambda *arrays: traced((), list(arrays), (), None)[0])
+        if not scalars and rng is None:
+            # arrays in as arguments, no pytree for jit's dispatch to walk: 1-1.5 us less per op; one array out
+            # where there is one. (A program's number of scalars and its use of a key are in its key: fixed per
+            # program.)
             program.arrays_only_call = True
-            if program.single_result_spec is not None and not program.overwritten:
-                program.direct_launch = (program.jitted, *program.single_result_spec)
+            if len(program.result_layouts) == 1:
+                program.jitted = jax.jit(lambda *arrays: traced((), list(arrays), (), None)[0])
+                if program.single_result_spec is not None and not program.overwritten:
+                    program.direct_launch = (program.jitted, *program.single_result_spec)
+            else:  # several results, or one and the record of errors a checked op returns (`Program.index_check`)
+                program.jitted = jax.jit(lambda *arrays: traced((), list(arrays), (), None))
+                program.returns_list = True
         else:
             program.jitted = jax.jit(lambda arrays, scalars, rng: traced((), arrays, scalars, rng))
         return program.jitted
@@ -76,10 +81,12 @@ class _Eager:
                 out = jitted(*donation.split(arrays, overwritten), scalars, rng)
             elif program.arrays_only_call:
                 if arrays:
-                    out = (jitted(*arrays),)
+                    out = jitted(*arrays)
                 else:
                     with jax.default_device(platform.jax_device(device_index)):
-                        out = (jitted(),)
+                        out = jitted()
+                if not program.returns_list:
+                    out = (out,)
             elif arrays:
                 out = jitted(arrays, scalars, rng)
             else:

@@ -23,6 +23,7 @@ record through its iterations (`fold_loop_step`).
 from __future__ import annotations
 
 import itertools
+import os
 import re
 import sys
 import typing
@@ -60,6 +61,7 @@ class Site(typing.NamedTuple):
 
 _sites: list = [None]  # a site's id is its position; 0 is no error
 _site_ids: dict = {}  # (error, code, line) -> id, for eager ops' sites
+_site_arrays: dict = {}  # (id, device index) -> the id as an array on that device, which programs take
 
 
 # --- Where an op was called: the innermost Python frame outside torch, JAX and hf_tpu (its code and line are
@@ -111,15 +113,20 @@ def _traced_from(frame) -> str | None:
     return f"{found[-1][0]}:{found[-1][1]} in {found[-1][2]}" if found else None
 
 
-def site(op: str, error) -> int:
-    """The id of the site of an eager op now dispatched: its op and error (one per program) and the user's line."""
+def site(sig, error, device_index: int):
+    """The id of the site of an eager op now dispatched (its op's signature and error, the user's line), as the
+    array a program takes on `tpu:device_index` (uploaded once: `buffer.from_number`)."""
     frame = _caller()
     key = (error, None, 0) if frame is None else (error, frame.f_code, frame.f_lineno)
     found = _site_ids.get(key)
     if found is None:
         found = _site_ids[key] = len(_sites)
-        _sites.append(Site(op, error, _where(frame)))
-    return found
+        _sites.append(Site(sig.name, error, _where(frame)))
+    array = _site_arrays.get((found, device_index))
+    if array is None:
+        array = _site_arrays[(found, device_index)] = buffer.from_number(found, device_index)
+        buffer.allocator.hold(array)  # held for good: a fused program may not be given it to overwrite
+    return array
 
 
 # --- Each device's record, between ops
@@ -191,18 +198,18 @@ class _TraceRecord(typing.NamedTuple):
     sites: TraceSites
 
 
-def operands(mode, device_index: int, op: str, error) -> tuple:
-    """(the record, the site) a checked op's program takes: its device's record and its site's id, or inside a
-    trace, the trace's record and the op's number in it."""
+def operands(mode, device_index: int, sig, error) -> tuple:
+    """(the site, the record) a checked op's program takes, as arrays: its site's id and its device's record, or
+    inside a trace, the op's number in the trace and the trace's record."""
     if mode.kind is not ModeKind.TRACE:
-        return _current(mode, device_index), site(op, error)
+        return site(sig, error, device_index), _current(mode, device_index)
     traced = mode.index_record
     if traced is None:
         tensor = buffer.new_tensor(SHAPE, torch.int64, device_index, jnp.zeros(SHAPE, DTYPE))
         traced = mode.index_record = _TraceRecord(tensor, TraceSites())
         mode.checks.append((tensor, traced.sites))
-    traced.sites.sites.append(Site(op, error, _where(_caller())))
-    return buffer.array_of(traced.tensor), len(traced.sites.sites)
+    traced.sites.sites.append(Site(sig.name, error, _where(_caller())))
+    return jnp.asarray(len(traced.sites.sites), DTYPE), buffer.array_of(traced.tensor)
 
 
 def keep(mode, device_index: int, record) -> None:
@@ -219,9 +226,14 @@ def check_at_each_op(mode) -> bool:
     """Whether each checked op reports at once, at its call, at the cost of a host sync: in launch-blocking mode
     (the debug mode), or with HF_TPU_CHECK_INDICES=1. Not inside a trace, which cannot sync: a traced program
     reports after each call instead."""
-    if mode.kind is ModeKind.TRACE:
-        return False
-    return mode.kind is ModeKind.DEFER_NEVER_AND_LAUNCH_BLOCKING or settings.get("HF_TPU_CHECK_INDICES")
+    kind = mode.kind
+    if kind is ModeKind.DEFER_NEVER_AND_LAUNCH_BLOCKING:
+        return True
+    # the variable looked up before it is parsed: every checked op asks
+    return kind is not ModeKind.TRACE and _AT_EACH_OP in os.environ and settings.get(_AT_EACH_OP)
+
+
+_AT_EACH_OP = "HF_TPU_CHECK_INDICES"
 
 
 # --- Inside a program

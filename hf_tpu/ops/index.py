@@ -2,7 +2,7 @@
 depends on the data (nonzero, masked_select, unique, bincount: the core runs them on concrete arrays).
 
 Index tensors are used as they are: XLA clamps (gathers) or drops (scatters) out-of-range indices
-where PyTorch raises an IndexError, so checking them needs a host sync (left to the core).
+where PyTorch raises; the core checks them inside each op's program (`dispatch/index_checks.py`).
 """
 
 from __future__ import annotations
