@@ -190,6 +190,24 @@ def test_a_compiled_graph_checks_its_indices_without_running_eagerly_or_syncing(
     torch._dynamo.reset()
 
 
+def test_a_compiled_graph_checking_at_each_call_stays_compiled(monkeypatch):
+    """With HF_TPU_CHECK_INDICES=1 a compiled graph's indices are read after each call (its ops cannot sync
+    inside the trace), and the graph still runs compiled."""
+    monkeypatch.setenv("HF_TPU_CHECK_INDICES", "1")
+    weight = torch.randn(5, 3, device="tpu")
+
+    @torch.compile(backend="tpu")
+    def lookup(ids):
+        return F.embedding(ids, weight).sum()
+
+    lookup(_t([1, 4], "tpu"))
+    hf_tpu.reset_metrics()
+    with pytest.raises(IndexError, match=r"index out of range in self \(aten::embedding called at"):
+        lookup(_t([1, 8], "tpu"))
+    assert hf_tpu.metrics()["ops_dispatched"] == 0
+    torch._dynamo.reset()
+
+
 def test_a_traced_function_checks_its_indices():
     weight = torch.randn(5, 3, device="tpu")
 
