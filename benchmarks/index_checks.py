@@ -119,7 +119,8 @@ def main(argv=None):
             rows.append((f"(b) train step, {mode}", "ms", False,
                          lambda mode=mode: train_step_ms(model, train_ids, mode, args.iters, clock)))
     if "c" in only:
-        rows.append(("(c) embedding lookup, DEFER_NEVER", "us/op", False, lambda: lookup_us(weight, lookup_ids, args.iters, clock)))
+        rows.append(("(c) embedding lookup, DEFER_NEVER", "us/op", False,
+                     lambda: lookup_us(weight, lookup_ids, args.iters, clock)))
     results = {name: {False: [], True: []} for name, _, _, _ in rows}
     started = time.perf_counter()
     try:

@@ -43,40 +43,41 @@ def _first_outside(index, low: int, high: int):
     return _first(flat, (flat < low) | (flat >= high))
 
 
+# The error of an index out of range along one dim: (self, the dim's size, the dim) -> (value, detail) -> exception
+
+
 def _out_of_bounds(error, prefix=""):
-    def make(size, dim):
+    def make(self, size, dim):
         return lambda value, _: error(f"{prefix}index {value} is out of bounds for dimension {dim} with size {size}")
     return make
 
 
-def _out_of_range_in_self(size, dim):
+def _out_of_range_in_self(self, size, dim):
     return lambda value, _: IndexError("index out of range in self")
 
 
-def _index_add_error(self):
-    def make(size, dim):
-        if self.dim() > 1 and dim in (0, self.dim() - 1):  # CPU's kernel adds through scatter_add when alpha is 1
-            scatter_error = _out_of_bounds(RuntimeError)(size, dim)
-            return lambda value, alpha_is_one: (scatter_error(value, None) if alpha_is_one
-                                                else IndexError("index out of range in self"))
-        return _out_of_range_in_self(size, dim)
-    return make
+def _index_add_error(self, size, dim):
+    if self.dim() > 1 and dim in (0, self.dim() - 1):  # CPU's kernel adds through scatter_add when alpha is 1
+        scatter_error = _out_of_bounds(RuntimeError)(self, size, dim)
+        return lambda value, alpha_is_one: (scatter_error(value, None) if alpha_is_one
+                                            else IndexError("index out of range in self"))
+    return _out_of_range_in_self(self, size, dim)
 
 
-def _index_select_error(self):
-    def make(size, dim):
-        if dim == 1 and self.dim() > 1:  # CPU's kernel for dim 1 checks with its own message
-            return lambda value, _: RuntimeError(f"INDICES element is out of DATA bounds, id={value} axis_dim={size}")
-        return _out_of_range_in_self(size, dim)
-    return make
+def _index_select_error(self, size, dim):
+    if dim == 1 and self.dim() > 1:  # CPU's kernel along dim 1 checks with its own message
+        return lambda value, _: RuntimeError(f"INDICES element is out of DATA bounds, id={value} axis_dim={size}")
+    return _out_of_range_in_self(self, size, dim)
 
 
-# per op along one dim: (whether negative indices count from the end, the error's maker given (size, dim))
+# per op along one dim: (whether negative indices count from the end, its error)
 _ALONG_DIM = {
     "gather": (False, _out_of_bounds(RuntimeError)),
     "scatter": (False, _out_of_bounds(RuntimeError)),
     "scatter_add": (False, _out_of_bounds(RuntimeError)),
     "scatter_reduce": (False, _out_of_bounds(RuntimeError)),
+    "index_select": (False, _index_select_error),
+    "index_add": (False, _index_add_error),
     "index_reduce": (False, _out_of_range_in_self),
     "index_copy": (False, _out_of_bounds(IndexError, "index_copy_(): ")),
     "index_fill": (True, _out_of_bounds(IndexError)),
@@ -84,25 +85,21 @@ _ALONG_DIM = {
 
 
 def _along_dim(name):
+    negatives, make_error = _ALONG_DIM[name]
+
     def rule(values):
         self, dim, index = values[0], values[1], values[2]
         if index.numel() == 0:
             return None
         dim = dim % max(self.dim(), 1)
         size = self.shape[dim] if self.dim() else 1
-        if name == "index_select":
-            negatives, make_error = False, _index_select_error(self)
-        elif name == "index_add":
-            negatives, make_error = False, _index_add_error(self)
-        else:
-            negatives, make_error = _ALONG_DIM[name]
         low = -size if negatives else 0
 
         def find(args):
             bad, value, _ = _first_outside(args["index"], low, size)
             return bad, value, jnp.asarray(args.get("alpha", 1)) == 1  # index_add: which kernel CPU takes
 
-        return IndexCheck(find, make_error(size, dim))
+        return IndexCheck(find, make_error(self, size, dim))
     return rule
 
 
@@ -111,7 +108,7 @@ def _embedding(values):
     if indices.numel() == 0:
         return None
     rows = weight.shape[0]
-    return IndexCheck(lambda args: _first_outside(args["indices"], 0, rows), _out_of_range_in_self(rows, 0))
+    return IndexCheck(lambda args: _first_outside(args["indices"], 0, rows), _out_of_range_in_self(weight, rows, 0))
 
 
 def _embedding_bag(values):
@@ -159,8 +156,9 @@ def _advanced(values):  # index.Tensor, index_put, _index_put_impl
         # a mask's true elements are known on the device only: each index tensor checked in turn
         def find(args):
             found = [_first_outside(args["indices"][k], -size, size) for k, _, size in checked]
-            first = jnp.argmax(jnp.stack([bad for bad, _, _ in found]))
-            return (jnp.stack([bad for bad, _, _ in found]).any(), jnp.stack([v for _, v, _ in found])[first],
+            bad = jnp.stack([bad for bad, _, _ in found])
+            first = jnp.argmax(bad)
+            return (bad.any(), jnp.stack([value.astype(jnp.int64) for _, value, _ in found])[first],
                     jnp.asarray([named for _, named, _ in checked])[first])
     else:
         def find(args):
@@ -226,6 +224,7 @@ def _bincount(values):
         raise RuntimeError(_BINCOUNT)  # a shape error, raised at once
     if self.numel() == 0:
         return None
+
     def find(args):
         flat = args["self"].reshape(-1)
         return _first(flat, flat < 0)
@@ -234,7 +233,7 @@ def _bincount(values):
 
 
 RULES = {
-    **{name: _along_dim(name) for name in (*_ALONG_DIM, "index_select", "index_add")},
+    **{name: _along_dim(name) for name in _ALONG_DIM},
     "embedding": _embedding,
     "_embedding_bag": _embedding_bag,
     "_embedding_bag_forward_only": _embedding_bag,
