@@ -287,8 +287,8 @@ def merge(found, device_index: int, sites: TraceSites) -> None:
     if held is not None and type(held._array) is Lazy and held._array.concrete is None:
         flush("a traced program's index checks")  # not the case after a call: it syncs first
     record = _current(current(), device_index)
-    if buffer.sharded_arrays_exist:
-        record, found = buffer.place_together([record, found])
+    if buffer.sharded_arrays_exist and buffer.is_sharded(found):  # a sharded model's program: onto the record's chip
+        found = jax.device_put(found, platform.jax_device(device_index))
     _held[device_index].array = _merged(record, found, buffer.from_number(sites.first, device_index))
     _held[device_index].written = True
 
