@@ -57,7 +57,9 @@ class _Eager:
             program.arrays_only_call = True
             if len(program.result_layouts) == 1:
                 program.jitted = jax.jit(lambda *arrays: traced((), list(arrays), (), None)[0])
-                if program.single_result_spec is not None and not program.overwritten:
+                if program.single_result_spec is not None and not program.overwritten \
+                        and not program.large_result_bytes:
+                    # (a large result is checked against the device's free memory in Python first)
                     program.direct_launch = (program.jitted, *program.single_result_spec)
             else:  # several results, or one and the record of errors a checked op returns (`Program.index_check`)
                 program.jitted = jax.jit(lambda *arrays: traced((), list(arrays), (), None))
