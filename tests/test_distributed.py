@@ -143,6 +143,25 @@ def test_compiled_sharded_model_matches_unsharded():
     torch.testing.assert_close(logits.cpu(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_sharded_model_finds_an_id_out_of_range_and_single_chip_ops_stay_on_their_chip(compiled):
+    """The record of out-of-range indices stays on its chip: a sharded program's finding joins it there, and a
+    single-chip op after it runs on that chip alone (docs/design/device-checks.md)."""
+    model = tiny_llama()
+    dist.shard_model(model, model.tp_plan, dist.mesh(2, "tp"))
+    run = torch.compile(model, backend="tpu") if compiled else model
+    with torch.no_grad():
+        run(torch.randint(0, CONFIG.vocab_size, (2, 10)).to("tpu")).logits.sum().item()
+        ids = torch.randint(0, CONFIG.vocab_size, (2, 10))
+        ids[1, 3] = CONFIG.vocab_size
+        logits = run(ids.to("tpu")).logits
+    with pytest.raises(IndexError, match=r"index out of range in self \(aten::embedding called at "):
+        logits.sum().item()
+    single = torch.nn.functional.embedding(torch.tensor([1], device="tpu"), torch.randn(4, 2, device="tpu"))
+    assert dist.sharding(single) is None and single.shape == (1, 2)
+    torch._dynamo.reset()
+
+
 def test_load_state_dict_into_a_sharded_model_keeps_the_shards():
     model = tiny_llama()
     state = {name: torch.randn_like(p) for name, p in model.state_dict().items()}
