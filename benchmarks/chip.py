@@ -18,7 +18,12 @@ One command prints, from one run, side by side:
   the experts a batch routes to, one expert at a time), with the ratio. Each step of the loop routes other
   counts, for which its ops compile again: each call is stopped by `max_time` (`moe_eager_seconds`); where the
   first call makes all its tokens, the step is timed warm, else the ratio, compiles included, is a bound from
-  below.
+  below;
+- `quant`, `quant_prefill` and `quant_big` (run only when `--only` names them, a chip command each;
+  `benchmarks.quant`): the Llama model's decode in bfloat16, int8 weight-only and int4 side by side against the
+  HBM limit of each one's bytes; its prefill with int8 activations and weights against bfloat16's, and its weight
+  products alone in raw JAX in each form; what XLA fused in each quantized program; a 7B and a 9B model loaded in
+  int8 from a bfloat16 checkpoint onto one chip, their peak memory, loading GB/s and decode.
 
 Each group runs in its own process with its own time limit (`--timeout`, `--budget`): torchax and hf-tpu both
 claim PyTorch's PrivateUse1 backend, one process at a time holds a TPU chip, and a group that runs out of time
@@ -37,6 +42,7 @@ Run: python -m benchmarks.chip                              (the 1.1B and MoE mo
      python -m benchmarks.chip --size small --only ttft         (a 512-wide, 8-layer Llama at 128 and 1024 tokens)
      python -m benchmarks.chip --only forward,torchax --dump-hlo DIR   (XLA's optimized HLO of each side)
      python -m benchmarks.chip --only forward,torchax,decode --profile DIR   (device time per XLA op)
+     python -m benchmarks.chip --only quant   (then --only quant_prefill, --only quant_big: quantized models, torchao)
 """
 
 from __future__ import annotations
@@ -78,6 +84,21 @@ SIZES = {
                  batches=[1, 2], lengths=[16, 32], eager=(1, 16), decode_steps=32, moe_batch=2, moe_prompt=16,
                  moe_steps=8, moe_eager_seconds=None, matmul=256, hbm_bytes=16 << 20, iters=3),
 }
+# the quantization groups (`benchmarks.quant`): a 7B Llama-2-shaped model (6.7B parameters, 13.5 GB in bfloat16)
+# and a Qwen3-8B-shaped one of 40 layers (9.0B parameters, 18 GB in bfloat16: more than a v5e holds)
+_LLAMA_7B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                 intermediate_size=11008, vocab_size=32000, max_position_embeddings=4096)
+_QWEN3_9B = dict(hidden_size=4096, num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                 intermediate_size=12288, vocab_size=151936, max_position_embeddings=4096, tie_word_embeddings=False)
+SIZES["1b"].update(quant_steps=32, quant_prefill=(8, 1024), int4_group=128,
+                   quant_big=[("llama-7b", "llama", _LLAMA_7B), ("qwen3-9b", "qwen3", _QWEN3_9B)],
+                   quant_big_write_seconds=180)
+SIZES["tiny"].update(quant_steps=16, quant_prefill=(2, 16), int4_group=32,
+                     quant_big=[("llama-tiny", "llama", dict(SIZES["tiny"]["model"], num_hidden_layers=2)),
+                                ("qwen3-tiny", "qwen3", dict(SIZES["tiny"]["model"], head_dim=16,
+                                                             tie_word_embeddings=False))],
+                     quant_big_write_seconds=60)
+
 # a Llama small enough for the CPU at the lengths that matter on the chip, where the fixed costs of a call
 # show beside real work (`--only ttft`)
 SIZES["small"] = dict(SIZES["tiny"], model=dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
@@ -364,6 +385,14 @@ def _grid(spec: dict) -> list:
 
 def _group_limits(spec: dict, rows: _Rows) -> None:
     """The chip's limits in raw JAX, on the device hf-tpu would use (HF_TPU_PLATFORM honoured)."""
+    device = measure_limits(spec, rows)
+    for batch, length in _grid(spec):
+        if rows.fits(f"products {batch}x{length}", spec["model"], batch, length, score_matrix=False):
+            _weight_products(spec, rows, device, batch, length)
+
+
+def measure_limits(spec: dict, rows: _Rows):
+    """The `limits` row (bf16 matmul throughput, HBM read bandwidth, the published peaks); returns the device."""
     from hf_tpu import platform  # noqa: I001  (first: it configures JAX before a backend starts)
     import jax
     import jax.numpy as jnp
@@ -380,10 +409,7 @@ def _group_limits(spec: dict, rows: _Rows) -> None:
     rows.emit("limits", device=kind, platform=device.platform, matmul_tflops=2 * n ** 3 / seconds / 1e12,
               hbm_gbs=spec["hbm_bytes"] / read / 1e9, peak_tflops=PEAK_BF16.get(kind, 0) / 1e12,
               peak_hbm_gbs=PEAK_HBM.get(kind, 0) / 1e9, memory_gb=platform.memory_info(0)[1] / 1e9)
-    del a, x
-    for batch, length in _grid(spec):
-        if rows.fits(f"products {batch}x{length}", spec["model"], batch, length, score_matrix=False):
-            _weight_products(spec, rows, device, batch, length)
+    return device
 
 
 def _weight_products(spec: dict, rows: _Rows, device, batch: int, length: int) -> None:
@@ -702,6 +728,24 @@ def _capped_step_seconds(model, ids, steps: int, seconds: float) -> tuple[float 
     return (step if step > 0 else None), first, None
 
 
+def _group_quant(spec: dict, rows: _Rows) -> None:
+    from benchmarks import quant
+
+    quant.group_quant(spec, rows)
+
+
+def _group_quant_prefill(spec: dict, rows: _Rows) -> None:
+    from benchmarks import quant
+
+    quant.group_quant_prefill(spec, rows)
+
+
+def _group_quant_big(spec: dict, rows: _Rows) -> None:
+    from benchmarks import quant
+
+    quant.group_quant_big(spec, rows)
+
+
 GROUPS = {  # name: (the worker, its default time limit in seconds)
     "limits": (_group_limits, 240),
     "forward": (_group_forward, 420),
@@ -710,7 +754,12 @@ GROUPS = {  # name: (the worker, its default time limit in seconds)
     "ttft": (_group_ttft, 420),
     "eager": (_group_eager, 300),
     "moe": (_group_moe, 540),
+    "quant": (_group_quant, 570),
+    "quant_prefill": (_group_quant_prefill, 570),
+    "quant_big": (_group_quant_big, 570),
 }
+# groups a run takes only when `--only` names them: each is most of a chip command's device time on its own
+NAMED_ONLY = ("quant", "quant_prefill", "quant_big")
 
 
 # --- The parent: starts each group's process, relays its figures
@@ -814,6 +863,10 @@ def describe(row: dict, spec: dict, limits: dict | None = None) -> str:
                 f"{row['launches']:.0f} op launches a call, {row['program_us'] / 1e3:.2f} ms in its programs, "
                 f"{row['wall_us'] / 1e3:.2f} ms a call traced; programs:{programs}\n  by kind:{kinds}"
                 f"\n  the longest ops:{ops}")
+    if section.startswith("quant"):
+        from benchmarks import quant
+
+        return quant.describe(row, hbm) or json.dumps(row)
     if section == "ttft":
         return (f"[ttft] prompt {row['length']}: generate(1 token) {row['seconds'] * 1e3:.1f} ms, compiled forward "
                 f"{row['forward_seconds'] * 1e3:.1f} ms ({row['seconds'] / row['forward_seconds']:.2f}x)")
@@ -933,6 +986,10 @@ def report(results: list, spec: dict) -> str:
                        f"{moe['eager']['step_seconds'] / moe['grouped_mm']['step_seconds']:.1f}x the per-expert loop "
                        f"(eager{', stopped by max_time, every step compiling' if capped else ''})")
         out.append("")
+    if any(r["section"].startswith("quant") for r in results):
+        from benchmarks import quant
+
+        out += quant.report(results, spec, hbm)
     skipped = by("skipped")
     if skipped:
         out.append("skipped:\n" + "\n".join(f"  [{r['group']}] {r['row']}: {r['reason']}" for r in skipped) + "\n")
@@ -1010,7 +1067,8 @@ def _spec(args) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="1b")
-    parser.add_argument("--only", default=",".join(GROUPS), help=f"groups, in order: {', '.join(GROUPS)}")
+    parser.add_argument("--only", default=",".join(g for g in GROUPS if g not in NAMED_ONLY),
+                        help=f"groups, in order: {', '.join(GROUPS)} (by default all but {', '.join(NAMED_ONLY)})")
     parser.add_argument("--batches", help="batch sizes of the grid (e.g. 1,8)")
     parser.add_argument("--lengths", help="prompt lengths of the grid (e.g. 128,1024)")
     parser.add_argument("--timeout", type=float, help="seconds each group may take (default: its own, "

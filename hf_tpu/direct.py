@@ -21,30 +21,32 @@ after the call, so every view of it sees the update, as after the eager call.
 A call that cannot be traced runs the `fallback` instead (by default the function itself, eagerly), with a
 log line saying why, and every later call with the same key does too: a host read (`.item()`, `bool(t)`),
 an op without a lowering, a tensor outside the inputs written in place, a tensor made in the trace kept
-outside it, an output that is neither a new tensor, an input tensor itself, a state object nor a plain
-value, or a change to Python state (an attribute of a state object, a module or an argument's list or dict
-set, added or removed: the trace would not replay it). Autograd is off inside the trace
+outside it, an output that is neither a new tensor (a tensor subclass made in the trace is returned over
+new tensors), an input tensor itself, a state object nor a plain value, or a change to Python state (an
+attribute of a state object, a module or an argument's list or dict set, added or removed: the trace
+would not replay it). Autograd is off inside the trace
 (`torch.no_grad()`); a call made with gradients enabled and an input that requires them falls back.
 Inside the trace `torch.compiler.is_compiling()` is True (as under non-strict `torch.export`), so code
 written for compilation takes its traceable branches.
 
-Programs are cached per function code and key: the argument tensors' shapes, dtypes, devices and views,
-the values of non-tensor arguments and closure contents (hashable ones: a number, a string, a tuple; an
-object with identity hashing is keyed by identity; an unhashable one makes the call fall back), the state
-tensors' shapes, dtypes and views, each module's type and `training` flag, a non-module state object's
-type and its attributes of plain value types (numbers, strings, devices, dtypes), the default dtype and
-autocast's state. Finding those takes a walk over every submodule, parameter and buffer; each state object's
-walk is kept and replayed by later calls while everything it read is unchanged (`_KeptWalk`). NOT guarded,
-as with `jax.jit`: globals the function reads, attributes of modules other than `training` and their
-tensors (a `config` object's fields, a module's Python-number attributes), the objects such attributes
-hold, and the content of a tensor that is not an input (a `tpu` tensor reached only through a global or an
-unlisted object is read as a constant of the program). Change such a thing and the next call runs the
-program traced before it.
+Programs are cached per function code and key: the argument tensors' shapes, dtypes, devices and views, the
+values of non-tensor arguments and closure contents (hashable ones: a number, a string, a tuple; an object
+with identity hashing is keyed by identity, an unhashable dataclass by its fields; another unhashable one
+makes the call fall back), the state tensors' shapes, dtypes and views, each module's type and `training`
+flag, a non-module state object's type and its attributes of plain value types (numbers, strings, devices,
+dtypes), the default dtype and autocast's state. Finding those takes a walk over every submodule, parameter
+and buffer; each state object's walk is kept and replayed by later calls while everything it read is unchanged
+(`_KeptWalk`). NOT guarded, as with `jax.jit`: globals the function reads, attributes of modules other than
+`training` and their tensors (a `config` object's fields, a module's Python-number attributes), the objects
+such attributes hold, and the content of a tensor that is not an input (a `tpu` tensor reached only through a
+global or an unlisted object is read as a constant of the program). Change such a thing and the next call runs
+the program traced before it.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import enum
 import functools
 import gc
@@ -59,17 +61,20 @@ import jax
 import torch
 from jax.extend import core as jax_core
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import _replay, compile_log, disk_cache, loops, modes
 from .compile import UNTRACEABLE, _Tracing, _Untraceable, count_trace, donatable, finish_call, launching, loop_chunk
-from .device import rng
+from .device_state import rng
 from .memory import buffer, donation
+from .modes import device_errors
 
 log = logging.getLogger("hf_tpu.compile")
 
 # values keyed by value; every other non-tensor argument by its hash (identity, unless its type says otherwise)
 _VALUE_TYPES = (bool, int, float, complex, str, bytes, type(None), torch.device, torch.dtype, torch.Size,
                 torch.memory_format, torch.layout, enum.Enum)
+_PLAIN_TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))  # a tensor of any other type may be a subclass
 _DEPTH = 12  # how deep arguments and state are searched (a deeper structure makes the call fall back)
 _PROGRAMS_PER_SITE = 64  # programs one function code may trace; then new keys fall back, as Dynamo's limit does
 
@@ -93,10 +98,11 @@ def reset() -> None:
 
 
 def _plain_object(x) -> bool:
-    """An object whose attributes are searched for state tensors: not JAX's own objects (a sharded cache's
-    device mesh), which hold no tpu tensor and fill caches of their own when read."""
+    """An object whose attributes are searched for state tensors: not a tensor (an input itself), and not JAX's
+    own objects (a sharded cache's device mesh), which hold no tpu tensor and fill caches of their own when
+    read."""
     return hasattr(x, "__dict__") and not isinstance(
-        x, (type, types.ModuleType, types.FunctionType, types.MethodType, functools.partial, enum.Enum)
+        x, (torch.Tensor, type, types.ModuleType, types.FunctionType, types.MethodType, functools.partial, enum.Enum)
     ) and not type(x).__module__.startswith(("jax.", "jaxlib."))
 
 
@@ -154,6 +160,8 @@ class _Inputs:
         return ("seen", index)
 
     def tensor(self, t: torch.Tensor):
+        if type(t) not in _PLAIN_TENSOR_TYPES and is_traceable_wrapper_subclass(t):
+            return self._subclass_tensor(t)
         if t.device.type != "tpu":
             raise _Unkeyable(f"it is given a {t.device.type} tensor (hf_tpu.jit takes tpu tensors)")
         if t.requires_grad and self.grad_enabled:
@@ -175,6 +183,23 @@ class _Inputs:
         self.tensor_index.setdefault(id(t), len(self.tensors))
         self.tensors.append((t, slot))
         return slot, buffer.view_of(t, buf)
+
+    def _subclass_tensor(self, t: torch.Tensor):
+        """The key of a tensor subclass that keeps its data in tensors of its own (PyTorch's `__tensor_flatten__`
+        protocol: torchao's quantized weights, an int8 tensor and its scales): those inner tensors are the inputs,
+        and its type, outer shape, strides and dtype and the context of its flattening (a block size, an
+        activation's quantization settings) are keyed. The object itself runs in the trace: its ops reach its inner
+        tensors, whose buffers hold tracers, through its `__torch_dispatch__`. Its attributes are Python state, as a
+        state object's are: the trace must not change them, and a kept walk rereads them."""
+        if id(t) in self.seen:
+            return self._seen_key(t)
+        if t.requires_grad and self.grad_enabled:
+            raise _Unkeyable("an input requires gradients and gradients are enabled (hf_tpu.jit runs without autograd)")
+        self.seen[id(t)] = len(self.objects)
+        self.objects.append(t)
+        names, context = t.__tensor_flatten__()
+        inner = tuple((name, self.tensor(getattr(t, name))) for name in names)
+        return ("subclass", type(t), tuple(t.shape), t.stride(), t.dtype, _frozen(context), inner)
 
     def argument(self, x, depth: int = 0):
         """The key of an argument (or a value a closure holds); its tensors become inputs."""
@@ -205,6 +230,8 @@ class _Inputs:
         try:
             hash(x)
         except TypeError:
+            if dataclasses.is_dataclass(x) and not isinstance(x, type):  # settings (torchao's): keyed by value
+                return ("dataclass", _frozen(x))
             raise _Unkeyable(f"it is given an unhashable {type(x).__name__} that is not declared as state") from None
         return ("object", x)
 
@@ -279,6 +306,22 @@ class _Inputs:
         """A copy of the Python state met, to compare with after a trace (`python_state_changes`)."""
         return ([(vars(obj), dict(vars(obj)), f"an attribute of a {type(obj).__name__}") for obj in self.objects]
                 + [(c, c.copy(), f"the contents of a {type(c).__name__}") for c in self.containers])
+
+
+def _frozen(context):
+    """A tensor subclass's flattening context as a key: lists as tuples, dataclasses (torchao's settings objects) as
+    their type and fields; `_Unkeyable` for anything else that is unhashable."""
+    if isinstance(context, (list, tuple)):
+        return (type(context), tuple(map(_frozen, context)))
+    if isinstance(context, dict):
+        return (dict, tuple((k, _frozen(v)) for k, v in context.items()))
+    if dataclasses.is_dataclass(context) and not isinstance(context, type):
+        return (type(context), tuple((f.name, _frozen(getattr(context, f.name))) for f in dataclasses.fields(context)))
+    try:
+        hash(context)
+    except TypeError:
+        raise _Unkeyable(f"a tensor subclass's flattening holds an unhashable {type(context).__name__}") from None
+    return context
 
 
 def _layouts(tensors: list) -> list:
@@ -467,7 +510,7 @@ class _Program:
         self.treedef = treedef
         self.checks = checks
         self.draws = draws
-        self.new_outputs = sum(kind == "new" for kind, _ in outputs)
+        self.new_outputs = sum(map(_new_arrays, outputs))
         self.run = jax_core.jaxpr_as_fun(jaxpr)
         call = _named(f"traced_{name}", self.step)
         self.jitted = {True: jax.jit(call, donate_argnums=(0,)), False: jax.jit(call)}
@@ -485,18 +528,36 @@ class _Program:
         return list(flat[:n]), list(flat[n:])
 
     def results(self, arrays, inputs: _Inputs):
-        leaves, new = [], iter(arrays)
-        for kind, value in self.outputs:
-            if kind == "new":
-                array = next(new)
-                leaves.append(buffer.new_tensor(array.shape, value, inputs.device_index, array))
-            elif kind == "input":
-                leaves.append(inputs.tensors[value][0])
-            elif kind == "state":
-                leaves.append(inputs.state[value])
-            else:
-                leaves.append(value)
+        new = iter(arrays)
+        leaves = [_result(output, new, inputs) for output in self.outputs]
         return pytree.tree_unflatten(leaves, self.treedef)
+
+
+def _new_arrays(output: tuple) -> int:
+    """How many of the program's new arrays an output takes: a tensor subclass's, those of its inner tensors."""
+    kind, value = output
+    if kind == "subclass":
+        return sum(map(_new_arrays, value[-1]))
+    return kind == "new"
+
+
+def _result(output: tuple, new, inputs: _Inputs):
+    """The value a call returns for one output of its program (`_output`), taking its new arrays from `new`."""
+    kind, value = output
+    if kind == "new":
+        array = next(new)
+        return buffer.new_tensor(array.shape, value, inputs.device_index, array)
+    if kind == "input":
+        return inputs.tensors[value][0]
+    if kind == "state":
+        return inputs.state[value]
+    if kind == "object":
+        return inputs.objects[value]
+    if kind == "subclass":
+        cls, names, context, size, stride, inner = value
+        tensors = {name: _result(part, new, inputs) for name, part in zip(names, inner)}
+        return cls.__tensor_unflatten__(tensors, context, size, stride)
+    return value
 
 
 def _named(name: str, fn):
@@ -581,6 +642,15 @@ def _trace(name: str, run, inputs: _Inputs, arrays: list) -> _Program:
 
 def _output(leaf, inputs: _Inputs, first_new_address: int, new_arrays: list) -> tuple:
     if isinstance(leaf, torch.Tensor):
+        if type(leaf) not in _PLAIN_TENSOR_TYPES and is_traceable_wrapper_subclass(leaf):
+            index = inputs.seen.get(id(leaf))
+            if index is not None and inputs.objects[index] is leaf:  # one among the inputs: that very object
+                return ("object", index)
+            # a new tensor subclass (a weight quantized in the trace): its inner tensors are the outputs, and the
+            # call returns a new object of its type over them, made with its flattening's context
+            names, context = leaf.__tensor_flatten__()
+            inner = [_output(getattr(leaf, name), inputs, first_new_address, new_arrays) for name in names]
+            return ("subclass", (type(leaf), tuple(names), context, leaf.shape, leaf.stride(), inner))
         if id(leaf) in inputs.tensor_index:
             return ("input", inputs.tensor_index[id(leaf)])
         if leaf.device.type == "tpu":
@@ -663,9 +733,15 @@ class _Key(tuple):
         return self._hash
 
 
+def _state_objects(state) -> tuple:
+    """The state objects `state` names: the items of a tuple or list, or `state` itself (a module, a tensor, a
+    dict, a cache); a tuple, list or dict among them is searched as a whole."""
+    return tuple(state) if isinstance(state, (tuple, list)) else (state,)
+
+
 def _prepare(site, functions, args, kwargs, state) -> tuple:
     """(inputs, key) of a call, or raises `_Unkeyable`."""
-    inputs = _Inputs(tuple(state))
+    inputs = _Inputs(_state_objects(state))
     return inputs, _Key((site, _call_key(inputs, functions, args, kwargs)))
 
 
@@ -819,18 +895,22 @@ class Jitted:
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args, **kwargs):
-        state = self.state(*args, **kwargs) if callable(self.state) else self.state
+        state = self.state
+        if callable(state) and not isinstance(state, torch.nn.Module):  # a function of the call's arguments
+            state = state(*args, **kwargs)
         return call(self.fn, args, kwargs, state, self.fallback, self.meanwhile, self.trace_after)
 
 
 def jit(fn, *, state=(), fallback=None, meanwhile=None, trace_after: float = 0.0) -> Jitted:
     """`fn` run as one XLA program over its `tpu` tensors, traced from Python without Dynamo.
 
-    `state` names the objects whose tensors the function reads or writes besides its arguments (a tuple,
-    or a function of the call's arguments that returns one): a module's parameters and buffers, a KV
-    cache's tensors. Tensors written in place become outputs of the program, donated to XLA and rebound
-    after the call. `fallback` (by default `fn`, run eagerly) runs any call that cannot be traced. See
-    `hf_tpu.direct` for what is keyed and what is not guarded.
+    `state` names the objects whose tensors the function reads or writes besides its arguments: a module (its
+    parameters, buffers and tensor attributes), a tensor, another object (a KV cache: the tensors among its
+    attributes), or a tuple, list or dict of them, nested; or a function of the call's arguments that returns
+    such state. Tensors written in place become outputs of the program, donated to XLA and rebound after the
+    call: the caller's tensor objects hold the new values, as after the eager call. `fallback` (by default
+    `fn`, run eagerly) runs any call that cannot be traced. See `hf_tpu.direct` for what is keyed and what is
+    not guarded.
 
     `meanwhile`: a function of the same arguments whose result a call returns while the device has not
     compiled the call's program: the device's compile runs on a thread of its own, and the calls after it
@@ -895,12 +975,13 @@ def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state
     mutated, others = donation.split(arrays, program.mutated)
     slots = tuple(slot - sum(m < slot for m in program.mutated) for slot in carried_slots)
     keep_going = buffer.array_of(keep_going)
-    carried_arrays = [buffer.array_of(t) for t in carried]
+    # the loop's record of out-of-range indices rides last among the carried values (`loop_chunk`)
+    carried_arrays = [*(buffer.array_of(t) for t in carried), device_errors.no_errors(inputs.device_index)]
     if buffer.sharded_arrays_exist:  # a sharded model's loop carries single-chip tokens
         *carried_arrays, keep_going = buffer.place_together([*arrays, *carried_arrays, keep_going])[len(arrays):]
     compiled_before = program.loop_jitted is not None
     if not compiled_before:
-        chunk = _named(f"loop_{name}", functools.partial(loop_chunk, program.step))
+        chunk = _named(f"loop_{name}", functools.partial(loop_chunk, lambda *a: (*program.step(*a), program.checks)))
         program.loop_jitted = {True: jax.jit(chunk, donate_argnums=(0,), static_argnums=(3,)),
                                False: jax.jit(chunk, static_argnums=(3,))}
     jitted = program.loop_jitted[donatable(mutated)]
@@ -940,7 +1021,11 @@ def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state
         raise loops.NotLoopable(f"{type(e).__name__}: {e}") from e
     for slot, array in zip(program.mutated, final[0]):
         inputs.buffers[slot].array = array
-    return tuple(buffer.new_tensor(a.shape, t.dtype, inputs.device_index, a) for t, a in zip(carried, final[1]))
+    *final_carried, record = final[1]
+    sites = device_errors.loop_sites(program.checks)
+    if sites is not None:
+        modes.merge_index_record(record, inputs.device_index, sites)
+    return tuple(buffer.new_tensor(a.shape, t.dtype, inputs.device_index, a) for t, a in zip(carried, final_carried))
 
 
 def _wait_for_compile_ahead(program: _Program) -> None:
@@ -957,7 +1042,7 @@ def _wait_for_compile_ahead(program: _Program) -> None:
 def _check_loopable(program: _Program, carried: tuple, carried_slots: list) -> None:
     if set(carried_slots) & set(program.mutated):
         raise _Untraceable("the step updates a carried tensor in place")
-    if program.checks:
+    if not device_errors.loop_can_fold(program.checks):  # a record of out-of-range indices rides along
         raise _Untraceable("a while_loop step cannot check device values (a linalg error, an assert)")
     kinds = [kind for kind, _ in program.outputs]
     if len(kinds) != len(carried) + 1 or any(kind != "new" for kind in kinds):

@@ -143,6 +143,25 @@ def test_compiled_sharded_model_matches_unsharded():
     torch.testing.assert_close(logits.cpu(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_sharded_model_finds_an_id_out_of_range_and_single_chip_ops_stay_on_their_chip(compiled):
+    """The record of out-of-range indices stays on its chip: a sharded program's finding joins it there, and a
+    single-chip op after it runs on that chip alone (docs/design/device-checks.md)."""
+    model = tiny_llama()
+    dist.shard_model(model, model.tp_plan, dist.mesh(2, "tp"))
+    run = torch.compile(model, backend="tpu") if compiled else model
+    with torch.no_grad():
+        run(torch.randint(0, CONFIG.vocab_size, (2, 10)).to("tpu")).logits.sum().item()
+        ids = torch.randint(0, CONFIG.vocab_size, (2, 10))
+        ids[1, 3] = CONFIG.vocab_size
+        logits = run(ids.to("tpu")).logits
+    with pytest.raises(IndexError, match=r"index out of range in self \(aten::embedding called at "):
+        logits.sum().item()
+    single = torch.nn.functional.embedding(torch.tensor([1], device="tpu"), torch.randn(4, 2, device="tpu"))
+    assert dist.sharding(single) is None and single.shape == (1, 2)
+    torch._dynamo.reset()
+
+
 def test_load_state_dict_into_a_sharded_model_keeps_the_shards():
     model = tiny_llama()
     state = {name: torch.randn_like(p) for name, p in model.state_dict().items()}
@@ -167,6 +186,26 @@ def test_shard_model_bad_plans_raise_before_moving_weights():
         assert all(p.device.type == "cpu" for p in model.parameters())
     with pytest.raises(ValueError, match="tp_axis"):
         dist.shard_model(model, {"1": "rowwise"}, mesh, tp_axis="dp")
+
+
+@pytest.mark.parametrize("mode", MODES[:2])
+def test_a_large_sharded_result_is_checked_by_its_share_of_each_chip(monkeypatch, mode):
+    """An op's large result is checked against the device's free memory before its launch
+    (hf_tpu/memory/out_of_memory.py); where XLA may split it over the chips, only its share of each chip is."""
+    from hf_tpu.memory import out_of_memory
+
+    mesh = dist.mesh(2, "tp")
+    x = dist.shard(torch.ones(2 * 1021, 64), mesh, ("tp",))
+    torch.tpu.synchronize()
+    total = torch.tpu.memory_allocated() + x.nbytes * 3 // 4  # room on chip 0 for its half of x + x, not for all
+    monkeypatch.setattr(out_of_memory, "capacity", lambda index: total, raising=False)
+    monkeypatch.setattr(out_of_memory, "LARGE_SHARE", 1 << 40)  # every result is large
+    with torch.tpu.use_eager_mode(mode):
+        first = x + x
+        torch.tpu.synchronize()
+        assert dist.sharding(first) == dist.Sharding(mesh, ("tp", None))
+        with pytest.raises(torch.OutOfMemoryError, match=r"aten::add.Tensor of .* split over 2 chips at best, asks"):
+            x + x
 
 
 def test_eight_chips_forward_and_data_times_tensor_parallel_step():

@@ -290,6 +290,19 @@ def test_tokens_after_the_first_cost_no_host_read_each(models):
     assert syncs[1] == syncs[2]  # a constant per call, whatever the number of tokens
 
 
+def test_a_token_id_beyond_the_vocabulary_raises_cpus_error_and_the_next_call_generates(models):
+    """The traced prefill looks the prompt up on the device: the id out of range is CPU's IndexError at generate's
+    first read, naming the embedding, and the kept static cache and programs serve the next call."""
+    cpu, tpu = models
+    prompt = torch.tensor([[3, 14, cpu.config.vocab_size, 92, 65]])
+    with pytest.raises(IndexError, match="index out of range in self"):
+        cpu.generate(prompt, max_new_tokens=4, do_sample=False)
+    with pytest.raises(IndexError, match=r"index out of range in self \(aten::embedding called at .*in forward"):
+        tpu.generate(prompt.to("tpu"), max_new_tokens=4, do_sample=False)
+    expected, actual = _both(models, max_new_tokens=4, do_sample=False)
+    assert torch.equal(actual, expected)
+
+
 def test_the_device_loop_generates_what_decoding_token_by_token_generates(models):
     _, tpu = models
     prompt = torch.tensor([[0, 0, 7, 8, 9], [3, 14, 15, 92, 65]]).to("tpu")

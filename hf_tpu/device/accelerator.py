@@ -11,7 +11,7 @@ import functools
 import torch
 
 from .. import device as tpu
-from .. import dispatch
+from ..dynamo_frames import hide_from_dynamo
 
 
 def _device_arg(device):
@@ -78,18 +78,19 @@ def _routed(name, original):
             return route(*args, **kwargs)
         return original(*args, **kwargs)
 
-    wrapper.__hf_tpu_original__ = original
+    wrapper._hf_tpu_original = original  # the marker of a function hf-tpu put in PyTorch's place
     return wrapper
 
 
 def install() -> None:
     for name in _ROUTES:
         original = getattr(torch.accelerator, name, None)
-        if original is None or hasattr(original, "__hf_tpu_original__"):
+        if original is None or hasattr(original, "_hf_tpu_original"):
             continue
         setattr(torch.accelerator, name, _routed(name, original))
     if not issubclass(torch.accelerator.device_index, _DeviceIndex):
         torch.accelerator.device_index = _DeviceIndex
     # Dynamo asks for the current stream while it compiles: it must not try to compile our answer
     routed = [getattr(torch.accelerator, name) for name in _ROUTES if hasattr(torch.accelerator, name)]
-    dispatch.hide_from_dynamo(*{wrapper.__code__ for wrapper in routed})
+    hide_from_dynamo(*{wrapper.__code__ for wrapper in routed}, _DeviceIndex.__enter__.__code__,
+                     _DeviceIndex.__exit__.__code__)

@@ -21,6 +21,8 @@ import weakref
 
 import torch
 
+from ..dynamo_frames import hide_from_dynamo
+
 _swap = torch.__future__.get_swap_module_params_on_conversion
 _set_swap = torch.__future__.set_swap_module_params_on_conversion
 
@@ -39,7 +41,8 @@ def _swaps_for(module: torch.nn.Module, device) -> list | None:
 @contextlib.contextmanager
 def _swapping(parameters: list):
     """Swap parameters while converting; a swap also exchanges the Python attributes (`__dict__`), and
-    those a user or a library set on a parameter are put back, as an in-place move keeps them."""
+    those a user or a library set on a parameter are put back, as an in-place move keeps them. Those the moved
+    tensor has itself stay: a tensor subclass keeps its data in attributes (torchao's `qdata` and `scale`)."""
     attributes = [(p, dict(p.__dict__)) for p in parameters if p.__dict__]
     _set_swap(True)
     try:
@@ -47,7 +50,8 @@ def _swapping(parameters: list):
     finally:
         _set_swap(False)
         for p, kept in attributes:
-            p.__dict__.update(kept)
+            for name, value in kept.items():
+                p.__dict__.setdefault(name, value)
 
 
 def _keeping_parameters(convert, device_of):
@@ -77,6 +81,9 @@ def _to_device(*args, **kwargs):
 
 def install() -> None:
     module = torch.nn.Module
-    module.to = _keeping_parameters(module.to, _to_device)
-    module.cpu = _keeping_parameters(module.cpu, lambda: "cpu")
-    module.to_empty = _keeping_parameters(module.to_empty, lambda *, device, recurse=True: device)
+    devices_of = {"to": _to_device, "cpu": lambda: "cpu", "to_empty": lambda *, device, recurse=True: device}
+    for name, device_of in devices_of.items():
+        setattr(module, name, _keeping_parameters(getattr(module, name), device_of))
+    # run as PyTorch's methods do under torch.compile, not traced by Dynamo as functions of their own
+    hide_from_dynamo(module.to.__code__, recursive=False)  # the code of every wrapper
+    hide_from_dynamo(_swaps_for.__code__, *(device_of.__code__ for device_of in devices_of.values()))
