@@ -72,8 +72,9 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import _replay, compile_log, constant_masks, disk_cache, loops, modes
 from .compile import UNTRACEABLE, _Tracing, _Untraceable, count_trace, donatable, finish_call, launching, loop_chunk
-from .device import rng
+from .device_state import rng
 from .memory import buffer, donation
+from .modes import device_errors
 
 log = logging.getLogger("hf_tpu.compile")
 
@@ -1131,12 +1132,13 @@ def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state
     mutated, others = donation.split(arrays, program.mutated)
     slots = tuple(slot - sum(m < slot for m in program.mutated) for slot in carried_slots)
     keep_going = buffer.array_of(keep_going)
-    carried_arrays = [buffer.array_of(t) for t in carried]
+    # the loop's record of out-of-range indices rides last among the carried values (`loop_chunk`)
+    carried_arrays = [*(buffer.array_of(t) for t in carried), device_errors.no_errors(inputs.device_index)]
     if buffer.sharded_arrays_exist:  # a sharded model's loop carries single-chip tokens
         *carried_arrays, keep_going = buffer.place_together([*arrays, *carried_arrays, keep_going])[len(arrays):]
     compiled_before = program.loop_jitted is not None
     if not compiled_before:
-        chunk = _named(f"loop_{name}", functools.partial(loop_chunk, program.step))
+        chunk = _named(f"loop_{name}", functools.partial(loop_chunk, lambda *a: (*program.step(*a), program.checks)))
         program.loop_jitted = {True: jax.jit(chunk, donate_argnums=(0,), static_argnums=(3,)),
                                False: jax.jit(chunk, static_argnums=(3,))}
     jitted = program.loop_jitted[donatable(mutated)]
@@ -1176,7 +1178,11 @@ def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state
         raise loops.NotLoopable(f"{type(e).__name__}: {e}") from e
     for slot, array in zip(program.mutated, final[0]):
         inputs.buffers[slot].array = array
-    return tuple(buffer.new_tensor(a.shape, t.dtype, inputs.device_index, a) for t, a in zip(carried, final[1]))
+    *final_carried, record = final[1]
+    sites = device_errors.loop_sites(program.checks)
+    if sites is not None:
+        modes.merge_index_record(record, inputs.device_index, sites)
+    return tuple(buffer.new_tensor(a.shape, t.dtype, inputs.device_index, a) for t, a in zip(carried, final_carried))
 
 
 def _wait_for_compile_ahead(program: _Program) -> None:
@@ -1193,7 +1199,7 @@ def _wait_for_compile_ahead(program: _Program) -> None:
 def _check_loopable(program: _Program, carried: tuple, carried_slots: list) -> None:
     if set(carried_slots) & set(program.mutated):
         raise _Untraceable("the step updates a carried tensor in place")
-    if program.checks:
+    if not device_errors.loop_can_fold(program.checks):  # a record of out-of-range indices rides along
         raise _Untraceable("a while_loop step cannot check device values (a linalg error, an assert)")
     kinds = [spec[0] for spec in program.outputs]
     if len(kinds) != len(carried) + 1 or any(kind != "new" for kind in kinds):

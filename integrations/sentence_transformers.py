@@ -39,6 +39,7 @@ from torch.utils import _pytree as pytree
 
 import hf_tpu
 from hf_tpu import settings as _environment
+from hf_tpu.model_patches.wrapping import wrap_once
 
 log = logging.getLogger("hf_tpu.integrations")
 
@@ -116,7 +117,6 @@ def _wrap_preprocess(original):
         return pad_to_bucket(features, pad_token_id, getattr(tokenizer, "padding_side", "right"),
                              _longest_sequence(self))
 
-    preprocess._hf_tpu = True
     return preprocess
 
 
@@ -258,7 +258,6 @@ def _wrap_model_forward(original):
         # a plain dict: the tokenizer's BatchEncoding is unhashable, so it could not key a program
         return _traced_model_forward(self, dict(features), kwargs)
 
-    forward._hf_tpu = True
     return forward
 
 
@@ -282,17 +281,12 @@ def _wrap_to(original):
                                    if name in before and (before[name].shape, before[name].dtype) == (t.shape, t.dtype)}
         return result
 
-    to._hf_tpu = True
     return to
 
 
 def install(module) -> None:
     if module.__name__ == "sentence_transformers.base.model":
-        if not getattr(module.BaseModel.forward, "_hf_tpu", False):
-            module.BaseModel.forward = _wrap_model_forward(module.BaseModel.forward)
-        if not getattr(module.BaseModel.to, "_hf_tpu", False):
-            module.BaseModel.to = _wrap_to(module.BaseModel.to)
+        wrap_once(module.BaseModel, "forward", _wrap_model_forward)
+        wrap_once(module.BaseModel, "to", _wrap_to)
         return
-    transformer = module.Transformer
-    if not getattr(transformer.preprocess, "_hf_tpu", False):
-        transformer.preprocess = _wrap_preprocess(transformer.preprocess)
+    wrap_once(module.Transformer, "preprocess", _wrap_preprocess)
