@@ -639,27 +639,7 @@ def _run_with_rng_state(rng_state, op, *args, **kwargs):
         rng.set_state(current, index)
 
 
-def _modules_traced_directly() -> None:
-    """`torch.compile` of a module's call with this backend returns it behind the direct trace
-    (`hf_tpu.compiled_modules`, imported at the first such call: it builds on `hf_tpu.direct`, which imports this
-    module)."""
-    from torch._dynamo.eval_frame import OptimizeContext
-
-    original = OptimizeContext.__call__
-    if getattr(original, "_hf_tpu", False):
-        return
-
-    def __call__(self, fn):
-        from . import compiled_modules
-
-        return compiled_modules.wrap(self, fn, original(self, fn), original)
-
-    __call__._hf_tpu = True
-    OptimizeContext.__call__ = __call__
-
-
 _capturable_on_tpu()
 torch._dynamo.callback_handler.register_start_callback(_note_dynamo_start)
-_modules_traced_directly()
 _tpu_generators_as_cpu_ones()
 _rng_state_ops_on_tpu()

@@ -39,9 +39,10 @@ longer bucket, the rows in chunks), and the bucket is traced once they have cost
 (`hf_tpu.jit(meanwhile=)`'s rent-or-buy rule). `torch.compile(..., dynamic=False)` keeps shapes exact.
 
 The hook is `OptimizeContext.__call__`, where both `torch.compile(module)` (through the `OptimizedModule`'s
-`forward`) and `Module.compile()` (through `_compiled_call_impl`) wrap the module's call: `hf_tpu.compile` wraps
-it when the `tpu` backend is loaded, which `torch.compile(backend="tpu")` does before it wraps anything, and
-hands each result to `wrap`.
+`forward`) and `Module.compile()` (through `_compiled_call_impl`) wrap the module's call. The `tpu` backend's entry
+point (`pyproject.toml`) is this module's `tpu_backend`, so `torch.compile(backend="tpu")` imports it, and the hook
+is installed, before it wraps anything (a `torch.compile` given `hf_tpu.compile.tpu_backend` itself, with this module
+never imported, compiles through Dynamo). The registries above are the adapters' part of the core's contract.
 """
 
 from __future__ import annotations
@@ -319,22 +320,49 @@ def _wrap_inline_code():
 
 
 def _compiles_for_tpu(context) -> bool:
-    """Whether a Dynamo context compiles with the `tpu` backend (by name or as the function)."""
+    """Whether a Dynamo context compiles with the `tpu` backend (by name or as one of its functions)."""
     from torch._dynamo.eval_frame import innermost_backend
 
-    from .compile import tpu_backend
+    from .compile import tpu_backend as backend_itself
 
     backend = innermost_backend(context.callback) if callable(getattr(context, "callback", None)) else None
-    return getattr(backend, "compiler_fn", backend) is tpu_backend and not getattr(context, "export", False)
+    return (getattr(backend, "compiler_fn", backend) in (tpu_backend, backend_itself)
+            and not getattr(context, "export", False))
+
+
+def tpu_backend(gm, example_inputs, **kwargs):
+    """`torch.compile(backend="tpu")`'s backend: `hf_tpu.compile.tpu_backend`, reached through this module so that
+    loading the backend installs the direct trace in front of it."""
+    from .compile import tpu_backend as backend
+
+    return backend(gm, example_inputs, **kwargs)
+
+
+def install() -> None:
+    """`torch.compile` of a module's call with the `tpu` backend returns it behind the direct trace (`wrap`); once."""
+    from torch._dynamo.eval_frame import OptimizeContext
+
+    original = OptimizeContext.__call__
+    if getattr(original, "_hf_tpu", False):
+        return
+
+    def __call__(self, fn):
+        return wrap(self, fn, original(self, fn), original)
+
+    __call__._hf_tpu = True
+    OptimizeContext.__call__ = __call__
 
 
 def wrap(context, fn, compiled, dynamo_call):
-    """What `torch.compile` returns for `fn` (`OptimizeContext.__call__`, which `hf_tpu.compile` wraps so that it
-    lands here; `dynamo_call` is PyTorch's own, `compiled` what it returned): a module's call compiled with the
-    `tpu` backend behind the direct trace, anything else as Dynamo compiled it."""
+    """What `torch.compile` returns for `fn` (`OptimizeContext.__call__`, wrapped by `install`; `dynamo_call` is
+    PyTorch's own, `compiled` what it returned): a module's call compiled with the `tpu` backend behind the direct
+    trace, anything else as Dynamo compiled it."""
     module, around = _module_called(fn)
     if module is None or not _compiles_for_tpu(context):
         return compiled
     forward = module.forward if around else fn
     return _traced_first(_CompiledCall(module, forward, compiled, lambda f: dynamo_call(context, f), around,
                                        getattr(context, "_dynamic", None)))
+
+
+install()

@@ -324,3 +324,23 @@ def test_a_batch_marked_dynamic_is_padded_to_a_power_of_two(causal_lm):
             out = compiled(tpu_ids)
         torch.testing.assert_close(out.logits.cpu(), cpu(ids).logits, atol=1e-5, rtol=1e-4)
     assert _traced() == 1
+
+
+def test_torch_compile_by_the_backends_name_installs_the_direct_trace_in_a_fresh_process():
+    """The `tpu` backend's entry point is `hf_tpu.compiled_modules`: `torch.compile(backend="tpu")` loads it, and the
+    hook is in place before Dynamo wraps the module."""
+    import subprocess
+    import sys
+
+    from tests.util import cpu_process_env
+
+    code = ("import torch, torch._dynamo.utils, hf_tpu\n"
+            "m = torch.compile(torch.nn.Linear(4, 4).to('tpu'), backend='tpu')\n"
+            "with torch.no_grad():\n"
+            "    m(torch.randn(2, 4, device='tpu')).cpu()\n"
+            "print(hf_tpu.metrics()['compiles_by_mode'].get('COMPILE', 0), "
+            "dict(torch._dynamo.utils.counters['frames']))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env=cpu_process_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[:2] == ["1", "{}"], proc.stdout
