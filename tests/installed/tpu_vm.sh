@@ -15,6 +15,11 @@ if [ "${1:-}" = "--offline" ] && [ ! -d "$site" ]; then
     echo "usage: $0 [--offline SITE]: SITE must be a folder of unpacked packages" >&2
     exit 2
 fi
+# the machine's JAX and libtpu, wherever this python3 finds them: another venv's or a PYTHONPATH's folder (which
+# a TPU machine may hold them in) is not among a new venv's system site-packages
+machine="$(python3 -c 'import importlib.util as u, os
+print("\n".join(sorted({os.path.dirname(os.path.dirname(u.find_spec(m).origin)) for m in ("jax", "jaxlib", "libtpu")
+                        if u.find_spec(m)})))' 2>/dev/null || true)"
 unset PYTHONPATH
 cd "$root"
 
@@ -27,7 +32,7 @@ if [ -z "$site" ]; then
 else
     python3 -m venv --system-site-packages "$work/venv"
     source "$work/venv/bin/activate"
-    echo "$site" > "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/offline-site.pth"
+    printf '%s\n%s\n' "$site" "$machine" > "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/offline-site.pth"
     PYTHONPATH="$site" pip wheel --no-deps --no-build-isolation --no-index -w "$work/dist" .  # SITE's setuptools
     pip install --no-deps --no-index "$work"/dist/hf_tpu-*.whl
 fi
