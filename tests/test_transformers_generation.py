@@ -366,15 +366,15 @@ def test_a_warm_generate_of_one_token_costs_a_fixed_number_of_device_ops(models,
     Transformers' inputs, which find the first's kept array), their mask and positions and of the result. An op
     or a transfer more per layer (Transformers' own cache allocation: 3 ops and an upload a layer) or per call
     shows here."""
-    from hf_tpu.memory import buffer
+    from hf_tpu.memory import host_transfers
 
     _, tpu = models
     prompt = PROMPT.to("tpu")
     for _ in range(2):  # compiles the prefill, then takes the kept static cache
         tpu.generate(prompt, max_new_tokens=1, do_sample=False)
     uploads = []
-    from_host = buffer.from_host
-    monkeypatch.setattr(buffer, "from_host", lambda *args: uploads.append(args) or from_host(*args))
+    from_host = host_transfers.from_host
+    monkeypatch.setattr(host_transfers, "from_host", lambda *args: uploads.append(args) or from_host(*args))
     hf_tpu.reset_metrics()
     tpu.generate(prompt, max_new_tokens=1, do_sample=False)
     metrics = hf_tpu.metrics()

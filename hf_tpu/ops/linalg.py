@@ -19,7 +19,7 @@ from .. import dispatch, dtypes, modes, platform
 from ..dispatch import Promote, handler, lowering
 from ..kernels import grouped_matmul
 from ..kernels import selection as kernel_selection
-from ..memory import buffer
+from ..memory import tensor_views
 
 aten = torch.ops.aten
 
@@ -59,7 +59,7 @@ def _product_dtype(dtype, rows: int):
 
     - at 8x1024 (8192 rows), asked for in float32, XLA laid the residual stream out token-minor from the first
       linear layer on and relaid it around every layer's attention: 133.20 ms a call, against 125.63 ms asked
-      for in bfloat16 with `buffer.Flattened` inputs (133.29 ms in bfloat16 without them);
+      for in bfloat16 with `tensor_views.Flattened` inputs (133.29 ms in bfloat16 without them);
     - at 1x1024 (1024 rows), asked for in bfloat16, XLA's fusion of each down projection with the residual add
       and the next norm's statistics took 345 us against 189 us: 18.61 ms a call against 16.28 ms (device
       16.69 against 14.20 ms). At 1x4096 the forward took 78.3 ms (bfloat16) against 75.3 ms (float32, an
@@ -137,15 +137,15 @@ def _vector_as_two_rows(product, a, b, dimension_numbers, vector_side: int):
 
 
 def _matmul(a, b, epilogue: bool = False):
-    """(..., n, k) @ (..., k, m) with equal batch dims; either side may be `buffer.Transposed`, whose
+    """(..., n, k) @ (..., k, m) with equal batch dims; either side may be `tensor_views.Transposed`, whose
     array holds the matrix with its last two dims swapped, contracted where it lies; the left one may be
-    `buffer.Flattened` (2-d products only), contracted in its buffer's shape, the product then flattened.
+    `tensor_views.Flattened` (2-d products only), contracted in its buffer's shape, the product then flattened.
     `epilogue` as in `dot`."""
-    b, rhs_contracted = (b.array, b.array.ndim - 1) if type(b) is buffer.Transposed else (b, b.ndim - 2)
-    if type(a) is buffer.Flattened:
+    b, rhs_contracted = (b.array, b.array.ndim - 1) if type(b) is tensor_views.Transposed else (b, b.ndim - 2)
+    if type(a) is tensor_views.Flattened:
         product = dot(a.array, b, (((a.array.ndim - 1,), (rhs_contracted,)), ((), ())), epilogue)
         return product.reshape(-1, product.shape[-1])
-    a, lhs_contracted = (a.array, a.array.ndim - 2) if type(a) is buffer.Transposed else (a, a.ndim - 1)
+    a, lhs_contracted = (a.array, a.array.ndim - 2) if type(a) is tensor_views.Transposed else (a, a.ndim - 1)
     batch = tuple(range(a.ndim - 2))
     return dot(a, b, (((lhs_contracted,), (rhs_contracted,)), (batch, batch)), epilogue)
 

@@ -1,5 +1,5 @@
 """How a linear layer's product reaches XLA: its input contracted in the input's own shape
-(`hf_tpu.memory.buffer.Flattened`), and on a TPU a bfloat16 product of many rows asked for in bfloat16
+(`hf_tpu.memory.tensor_views.Flattened`), and on a TPU a bfloat16 product of many rows asked for in bfloat16
 (`hf_tpu.ops.linalg._product_dtype`). Both decide the layouts XLA gives a model on a TPU; the values match
 PyTorch's on the CPU either way."""
 
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_tpu import platform
-from hf_tpu.memory import buffer
+from hf_tpu.memory import buffer, tensor_views
 from hf_tpu.ops import linalg
 
 _TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
@@ -51,14 +51,15 @@ def test_a_linear_layers_input_is_contracted_in_its_own_shape(monkeypatch):
 
 def test_which_views_are_flattened_inputs():
     def view(t):
-        return buffer.view_of(t, buffer.buffer_of(t))
+        return tensor_views.view_of(t, buffer.buffer_of(t))
 
     x = torch.zeros(2, 5, 4, 6, device="tpu")
-    assert buffer.flattened_shape(view(x.view(10, 24)), x.shape, x.dtype) == (2, 5, 24)
-    assert buffer.flattened_shape(view(x.view(40, 6)), x.shape, x.dtype) == (2, 5, 4, 6)
-    assert buffer.flattened_shape(view(x.view(2, 120)), x.shape, x.dtype) is None  # one leading dim: a plain matrix
-    assert buffer.flattened_shape(view(x.view(10, 24)[1:]), x.shape, x.dtype) is None  # not the whole buffer
-    assert buffer.flattened_shape(view(x.view(10, 24).t()), x.shape, x.dtype) is None  # transposed
+    assert tensor_views.flattened_shape(view(x.view(10, 24)), x.shape, x.dtype) == (2, 5, 24)
+    assert tensor_views.flattened_shape(view(x.view(40, 6)), x.shape, x.dtype) == (2, 5, 4, 6)
+    # one leading dim: a plain matrix
+    assert tensor_views.flattened_shape(view(x.view(2, 120)), x.shape, x.dtype) is None
+    assert tensor_views.flattened_shape(view(x.view(10, 24)[1:]), x.shape, x.dtype) is None  # not the whole buffer
+    assert tensor_views.flattened_shape(view(x.view(10, 24).t()), x.shape, x.dtype) is None  # transposed
 
 
 @pytest.mark.parametrize("name", ["tpu", "cpu", "gpu"])
@@ -73,7 +74,7 @@ def test_a_bfloat16_product_of_many_rows_is_asked_for_in_bfloat16_on_a_tpu_alone
 
 
 def test_a_products_rows_are_its_left_sides_elements_per_contracted_element(monkeypatch):
-    """A linear layer's input of (batch, tokens, features), contracted in its own shape (`buffer.Flattened`), has
+    """A linear layer's input of (batch, tokens, features), contracted in its own shape (`tensor_views.Flattened`), has
     batch * tokens rows: 8x1024 asks for bfloat16 on a TPU, 1x1024 for float32."""
     monkeypatch.setattr(platform, "name", lambda: "tpu")
     weight = jnp.ones((4, 3), jnp.bfloat16)
