@@ -18,29 +18,36 @@ inside the program. A buffer the function writes in place (a KV cache's `index_c
 program too: its array is donated (XLA writes the update in place) and the buffer holds the new array
 after the call, so every view of it sees the update, as after the eager call.
 
+What the function returns is rebuilt at each call: new tensors from the program's outputs, an input tensor or
+state object as itself, plain values as they were in the trace, and an object the trace made to hold new tensors
+(a model's new `DynamicCache`) as a new object of its type with its attributes rebuilt, as Dynamo rebuilds the
+objects a graph makes.
+
 A call that cannot be traced runs the `fallback` instead (by default the function itself, eagerly), with a
 log line saying why, and every later call with the same key does too: a host read (`.item()`, `bool(t)`),
 an op without a lowering, a tensor outside the inputs written in place, a tensor made in the trace kept
-outside it, an output that is neither a new tensor (a tensor subclass made in the trace is returned over
-new tensors), an input tensor itself, a state object nor a plain value, or a change to Python state (an
-attribute of a state object, a module or an argument's list or dict set, added or removed: the trace
-would not replay it). Autograd is off inside the trace
-(`torch.no_grad()`); a call made with gradients enabled and an input that requires them falls back.
-Inside the trace `torch.compiler.is_compiling()` is True (as under non-strict `torch.export`), so code
-written for compilation takes its traceable branches.
+outside it, an output that is none of the above (a view of an input, an object that holds no new tensor, one
+with slots or a `__new__` of its own; a tensor subclass made in the trace is returned over new tensors), or a
+change to Python state (an attribute of a state object, a module or an argument's list or dict set, added or
+removed: the trace would not replay it) made by a second trace too: a first trace that changes only values
+holding no tensor (a setting made at a first call) keeps its change and is made again (see `call`). Autograd is
+off inside the trace (`torch.no_grad()`); a call made with gradients enabled and an input that requires them
+falls back. Inside the trace `torch.compiler.is_compiling()` is True (as under non-strict `torch.export`), so
+code written for compilation takes its traceable branches, and a tensor computed from constants alone has its
+value known on the host, where an attention call reads its mask's pattern (`constant_masks.KnownValues`).
 
 Programs are cached per function code and key: the argument tensors' shapes, dtypes, devices and views, the
 values of non-tensor arguments and closure contents (hashable ones: a number, a string, a tuple; an object
 with identity hashing is keyed by identity, an unhashable dataclass by its fields; another unhashable one
 makes the call fall back), the state tensors' shapes, dtypes and views, each module's type and `training`
 flag, a non-module state object's type and its attributes of plain value types (numbers, strings, devices,
-dtypes), the default dtype and autocast's state. Finding those takes a walk over every submodule, parameter
-and buffer; each state object's walk is kept and replayed by later calls while everything it read is unchanged
-(`_KeptWalk`). NOT guarded, as with `jax.jit`: globals the function reads, attributes of modules other than
-`training` and their tensors (a `config` object's fields, a module's Python-number attributes), the objects
-such attributes hold, and the content of a tensor that is not an input (a `tpu` tensor reached only through a
-global or an unlisted object is read as a constant of the program). Change such a thing and the next call runs
-the program traced before it.
+dtypes), the default dtype, autocast's state and the float32 matmul precision (which the lowerings read).
+Finding those takes a walk over every submodule, parameter and buffer; each state object's walk is kept and
+replayed by later calls while everything it read is unchanged (`_KeptWalk`). NOT guarded, as with `jax.jit`:
+globals the function reads, attributes of modules other than `training` and their tensors (a `config` object's
+fields, a module's Python-number attributes), the objects such attributes hold, and the content of a tensor
+that is not an input (a `tpu` tensor reached only through a global or an unlisted object is read as a constant
+of the program). Change such a thing and the next call runs the program traced before it.
 """
 
 from __future__ import annotations
@@ -63,7 +70,7 @@ from jax.extend import core as jax_core
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from . import _replay, compile_log, disk_cache, loops, modes
+from . import _replay, compile_log, constant_masks, disk_cache, loops, modes
 from .compile import UNTRACEABLE, _Tracing, _Untraceable, count_trace, donatable, finish_call, launching, loop_chunk
 from .device_state import rng
 from .memory import buffer, donation, placement, tensor_views
@@ -273,7 +280,7 @@ class _Inputs:
             return self.state_object(x)  # gradients on: the walk also checks that no input requires them
         start = self.position()
         for walk in _kept_walks_of(x):
-            if walk.start == start and walk.replay(self, x):
+            if walk.start == start and walk.inputs_type is type(self) and walk.replay(self, x):
                 return walk.key
         self.walk_start, self.reached_back = start[:2], False
         key = self.state_object(x)
@@ -388,6 +395,7 @@ class _KeptWalk:
                            for name, count in _KeptWalk.ADDED_POSITIONS.items()})
         del self.added["objects"][0]  # the root, appended again at a replay
         self.device_index = inputs.device_index
+        self.inputs_type = type(inputs)  # a walk of another kind (`call(inputs_type=)`) keys other things
 
     def holds(self, x) -> bool:
         """Whether the walk holds `x` (kept under `x`, it would keep it alive)."""
@@ -479,6 +487,28 @@ def _same(a, b) -> bool:
     return a is b or (type(a) is type(b) and isinstance(a, _VALUE_TYPES) and a == b)
 
 
+def _new_values(changes: list):
+    """The values a change to the Python state (`_python_state_changes`) put in place."""
+    for container, before, _ in changes:
+        if isinstance(container, dict):
+            yield from (value for k, value in container.items() if k not in before or not _same(value, before[k]))
+        else:
+            yield from container
+
+
+def _holds_tensors(x, depth: int = 0) -> bool:
+    """Whether `x` is or holds a tensor (searched through containers and plain objects, as state is)."""
+    if isinstance(x, torch.Tensor):
+        return True
+    if depth > _DEPTH or isinstance(x, (torch.nn.Module, *_VALUE_TYPES)):
+        return isinstance(x, torch.nn.Module)
+    if isinstance(x, dict):
+        return any(_holds_tensors(v, depth + 1) for v in x.values())
+    if isinstance(x, (list, tuple, set, frozenset)):
+        return any(_holds_tensors(v, depth + 1) for v in x)
+    return _plain_object(x) and any(_holds_tensors(v, depth + 1) for v in vars(x).values())
+
+
 def _restore(changes: list) -> None:
     for container, before, _ in changes:
         if isinstance(container, dict):
@@ -494,23 +524,26 @@ def _call_key(inputs: _Inputs, functions, args, kwargs) -> tuple:
     state = tuple(inputs.root(o) for o in tuple(inputs.state))
     arguments = inputs.argument((tuple(_function_parts(f)[1] for f in functions), args, kwargs))
     return (state, arguments, tuple(inputs.buffer_keys), torch.get_default_dtype(),
-            torch.is_autocast_enabled("tpu"), torch.get_autocast_dtype("tpu"))
+            torch.is_autocast_enabled("tpu"), torch.get_autocast_dtype("tpu"), torch.get_float32_matmul_precision())
 
 
 class _Program:
     """One traced call: its jaxpr over (every input buffer's array, the rng key), the buffers it overwrites,
     what it returns, and its jitted forms."""
 
-    def __init__(self, name: str, jaxpr, mutated: tuple, outputs: list, treedef, checks: list, draws: int):
+    def __init__(self, name: str, jaxpr, mutated: tuple, outputs: list, new_outputs: int, treedef, checks: list,
+                 draws: int):
         self.name = name
         self.jaxpr = jaxpr
         self.mutated = mutated  # slots of the buffers written in place, ascending
-        # per output leaf: ("new", dtype) | ("input", position among the input tensors) | ("state", k) | ("value", v)
+        # per output leaf, how a call rebuilds it (`_output`): ("new", dtype) | ("input", position among the input
+        # tensors) | ("state", k) | ("value", v) | ("same", k) | ("object", k): a tensor subclass among the inputs |
+        # ("subclass", ...): one made in the trace | ("new object", type, attributes): another object made there
         self.outputs = outputs
+        self.new_outputs = new_outputs  # the new tensors among them, each an output array of the program
         self.treedef = treedef
         self.checks = checks
         self.draws = draws
-        self.new_outputs = sum(map(_new_arrays, outputs))
         self.run = jax_core.jaxpr_as_fun(jaxpr)
         call = _named(f"traced_{name}", self.step)
         self.jitted = {True: jax.jit(call, donate_argnums=(0,)), False: jax.jit(call)}
@@ -518,6 +551,7 @@ class _Program:
         self.loop_compiling = None  # the loop's XLA compile started ahead (`while_loop(..., run=False)`)
         # `hf_tpu.jit(..., meanwhile=)`: the device's compile per donation, on a thread of its own
         self.device_compiles = {}
+        self.launched = False  # a call ran it (its XLA compile is done)
         # its key's name in the disk cache's prefetch entries (`disk_cache.expect`), until its first compile
         self.disk_digest = None
 
@@ -528,36 +562,8 @@ class _Program:
         return list(flat[:n]), list(flat[n:])
 
     def results(self, arrays, inputs: _Inputs):
-        new = iter(arrays)
-        leaves = [_result(output, new, inputs) for output in self.outputs]
-        return pytree.tree_unflatten(leaves, self.treedef)
-
-
-def _new_arrays(output: tuple) -> int:
-    """How many of the program's new arrays an output takes: a tensor subclass's, those of its inner tensors."""
-    kind, value = output
-    if kind == "subclass":
-        return sum(map(_new_arrays, value[-1]))
-    return kind == "new"
-
-
-def _result(output: tuple, new, inputs: _Inputs):
-    """The value a call returns for one output of its program (`_output`), taking its new arrays from `new`."""
-    kind, value = output
-    if kind == "new":
-        array = next(new)
-        return buffer.new_tensor(array.shape, value, inputs.device_index, array)
-    if kind == "input":
-        return inputs.tensors[value][0]
-    if kind == "state":
-        return inputs.state[value]
-    if kind == "object":
-        return inputs.objects[value]
-    if kind == "subclass":
-        cls, names, context, size, stride, inner = value
-        tensors = {name: _result(part, new, inputs) for name, part in zip(names, inner)}
-        return cls.__tensor_unflatten__(tensors, context, size, stride)
-    return value
+        new, made = iter(arrays), []
+        return pytree.tree_unflatten([_rebuild(spec, new, inputs, made) for spec in self.outputs], self.treedef)
 
 
 def _named(name: str, fn):
@@ -589,10 +595,23 @@ def _arguments_text(args, kwargs, state, positional: str = "argument", most: int
     return ", ".join(shown[:most]) + more + (f", with the state of {kinds}" if kinds else "")
 
 
-def _trace(name: str, run, inputs: _Inputs, arrays: list) -> _Program:
-    """Run `run()` once with every input buffer holding a tracer; the program it makes."""
+class _PythonStateChanged(_Untraceable):
+    """A trace changed Python state the program cannot replay, and the changes were kept (`_trace(keep_changes=
+    True)`): `call` traces once more with them made, and undoes them (`changes`) if it falls back."""
+
+    def __init__(self, message: str, changes: list):
+        super().__init__(message)
+        self.changes = changes
+
+
+def _trace(name: str, run, inputs: _Inputs, arrays: list, keep_changes: bool = False) -> _Program:
+    """Run `run()` once with every input buffer holding a tracer; the program it makes. A change to the Python state
+    met (`_python_state_changes`) raises `_Untraceable`, the change undone, or, with `keep_changes` and values that
+    hold no tensor, `_PythonStateChanged` with the change kept."""
     live = buffer.allocator.live
-    before = {address: buf._array for address, buf in list(live.items())}
+    # the arrays every buffer holds now, to find those the trace writes; not a tracer an earlier trace left in a
+    # buffer that something still holds (a frame of its error's traceback)
+    before = {address: buf._array for address, buf in list(live.items()) if not isinstance(buf._array, jax.core.Tracer)}
     # each input buffer's own array, which it holds again after the trace (`arrays` may be copies placed
     # on a sharded model's mesh, for the program only)
     own = [buf._array for buf in inputs.buffers]
@@ -610,16 +629,17 @@ def _trace(name: str, run, inputs: _Inputs, arrays: list) -> _Program:
             buf.array = array
         failed = True
         try:
-            with torch.no_grad():
+            with torch.no_grad(), constant_masks.KnownValues():
                 out = run()
             leaves, treedef = pytree.tree_flatten(out)
-            outputs, new_arrays = [], []
+            outputs, new_arrays, made = [], [], {}
             for leaf in leaves:
-                outputs.append(_output(leaf, inputs, first_new_address, new_arrays))
+                outputs.append(_output(leaf, inputs, first_new_address, new_arrays, made))
             finals = [buf._array for buf in inputs.buffers]
             mutated = tuple(i for i, (final, array) in enumerate(zip(finals, input_arrays)) if final is not array)
             _check_nothing_else_written(live, before, inputs_by_id)
-            found.update(mutated=mutated, outputs=outputs, treedef=treedef, draws=mode.draws,
+            found.update(mutated=mutated, outputs=outputs, new_outputs=len(new_arrays), treedef=treedef,
+                         draws=mode.draws,
                          checks=[(value.dtype, raise_if_bad) for value, raise_if_bad in mode.checks])
             failed = False
             checked = [tensor_views.array_of(value) for value, _ in mode.checks]
@@ -631,17 +651,27 @@ def _trace(name: str, run, inputs: _Inputs, arrays: list) -> _Program:
                 buf.array = array
             changes = _python_state_changes(python_state)
             if changes:
-                _restore(changes)
-                if not failed:
-                    raise _Untraceable(f"it changes Python state the program cannot replay ({changes[0][2]})")
+                message = f"it changes Python state the program cannot replay ({changes[0][2]})"
+                if failed or not keep_changes or any(map(_holds_tensors, _new_values(changes))):
+                    _restore(changes)
+                    if not failed:
+                        raise _Untraceable(message)
+                else:
+                    raise _PythonStateChanged(message, changes)
 
     traced.__name__ = traced.__qualname__ = f"trace_{name}"
     jaxpr = jax.jit(traced).trace(arrays, rng.example_key()).jaxpr
     _check_no_tensor_escaped(live, first_new_address)
-    return _Program(name, jaxpr, found["mutated"], found["outputs"], found["treedef"], found["checks"], found["draws"])
+    return _Program(name, jaxpr, found["mutated"], found["outputs"], found["new_outputs"], found["treedef"],
+                    found["checks"], found["draws"])
 
 
-def _output(leaf, inputs: _Inputs, first_new_address: int, new_arrays: list) -> tuple:
+def _output(leaf, inputs: _Inputs, first_new_address: int, new_arrays: list, made: dict, depth: int = 0) -> tuple:
+    """How a call rebuilds one returned value (`_rebuild`): a new tensor (its array appended to `new_arrays`), an input
+    tensor or state object itself, a plain value, or an object made in the trace that holds new tensors. `made` maps
+    the id of each new tensor and object met so far to its place among them, so that one met twice is rebuilt once."""
+    if id(leaf) in made:
+        return ("same", made[id(leaf)])
     if isinstance(leaf, torch.Tensor):
         if type(leaf) not in _PLAIN_TENSOR_TYPES and is_traceable_wrapper_subclass(leaf):
             index = inputs.seen.get(id(leaf))
@@ -650,13 +680,15 @@ def _output(leaf, inputs: _Inputs, first_new_address: int, new_arrays: list) -> 
             # a new tensor subclass (a weight quantized in the trace): its inner tensors are the outputs, and the
             # call returns a new object of its type over them, made with its flattening's context
             names, context = leaf.__tensor_flatten__()
-            inner = [_output(getattr(leaf, name), inputs, first_new_address, new_arrays) for name in names]
+            inner = [_output(getattr(leaf, name), inputs, first_new_address, new_arrays, made, depth)
+                     for name in names]
             return ("subclass", (type(leaf), tuple(names), context, leaf.shape, leaf.stride(), inner))
         if id(leaf) in inputs.tensor_index:
             return ("input", inputs.tensor_index[id(leaf)])
         if leaf.device.type == "tpu":
             buf = buffer.buffer_of(leaf)
             if buf.address >= first_new_address:
+                made[id(leaf)] = len(made)
                 new_arrays.append(tensor_views.array_of(leaf, buf))
                 return ("new", leaf.dtype)
         raise _Untraceable("it returns a view of an input tensor, or a CPU tensor")
@@ -664,7 +696,87 @@ def _output(leaf, inputs: _Inputs, first_new_address: int, new_arrays: list) -> 
         return ("state", inputs.state_index[id(leaf)])
     if isinstance(leaf, _VALUE_TYPES):
         return ("value", leaf)
-    raise _Untraceable(f"it returns a {type(leaf).__name__}, which may hold tensors of the trace")
+    arrays_before = len(new_arrays)
+    spec = _made_object(leaf, inputs, first_new_address, new_arrays, made, depth)
+    if spec is None or len(new_arrays) == arrays_before:  # holds no new tensor: it may be an object of the caller's
+        raise _Untraceable(f"it returns a {type(leaf).__name__}, which may hold tensors of the trace")
+    return spec
+
+
+def _made_object(x, inputs: _Inputs, first_new_address: int, new_arrays: list, made: dict, depth: int):
+    """The spec of an object the trace made to hold tensors it made (a Transformers `DynamicCache` in a model's
+    output, with its layers): rebuilt at each call as a new object of its type with its attributes, as Dynamo
+    rebuilds the objects a graph makes (`object.__new__`, then the attributes), since the traced one holds tracers.
+    Lists, tuples and dicts in it are rebuilt too; what holds no new tensor (a class, a config) is kept as it is.
+    None for anything else (a container of another type, an object with slots or its own `__new__`)."""
+    if depth > _DEPTH:
+        raise _Untraceable("it returns objects nested too deep")
+    kind = type(x)
+    if kind in (list, tuple, dict):
+        items = x.items() if kind is dict else enumerate(x)
+        specs = [(k, _output_or_kept(v, inputs, first_new_address, new_arrays, made, depth + 1)) for k, v in items]
+        return (kind.__name__, tuple(specs) if kind is dict else tuple(spec for _, spec in specs))
+    if not _plain_object(x) or kind.__new__ is not object.__new__ or _has_slots(kind):
+        return None
+    made[id(x)] = len(made)
+    attributes = tuple((name, _output_or_kept(value, inputs, first_new_address, new_arrays, made, depth + 1))
+                       for name, value in vars(x).items())
+    return ("new object", kind, attributes)
+
+
+def _has_slots(kind: type) -> bool:
+    """Whether instances of `kind` keep attributes outside their `__dict__` (slots of a class in its MRO)."""
+    slots = [getattr(c, "__slots__", ()) for c in kind.__mro__]
+    return any(set([names] if isinstance(names, str) else names) - {"__dict__", "__weakref__"} for names in slots)
+
+
+def _output_or_kept(x, inputs: _Inputs, first_new_address: int, new_arrays: list, made: dict, depth: int) -> tuple:
+    """The spec of a value held by an object or container the trace made: rebuilt where it holds new tensors, else
+    kept as it is (a value that holds a tensor of the trace without being rebuilt is caught after the trace, a
+    tensor made there still holding a tracer: `_check_no_tensor_escaped`)."""
+    if isinstance(x, torch.Tensor) or id(x) in made or id(x) in inputs.state_index or isinstance(x, _VALUE_TYPES):
+        return _output(x, inputs, first_new_address, new_arrays, made, depth)
+    made_before, arrays_before = len(made), len(new_arrays)
+    spec = _made_object(x, inputs, first_new_address, new_arrays, made, depth)
+    if spec is not None and len(new_arrays) > arrays_before:
+        return spec
+    for k in [k for k, index in made.items() if index >= made_before]:  # objects holding no new tensor: kept
+        del made[k]
+    return ("value", x)
+
+
+def _rebuild(spec, new, inputs: _Inputs, made: list):
+    """The value `spec` (`_output`) describes, for one call: `new` yields the call's new arrays, and `made` gathers
+    the new tensors and objects rebuilt so far."""
+    kind = spec[0]
+    if kind == "input":
+        return inputs.tensors[spec[1]][0]
+    if kind == "state":
+        return inputs.state[spec[1]]
+    if kind == "value":
+        return spec[1]
+    if kind == "same":
+        return made[spec[1]]
+    if kind == "list":
+        return [_rebuild(item, new, inputs, made) for item in spec[1]]
+    if kind == "tuple":
+        return tuple(_rebuild(item, new, inputs, made) for item in spec[1])
+    if kind == "dict":
+        return {k: _rebuild(item, new, inputs, made) for k, item in spec[1]}
+    if kind == "new":
+        array = next(new)
+        made.append(buffer.new_tensor(array.shape, spec[1], inputs.device_index, array))
+        return made[-1]
+    if kind == "object":  # a tensor subclass among the inputs: that very object
+        return inputs.objects[spec[1]]
+    if kind == "subclass":  # a tensor subclass made in the trace, over its inner tensors
+        cls, names, context, size, stride, inner = spec[1]
+        tensors = {name: _rebuild(part, new, inputs, made) for name, part in zip(names, inner)}
+        return cls.__tensor_unflatten__(tensors, context, size, stride)
+    obj = object.__new__(spec[1])  # "new object": its attributes rebuilt after it, as `_made_object` met them
+    made.append(obj)
+    vars(obj).update((name, _rebuild(item, new, inputs, made)) for name, item in spec[2])
+    return obj
 
 
 def _check_nothing_else_written(live: dict, before: dict, inputs_by_id: set) -> None:
@@ -740,17 +852,18 @@ def _state_objects(state) -> tuple:
     return tuple(state) if isinstance(state, (tuple, list)) else (state,)
 
 
-def _prepare(site, functions, args, kwargs, state) -> tuple:
+def _prepare(site, functions, args, kwargs, state, inputs_type=_Inputs) -> tuple:
     """(inputs, key) of a call, or raises `_Unkeyable`."""
-    inputs = _Inputs(_state_objects(state))
+    inputs = inputs_type(_state_objects(state))
     return inputs, _Key((site, _call_key(inputs, functions, args, kwargs)))
 
 
 def _traced_program(key, name: str, run, inputs: _Inputs, arrays: list, description: str, inputs_text,
-                    function: str, disk_digest: str | None):
+                    function: str, disk_digest: str | None, keep_changes: bool = False):
     """The program cached for `key`, traced now if there is none (its first compile then named `disk_digest` in
     the disk cache); raises what a failed trace raised (and every later call with this key gets `_Untraceable` at
-    once)."""
+    once, unless the trace raised `_PythonStateChanged`: `keep_changes`, see `_trace`). Every trace counts towards
+    the site's limit, a failed one too."""
     program = _programs.get(key)
     if program is _NOT_TRACEABLE:
         raise _Untraceable("an earlier call with these inputs could not be traced")
@@ -763,15 +876,16 @@ def _traced_program(key, name: str, run, inputs: _Inputs, arrays: list, descript
     pending = compile_log.begin(description, "hf_tpu.jit", function, started, captured=True,
                                 capture="Python trace")
     compile_log.describe(description, "hf_tpu.jit", inputs_text)
+    _site_counts[site] = _site_counts.get(site, 0) + 1
     try:
-        program = _trace(name, run, inputs, arrays)
-    except UNTRACEABLE:
+        program = _trace(name, run, inputs, arrays, keep_changes)
+    except UNTRACEABLE as e:
         compile_log.end(pending, finished=False)
-        _programs[key] = _NOT_TRACEABLE
+        if not isinstance(e, _PythonStateChanged):
+            _programs[key] = _NOT_TRACEABLE
         raise
     program.disk_digest = disk_digest
     _programs[key] = program
-    _site_counts[site] = _site_counts.get(site, 0) + 1
     _trace_seconds[site] = time.perf_counter() - started
     _host_seconds.pop(key, None)
     return program
@@ -783,21 +897,28 @@ def _arrays(inputs: _Inputs) -> list:
     return placement.place_together(arrays) if buffer.sharded_arrays_exist else arrays
 
 
-def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, meanwhile=None, trace_after: float = 0.0):
+def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, meanwhile=None, trace_after: float = 0.0,
+         inputs_type=_Inputs, changed_before: tuple | None = None):
     """`fn(*args, **kwargs)` as one traced program (see the module's docstring); `fallback(*args, **kwargs)`
     where it cannot be. With `meanwhile`, a call whose program the device has not compiled yet returns
-    `meanwhile(*args, **kwargs)` instead (see `jit`)."""
+    `meanwhile(*args, **kwargs)` instead (see `jit`). `inputs_type` is the class that walks the call's inputs and
+    keys them (`_Inputs`, or a subclass that keys more: `hf_tpu.compiled_modules`).
+
+    A trace that changes Python state (a setting made at a first call: hooks installed, a warning noted) is made
+    again with the change kept: the eager call would have made it, and the function then runs as it would at its
+    next call. A second trace that changes it too falls back, both changes undone (`changed_before`: the first
+    trace's key and changes)."""
     fallback = fn if fallback is None else fallback
     name = _name_of(fn)
     description = f"the direct trace of `{name}`"
     try:
-        inputs, key = _prepare(_function_parts(fn)[0], (fn,), args, kwargs, state)
+        inputs, key = _prepare(_function_parts(fn)[0], (fn,), args, kwargs, state, inputs_type)
     except (_Unkeyable, TypeError) as e:
         _log_fallback(name, e)
-        return fallback(*args, **kwargs)
+        return _fall_back(changed_before, fallback, args, kwargs)
     program = _programs.get(key)
     if program is _NOT_TRACEABLE or inputs.device_index is None:  # untraceable, or no tpu tensor to trace for
-        return fallback(*args, **kwargs)
+        return _fall_back(changed_before, fallback, args, kwargs)
     declined = False  # `meanwhile` returned NotImplemented: asked once per call
     if meanwhile is not None and program is None and not _trace_is_due(key, trace_after):
         started = _clock()
@@ -809,14 +930,25 @@ def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, meanwhile=None,
     # a key new to this process: its program's load from the disk cache starts now, beside the trace
     disk_digest = _expect_from_disk(key, inputs.device_index) if program is None else None
     arrays = _arrays(inputs)
+    failed, changed = False, None
     try:
         program = _traced_program(key, name, lambda: fn(*args, **kwargs), inputs, arrays, description,
-                                  lambda: _arguments_text(args, kwargs, inputs.state), f"traced_{name}", disk_digest)
+                                  lambda: _arguments_text(args, kwargs, inputs.state), f"traced_{name}", disk_digest,
+                                  keep_changes=changed_before is None)
         mutated, others = donation.split(arrays, program.mutated)
         donate, key_data = donatable(mutated), rng.current_key(inputs.device_index)
         compiling = None if meanwhile is None else _device_compile(key, program, donate, mutated, others, key_data)
+    except _PythonStateChanged as e:
+        log.info("hf_tpu: `%s` is traced again with the Python state its trace changed (%s)", name, e)
+        changed = (key, e.changes)
     except UNTRACEABLE as e:
-        return _untraceable(key, name, e, fallback, args, kwargs)
+        failed = _untraceable(key, name, e)
+    # past the error, whose traceback holds the trace's frames and their tracers: neither the next trace nor the
+    # fallback (Dynamo, whose own errors would chain to it) may keep them alive
+    if failed:
+        return _fall_back(changed_before, fallback, args, kwargs)
+    if changed is not None:
+        return call(fn, args, kwargs, state, fallback, meanwhile, trace_after, inputs_type, changed)
     if compiling is not None and not compiling.done():
         result = NotImplemented if declined else meanwhile(*args, **kwargs)
         if result is not NotImplemented:
@@ -826,19 +958,44 @@ def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, meanwhile=None,
         with launching(inputs.device_index, description), disk_cache.compiling(program.disk_digest):
             new, checked = program.jitted[donate](mutated, others, key_data)
     except UNTRACEABLE as e:
-        return _untraceable(key, name, e, fallback, args, kwargs)
+        failed = _untraceable(key, name, e)
+    if failed:
+        return fallback(*args, **kwargs)
     program.disk_digest = None  # compiled: another donation's program is not the one named
+    program.launched = True
     for slot, array in zip(program.mutated, new):
         inputs.buffers[slot].array = array
     finish_call(inputs.device_index, program.draws, program.checks, checked)
     return program.results(new[len(program.mutated):], inputs)
 
 
-def _untraceable(key, name: str, error: Exception, fallback, args: tuple, kwargs: dict):
-    """A call whose trace or launch failed: its key marked, and the fallback's result."""
+def ready(fn, args: tuple, kwargs: dict, state=(), inputs_type=_Inputs) -> bool:
+    """Whether `call` of `fn` with these arguments would launch a program compiled already (traces nothing, waits for
+    no compile)."""
+    try:
+        _, key = _prepare(_function_parts(fn)[0], (fn,), args, kwargs, state, inputs_type)
+    except (_Unkeyable, TypeError):
+        return False
+    program = _programs.get(key)
+    return isinstance(program, _Program) and (program.launched or any(
+        f.done() and f.exception() is None for f in program.device_compiles.values()))
+
+
+def _untraceable(key, name: str, error: Exception) -> bool:
+    """A call whose trace or launch failed: its key marked (and True: the call falls back)."""
     compile_log.end()
     _programs[key] = _NOT_TRACEABLE
     _log_fallback(name, error)
+    return True
+
+
+def _fall_back(changed_before: tuple | None, fallback, args: tuple, kwargs: dict):
+    """The fallback's result, after undoing what a first trace changed in the Python state (`call`): the key of that
+    trace is marked, since its change would be made again."""
+    if changed_before is not None:
+        key, changes = changed_before
+        _restore(changes)
+        _programs[key] = _NOT_TRACEABLE
     return fallback(*args, **kwargs)
 
 
@@ -1045,9 +1202,9 @@ def _check_loopable(program: _Program, carried: tuple, carried_slots: list) -> N
         raise _Untraceable("the step updates a carried tensor in place")
     if not device_errors.loop_can_fold(program.checks):  # a record of out-of-range indices rides along
         raise _Untraceable("a while_loop step cannot check device values (a linalg error, an assert)")
-    kinds = [kind for kind, _ in program.outputs]
+    kinds = [spec[0] for spec in program.outputs]
     if len(kinds) != len(carried) + 1 or any(kind != "new" for kind in kinds):
         raise _Untraceable("a while_loop step must return as many tensors as it carries")
-    for t, (_, dtype) in zip(carried, program.outputs):
+    for t, (_, dtype) in zip(carried, program.outputs):  # each ("new", dtype)
         if dtype != t.dtype:
             raise _Untraceable("a while_loop step must return tensors of the carried dtypes")

@@ -129,6 +129,8 @@ SETTINGS = {s.name: s for s in (
     Setting("HF_TPU_LOG_COMPILES", "bool", False, "log compilations and where the program forced a sync"),
     Setting("HF_TPU_SLOW_COMPILE_SECONDS", "seconds", 5.0, "log each compile that takes longer than this, and "
             "say what is compiling while it does (0: never)"),
+    Setting("HF_TPU_COMPILE_DIRECT", "bool", True, "torch.compile(module, backend='tpu') traces the module's call "
+            "straight from Python (hf_tpu.jit), with Dynamo for what that trace cannot take (off: Dynamo always)"),
     Setting("HF_TPU_MAX_GRAPH_OPS", "count", 4096, "DEFER_AND_FUSE: the most ops in one deferred graph"),
     Setting("HF_TPU_EARLY_FLUSH", "bool", True, "DEFER_AND_FUSE: cut graphs where a loop's iterations repeat"),
     Setting("HF_TPU_EARLY_FLUSH_MIN_OPS", "count", None, "DEFER_AND_FUSE: the shortest piece an early flush "

@@ -103,11 +103,12 @@ def compile_pipeline(pipe, *, vae_decoder: bool = True, text_encoders: bool = Tr
     Each model's `forward` is compiled, not its `__call__`, so the forward hooks (the timestep upload
     among them) run before it and the compiled graph only ever sees `tpu` tensors. With
     `dynamic=False`, a new resolution or batch size compiles its own graph once; repeating one compiles
-    nothing. `options` is passed to each `torch.compile`: `{"guard_filter_fn":
-    torch.compiler.skip_guard_on_all_nn_modules_unsafe}` drops Dynamo's checks of module attributes
-    before every call (about a tenth of a compiled tiny SD3 image here). Only for models that do not
-    change afterwards and that differ from each other in their tensors' shapes: after
-    `load_lora_weights`, `.train()` or a new hook a model would run its old graph, and two models of one
+    nothing. Each call is traced straight from Python (`hf_tpu.compiled_modules`), Dynamo compiling what that
+    trace cannot take. `options` is passed to each `torch.compile`, for where Dynamo compiles (everywhere with
+    HF_TPU_COMPILE_DIRECT=0): `{"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}` drops
+    Dynamo's checks of module attributes before every call (about a tenth of a compiled tiny SD3 image there),
+    only for models that do not change afterwards and that differ from each other in their tensors' shapes:
+    after `load_lora_weights`, `.train()` or a new hook a model would run its old graph, and two models of one
     class differing only in a non-tensor setting would share one. Returns `pipe`.
     """
     targets = list(_modules(pipe, DENOISERS))

@@ -370,3 +370,35 @@ def test_a_random_checkpoint_is_written_a_layer_a_file_and_stops_at_its_time_lim
     assert sum(p.numel() * 2 for p in model.parameters()) == written
     with pytest.raises(TimeoutError, match="took over 0 s"):
         write_random_checkpoint("llama", config, str(tmp_path / "late"), seconds=0)
+
+
+def test_first_call_phases_split_the_direct_trace_from_dynamos_capture(monkeypatch):
+    """`compile`'s rows: a module compiled with the direct trace spends its first call in the Python trace and
+    XLA, with next to nothing left as capture; through Dynamo (HF_TPU_COMPILE_DIRECT=0), the capture is the rest."""
+    import torch
+
+    import hf_tpu  # noqa: F401
+    from hf_tpu import direct
+
+    rows = []
+    monkeypatch.setattr(chip._Rows, "emit",
+                        lambda self, section, **figures: rows.append(dict(section=section, **figures)))
+    x = torch.randn(4, 8, device="tpu")
+    for direct_trace in ("1", "0"):
+        monkeypatch.setenv("HF_TPU_COMPILE_DIRECT", direct_trace)
+        direct.reset()
+        torch._dynamo.reset()
+        compiled = torch.compile(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()).to("tpu"), backend="tpu")
+
+        def forward():
+            with torch.no_grad():
+                compiled(x).cpu()
+
+        chip._compile_row(chip._Rows("compile", False), "hf-tpu", "forward", forward, batch=4, length=8)
+    traced, captured = rows
+    assert traced["python_trace"] > 0 and traced["xla"] > 0 and traced["trace"] > 0
+    assert captured["python_trace"] == 0 and captured["xla"] > 0 and captured["capture"] > traced["capture"]
+    spec = chip.SIZES["tiny"]
+    line = chip.describe(dict(traced, group="compile"), spec)
+    assert line.startswith("[compile] hf-tpu forward 4x8: first call") and "Python trace" in line
+    assert "first calls, where the time goes" in chip.report([dict(r, group="compile") for r in rows], spec)

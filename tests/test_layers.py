@@ -18,8 +18,8 @@ PACKAGES = {"hf_tpu": "hf_tpu", "integrations": "hf_tpu.integrations", "model_pa
             "cli": "hf_tpu.cli"}
 ADAPTERS = ("hf_tpu.integrations", "hf_tpu.model_patches", "hf_tpu.cli")
 # what an adapter may import of the core (architecture.md: torch.tpu, torch.accelerator and `hf_tpu`'s
-# public functions need no import of a core module)
-PUBLIC_CONTRACT = {"hf_tpu.settings", "hf_tpu.distributed"}
+# public functions need no import of a core module; `compiled_modules` holds the registries an adapter fills)
+PUBLIC_CONTRACT = {"hf_tpu.settings", "hf_tpu.distributed", "hf_tpu.compiled_modules"}
 
 # (importer, imported): the imports against the drawing's order known today. Issue 61: `loops.py` calls
 # into `direct.py` from inside its functions (the compile.py/direct.py/loops.py circle, which a tracing

@@ -161,6 +161,17 @@ def no_errors(device_index: int):
     return jax.device_put(np.zeros(SHAPE, np.int64), platform.jax_device(device_index))
 
 
+def _on_own_chip(record, device_index: int):
+    """A record a program over a mesh wrote, on `tpu:device_index` alone. A mesh over several processes (a
+    multi-host run) is not addressable as a whole from one process; its record is replicated, so the copy this
+    process's chip holds is all of it."""
+    chip = platform.jax_device(device_index)
+    if record.is_fully_addressable:
+        return jax.device_put(record, chip)
+    local = {shard.device: shard.data for shard in record.addressable_shards}
+    return jax.device_put(local.get(chip, next(iter(local.values()))), chip)
+
+
 def _current(mode, device_index: int):
     held = _held.get(device_index)
     if held is None:
@@ -174,7 +185,7 @@ def _current(mode, device_index: int):
     elif buffer.sharded_arrays_exist and placement.is_sharded(array):
         # written by a program over a mesh (a sharded model's op): back on its own chip, so that a single-chip
         # op does not run over the mesh for it
-        array = jax.device_put(array, platform.jax_device(device_index))
+        array = _on_own_chip(array, device_index)
     if array is None:
         array = no_errors(device_index)
     held._array = array
@@ -288,7 +299,7 @@ def merge(found, device_index: int, sites: TraceSites) -> None:
         flush("a traced program's index checks")  # not the case after a call: it syncs first
     record = _current(current(), device_index)
     if buffer.sharded_arrays_exist and placement.is_sharded(found):  # a sharded model's program: onto the record's chip
-        found = jax.device_put(found, platform.jax_device(device_index))
+        found = _on_own_chip(found, device_index)
     _held[device_index].array = _merged(record, found, host_transfers.from_number(sites.first, device_index))
     _held[device_index].written = True
 
@@ -309,6 +320,8 @@ def report(at_the_call: bool = False) -> None:
             array = array.concrete
         if array is None:
             continue
+        if buffer.sharded_arrays_exist and buffer.is_sharded(array):
+            array = _on_own_chip(array, device_index)
         site_id, value, detail = np.asarray(array).tolist()
         if site_id:
             held._array = None

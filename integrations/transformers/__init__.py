@@ -43,8 +43,8 @@ from __future__ import annotations
 from hf_tpu.model_patches.wrapping import wrap_once
 
 from .. import attention
-from ..output_capturing import install_output_capturing_hooks
-from . import cache, continuous_batching, from_pretrained, generation, trainer
+from ..output_capturing import capturing_hooks_traced, install_output_capturing_hooks
+from . import cache, compiled_buckets, continuous_batching, from_pretrained, generation, trainer
 from .generation import bucketed_length
 from .loading import check_before_loading, prepare_model
 from .settings import DEFAULT_PROMPT_BUCKETS, Settings, configure, settings
@@ -79,6 +79,8 @@ def install(module) -> None:
         wrap_once(module.PreTrainedModel, "from_pretrained", from_pretrained.wrap)
         wrap_once(module.PreTrainedModel, "get_compiled_call", generation._wrap_get_compiled_call)
         attention.register()
+        capturing_hooks_traced()
+        compiled_buckets.install()
     elif module.__name__ == "transformers.models.auto.auto_factory":
         wrap_once(module._BaseAutoModelClass, "from_pretrained", from_pretrained.wrap)
     elif module.__name__ == "transformers.generation.utils":
