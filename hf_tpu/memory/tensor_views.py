@@ -48,7 +48,7 @@ class Flattened(NamedTuple):
     """A matrix operand that is its whole buffer of 3 or more dims with the leading ones flattened (a linear
     layer's input, `x.view(-1, x.shape[-1])`), handed in the buffer's own shape to a lowering that contracts
     it there: the product keeps the (batch, tokens) dims XLA lays out the rest of the model in. With bfloat16
-    products asked for in bfloat16 (`ops.linalg._product_dtype`) the 1.1B Llama's compiled forward at 8x1024
+    products asked for in bfloat16 (`ops.products._product_dtype`) the 1.1B Llama's compiled forward at 8x1024
     took 125.63 ms a call on the v5e (2026-12-06) against 133.20 ms."""
 
     array: object
