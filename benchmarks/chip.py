@@ -479,7 +479,7 @@ def _ids(vocab: int, batch: int, length: int, variant: int = 0):
     return torch.randint(0, vocab, (batch, length), generator=g)
 
 
-# distinct prompts a first-token row cycles through: equal small values recur for free (`buffer.from_host` keeps
+# distinct prompts a first-token row cycles through: equal small values recur for free (`host_transfers.from_host` keeps
 # them uploaded), and a user's next prompt, and so the result it makes, is rarely the last one
 _PROMPTS_CYCLED = 8
 

@@ -44,7 +44,7 @@ def timeline(size: str, length: int, calls: int) -> dict:
     import hf_tpu  # noqa: F401  (registers tpu)
     from benchmarks.chip import SIZES, _ids, _llama
     from hf_tpu import direct
-    from hf_tpu.memory import buffer
+    from hf_tpu.memory import host_transfers
 
     spec = SIZES[size]
     model = _llama(spec).to("tpu")
@@ -70,7 +70,7 @@ def timeline(size: str, length: int, calls: int) -> dict:
     # Transformers' methods are wrapped on the model's class, not on the model (whose attributes `hf_tpu.jit`'s key
     # walks), and not `prepare_inputs_for_generation`, whose identity the adapter checks
     model_type = type(model)
-    launching, to_numpy, traced_call = direct.launching, buffer.to_numpy, direct.call
+    launching, to_numpy, traced_call = direct.launching, host_transfers.to_numpy, direct.call
 
     @contextlib.contextmanager
     def marked_launch(*args, **kwargs):
@@ -98,7 +98,7 @@ def timeline(size: str, length: int, calls: int) -> dict:
         try:
             for name, function in patched.items():
                 setattr(model_type, name, function)
-            direct.launching, buffer.to_numpy = marked_launch, marked_read
+            direct.launching, host_transfers.to_numpy = marked_launch, marked_read
             direct.call = marked(traced_call, before="traced call made")
             for _ in range(calls):
                 marks.clear()
@@ -110,7 +110,7 @@ def timeline(size: str, length: int, calls: int) -> dict:
                 mark("synchronized")
                 samples.append({name: (at - start) * 1e3 for name, at in marks.items()})
         finally:
-            direct.launching, buffer.to_numpy, direct.call = launching, to_numpy, traced_call
+            direct.launching, host_transfers.to_numpy, direct.call = launching, to_numpy, traced_call
             for name, function in saved.items():
                 if function is None:
                     delattr(model_type, name)

@@ -178,7 +178,7 @@ def _gmm_rows(tiny, tiling, iters):
     import jax.numpy as jnp
 
     from hf_tpu.kernels import grouped_matmul as kernel
-    from hf_tpu.ops import linalg
+    from hf_tpu.ops import products
 
     rows = []
     if tiny:
@@ -196,7 +196,7 @@ def _gmm_rows(tiny, tiling, iters):
         down = jax.random.normal(keys[2], (experts, width, hidden), jnp.bfloat16) * 0.02
         for name, w, lhs in (("gate_up", gate_up, x), ("down", down, x[:, :width])):
             def ragged(lhs, w, sizes):
-                return linalg._ragged_dot(lhs, w, sizes, 0, [0], ((1,), (1,))).astype(lhs.dtype)
+                return products._ragged_dot(lhs, w, sizes, 0, [0], ((1,), (1,))).astype(lhs.dtype)
 
             def megablox(lhs, w, sizes):
                 return kernel.gmm(lhs, w, sizes, tiling=tiling)

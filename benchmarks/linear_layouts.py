@@ -16,7 +16,7 @@ every linear layer in one form:
 
 Besides each row's time, the layout of the residual stream: how many of the program's (tokens, hidden) arrays
 XLA lays out token-minor. Where `in_shape` and `bfloat16_product` change places between shapes is where
-`hf_tpu.ops.linalg._BFLOAT16_PRODUCT_ROWS` belongs (on the v5e the whole model's forward was faster with float32
+`hf_tpu.ops.products._BFLOAT16_PRODUCT_ROWS` belongs (on the v5e the whole model's forward was faster with float32
 products at 1x1024 and with bfloat16 ones at 8x1024, 2026-12-06). Elsewhere (or with `--tiny`) the model's
 dims are tiny and the kernel runs in interpret mode: a check that the script works, not a measurement.
 """

@@ -8,7 +8,7 @@ many copies of q XLA makes before the kernel. Each row runs `--layers` layers of
 block (q/k/v projections, rotary embeddings of q and k, splash attention, output projection) at batch 8 and
 1024 tokens, with the rotary embeddings in one form:
 
-- `hf_tpu`: q and its halves read through `hf_tpu.memory.buffer.read` from the projection's array, as the
+- `hf_tpu`: q and its halves read through `hf_tpu.memory.tensor_views.read` from the projection's array, as the
   compiled forward reads them (each half sliced from the transposed array, kept whole behind an optimization
   barrier);
 - `each_slice_transposed`: each half sliced from the projection and transposed on its own (the reads before
@@ -38,7 +38,7 @@ def _forms(batch, length, head_dim):
     import jax.numpy as jnp
     import torch
 
-    from hf_tpu.memory import buffer
+    from hf_tpu.memory import tensor_views
 
     half = head_dim // 2
 
@@ -57,14 +57,15 @@ def _forms(batch, length, head_dim):
         """The views `apply_rotary_pos_emb` reads of the projection's buffer: q, its upper and lower half."""
         strides = (length * heads * head_dim, head_dim, heads * head_dim, 1)
         shape, halved = (batch, heads, length, head_dim), (batch, heads, length, half)
-        return (buffer.View(shape, strides, 0, torch.bfloat16), buffer.View(halved, strides, half, torch.bfloat16),
-                buffer.View(halved, strides, 0, torch.bfloat16))
+        return (tensor_views.View(shape, strides, 0, torch.bfloat16),
+                tensor_views.View(halved, strides, half, torch.bfloat16),
+                tensor_views.View(halved, strides, 0, torch.bfloat16))
 
     def transposed(x):
         return x.transpose(0, 2, 1, 3)
 
     def hf_tpu(projection, heads, cos, sin):
-        q, high, low = (buffer.read(projection, view) for view in views(heads))
+        q, high, low = (tensor_views.read(projection, view) for view in views(heads))
         return rounded(q, low, high, cos, sin)
 
     def each_slice_transposed(projection, heads, cos, sin):

@@ -22,7 +22,7 @@ import torch
 from . import compile_log, constant_masks, counters, loops, modes, platform
 from .device_state import current, rng
 from .dispatch import _entry
-from .memory import buffer, donation
+from .memory import buffer, donation, host_transfers, placement, tensor_views
 from .modes import device_errors
 
 log = logging.getLogger("hf_tpu.compile")
@@ -204,9 +204,9 @@ class _CompiledGraph:
         )
         # the values the graph checks (a linalg `info`, an assert's condition) are outputs too, checked
         # after the call as eager ops check them, so such a graph still runs compiled
-        return ([buffer.array_of(o) if isinstance(o, torch.Tensor) and not constant[k] else None
+        return ([tensor_views.array_of(o) if isinstance(o, torch.Tensor) and not constant[k] else None
                  for k, o in enumerate(outputs)],
-                [buffer.array_of(value) for value, _ in tracer.checks])
+                [tensor_views.array_of(value) for value, _ in tracer.checks])
 
     def _graph_for(self, values: tuple) -> torch.fx.GraphModule:
         """The graph to trace for these non-tensor inputs. Under dynamic shapes they are the sizes, and an
@@ -251,7 +251,7 @@ class _CompiledGraph:
         if whole is not None:
             arrays, self.in_specs, device_index = whole
             if buffer.sharded_arrays_exist:
-                arrays = buffer.place_together(arrays)
+                arrays = placement.place_together(arrays)
             return arrays, (None,) * len(args), device_index
         in_specs, arrays, values = [], [], []
         device_index = None
@@ -268,7 +268,7 @@ class _CompiledGraph:
                 if device_index is None:
                     device_index = buf.device_index
                 in_specs.append((a.dtype, buf.device_index))
-                arrays.append(buffer.array_of(a, buf))
+                arrays.append(tensor_views.array_of(a, buf))
                 values.append(None)
             else:
                 in_specs.append(None)
@@ -278,10 +278,10 @@ class _CompiledGraph:
             device_index = current.current_device_index()
         for i in host:
             in_specs[i] = (args[i].dtype, device_index)
-            arrays[i] = buffer.from_host(args[i], device_index)
+            arrays[i] = host_transfers.from_host(args[i], device_index)
         self.in_specs, values = in_specs, tuple(values)
         if buffer.sharded_arrays_exist:  # a sharded model meets single-chip inputs (the token ids)
-            arrays = buffer.place_together(arrays)
+            arrays = placement.place_together(arrays)
         return arrays, values, device_index
 
     def _meta(self, arrays, values) -> tuple:
@@ -300,7 +300,7 @@ class _CompiledGraph:
                 outs.append(meta.clone() if isinstance(meta, torch.Tensor) else meta)
             elif meta[1] is None:
                 modes.host_read("a compiled graph returns a CPU tensor")
-                outs.append(buffer.to_host(array, meta[0]))
+                outs.append(host_transfers.to_host(array, meta[0]))
             else:
                 outs.append(buffer.new_tensor(array.shape, meta[0], meta[1], array))
         return outs
@@ -330,10 +330,10 @@ class _CompiledGraph:
         modes.current().sync("a compiled loop runs")
         arrays, values, device_index = self._read_inputs(args)
         overwritten, others = donation.split(arrays, self.overwritten)
-        carried = [*(buffer.array_of(t) for t in request.carried), device_errors.no_errors(device_index)]
-        keep_going = buffer.array_of(request.keep_going)
+        carried = [*(tensor_views.array_of(t) for t in request.carried), device_errors.no_errors(device_index)]
+        keep_going = tensor_views.array_of(request.keep_going)
         if buffer.sharded_arrays_exist:  # a sharded model's loop carries single-chip tokens
-            *carried, keep_going = buffer.place_together([*arrays, *carried, keep_going])[len(arrays):]
+            *carried, keep_going = placement.place_together([*arrays, *carried, keep_going])[len(arrays):]
         # a chunk's results are the next chunk's inputs: donated when the loop's first inputs are
         jitted = self.loop_jitted[self._donatable(args, overwritten)]
         if self.pending_compile is not None:  # the first call is a loop's: `_loop` compiles, not `_trace`
@@ -365,7 +365,7 @@ class _CompiledGraph:
         chunk launched: the arrays they held were donated to the chunks."""
         for i, array in zip(self.overwritten, overwritten_arrays):
             buf = buffer.buffer_of(args[i])
-            if buffer.view_of(args[i], buf) is None and not array.is_deleted():
+            if tensor_views.view_of(args[i], buf) is None and not array.is_deleted():
                 buf.array = array
 
     def _loop(self, overwritten_arrays, other_arrays, values, rng_base, slots, carried, keep_going, count, steps):
@@ -379,7 +379,7 @@ class _CompiledGraph:
         """A donated array is gone after the call: only whole buffers that no other live buffer
         shares and that are passed once may be given to XLA."""
         return donatable(overwritten_arrays) and all(
-            buffer.view_of(args[i], buffer.buffer_of(args[i])) is None for i in self.overwritten)
+            tensor_views.view_of(args[i], buffer.buffer_of(args[i])) is None for i in self.overwritten)
 
 
 def _meta_key(arrays, values) -> tuple:
@@ -625,7 +625,7 @@ def _run_and_save_rng_state(op, *args, **kwargs):
 def _run_with_rng_state(rng_state, op, *args, **kwargs):
     mode = modes.current()
     if mode.kind is modes.ModeKind.TRACE:
-        saved, mode.replayed = mode.replayed, (buffer.array_of(rng_state).astype(jnp.uint32), 0)
+        saved, mode.replayed = mode.replayed, (tensor_views.array_of(rng_state).astype(jnp.uint32), 0)
         try:
             return op(*args, **kwargs)
         finally:

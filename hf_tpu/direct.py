@@ -73,7 +73,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from . import _replay, compile_log, constant_masks, disk_cache, loops, modes
 from .compile import UNTRACEABLE, _Tracing, _Untraceable, count_trace, donatable, finish_call, launching, loop_chunk
 from .device_state import rng
-from .memory import buffer, donation
+from .memory import buffer, donation, placement, tensor_views
 from .modes import device_errors
 
 log = logging.getLogger("hf_tpu.compile")
@@ -189,7 +189,7 @@ class _Inputs:
         self.users[slot] += 1
         self.tensor_index.setdefault(id(t), len(self.tensors))
         self.tensors.append((t, slot))
-        return slot, buffer.view_of(t, buf)
+        return slot, tensor_views.view_of(t, buf)
 
     def _subclass_tensor(self, t: torch.Tensor):
         """The key of a tensor subclass that keeps its data in tensors of its own (PyTorch's `__tensor_flatten__`
@@ -420,7 +420,7 @@ class _KeptWalk:
         live = buffer.allocator.live
         buffers = [live.get(address) for address in self.storages]
         # the buffer at an address is the one the walk met, but its shape and dtype may have changed since: a
-        # whole-buffer view of another dtype, read, re-expresses it in that layout (`buffer._adopt_layout`)
+        # whole-buffer view of another dtype, read, re-expresses it in that layout (`tensor_views._adopt_layout`)
         if (any(buf is None for buf in buffers)
                 or [(buf.shape, buf.dtype, buf.device_index) for buf in buffers] != added["buffer_keys"]):
             return False
@@ -642,7 +642,8 @@ def _trace(name: str, run, inputs: _Inputs, arrays: list, keep_changes: bool = F
                          draws=mode.draws,
                          checks=[(value.dtype, raise_if_bad) for value, raise_if_bad in mode.checks])
             failed = False
-            return ([finals[i] for i in mutated], new_arrays, [buffer.array_of(value) for value, _ in mode.checks])
+            checked = [tensor_views.array_of(value) for value, _ in mode.checks]
+            return [finals[i] for i in mutated], new_arrays, checked
         finally:
             torch.compiler._is_compiling_flag = compiling
             modes.replace_current(saved_mode)
@@ -688,7 +689,7 @@ def _output(leaf, inputs: _Inputs, first_new_address: int, new_arrays: list, mad
             buf = buffer.buffer_of(leaf)
             if buf.address >= first_new_address:
                 made[id(leaf)] = len(made)
-                new_arrays.append(buffer.array_of(leaf, buf))
+                new_arrays.append(tensor_views.array_of(leaf, buf))
                 return ("new", leaf.dtype)
         raise _Untraceable("it returns a view of an input tensor, or a CPU tensor")
     if id(leaf) in inputs.state_index:
@@ -893,7 +894,7 @@ def _traced_program(key, name: str, run, inputs: _Inputs, arrays: list, descript
 def _arrays(inputs: _Inputs) -> list:
     modes.current().sync("a traced function runs")
     arrays = [buf.value() for buf in inputs.buffers]
-    return buffer.place_together(arrays) if buffer.sharded_arrays_exist else arrays
+    return placement.place_together(arrays) if buffer.sharded_arrays_exist else arrays
 
 
 def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, meanwhile=None, trace_after: float = 0.0,
@@ -1117,7 +1118,7 @@ def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state
     disk_digest = _expect_from_disk(key, inputs.device_index) if _programs.get(key) is None else None
     carried_slots = [inputs.tensors[inputs.tensor_index[id(t)]][1] for t in carried]
     for t, slot in zip(carried, carried_slots):
-        if inputs.users[slot] != 1 or buffer.view_of(t, inputs.buffers[slot]) is not None:
+        if inputs.users[slot] != 1 or tensor_views.view_of(t, inputs.buffers[slot]) is not None:
             raise loops.NotLoopable("a carried tensor shares its storage with another input")
     arrays = _arrays(inputs)
     try:
@@ -1131,11 +1132,11 @@ def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state
         raise loops.NotLoopable(f"{type(e).__name__}: {e}") from e
     mutated, others = donation.split(arrays, program.mutated)
     slots = tuple(slot - sum(m < slot for m in program.mutated) for slot in carried_slots)
-    keep_going = buffer.array_of(keep_going)
+    keep_going = tensor_views.array_of(keep_going)
     # the loop's record of out-of-range indices rides last among the carried values (`loop_chunk`)
-    carried_arrays = [*(buffer.array_of(t) for t in carried), device_errors.no_errors(inputs.device_index)]
+    carried_arrays = [*(tensor_views.array_of(t) for t in carried), device_errors.no_errors(inputs.device_index)]
     if buffer.sharded_arrays_exist:  # a sharded model's loop carries single-chip tokens
-        *carried_arrays, keep_going = buffer.place_together([*arrays, *carried_arrays, keep_going])[len(arrays):]
+        *carried_arrays, keep_going = placement.place_together([*arrays, *carried_arrays, keep_going])[len(arrays):]
     compiled_before = program.loop_jitted is not None
     if not compiled_before:
         chunk = _named(f"loop_{name}", functools.partial(loop_chunk, lambda *a: (*program.step(*a), program.checks)))

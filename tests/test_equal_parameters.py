@@ -1,6 +1,6 @@
 """Parameters created equal train as on the CPU, replicated over a mesh of 1, 2 or 8 chips, in every execution
 mode and compiled, with AdamW's foreach step and its per-tensor one. Every norm layer's weight starts as ones
-and its bias as zeros: the equal small values share one kept upload (`buffer.from_host`), and replicating
+and its bias as zeros: the equal small values share one kept upload (`host_transfers.from_host`), and replicating
 each over a mesh made arrays over that same chip memory, which an optimizer step then donated twice (XLA:
 "Attempt to donate the same buffer twice", a SIGSEGV on several chips). The in-process tests use 1 and 2 of
 the chips conftest simulates; the 8-chip ones run this file as a script."""

@@ -380,7 +380,7 @@ def test_kept_uploads_are_bounded_and_let_go():
     oldest = torch.tensor([-1.5]).to("tpu")
     array = hf_tpu.memory.buffer.buffer_of(oldest).array
     assert hf_tpu.memory.buffer.allocator.holders(array) == 2  # the tensor and the kept upload
-    for i in range(hf_tpu.memory.buffer._RECURRING_KEPT):
+    for i in range(hf_tpu.memory.host_transfers._RECURRING_KEPT):
         torch.tensor([float(i)]).to("tpu")
     assert hf_tpu.memory.buffer.allocator.holders(array) == 1
     assert hf_tpu.memory.buffer.buffer_of(torch.tensor([-1.5]).to("tpu")).array is not array

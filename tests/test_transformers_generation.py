@@ -366,15 +366,15 @@ def test_a_warm_generate_of_one_token_costs_a_fixed_number_of_device_ops(models,
     Transformers' inputs, which find the first's kept array), their mask and positions and of the result. An op
     or a transfer more per layer (Transformers' own cache allocation: 3 ops and an upload a layer) or per call
     shows here."""
-    from hf_tpu.memory import buffer
+    from hf_tpu.memory import host_transfers
 
     _, tpu = models
     prompt = PROMPT.to("tpu")
     for _ in range(2):  # compiles the prefill, then takes the kept static cache
         tpu.generate(prompt, max_new_tokens=1, do_sample=False)
     uploads = []
-    from_host = buffer.from_host
-    monkeypatch.setattr(buffer, "from_host", lambda *args: uploads.append(args) or from_host(*args))
+    from_host = host_transfers.from_host
+    monkeypatch.setattr(host_transfers, "from_host", lambda *args: uploads.append(args) or from_host(*args))
     hf_tpu.reset_metrics()
     tpu.generate(prompt, max_new_tokens=1, do_sample=False)
     metrics = hf_tpu.metrics()
@@ -415,11 +415,11 @@ def test_a_prefill_gives_each_cache_layer_the_same_functions_at_each_call(models
     alike), so that the cache's kept walk finds its layers unchanged; another length gets its own."""
     import contextlib
 
-    from hf_tpu.integrations.transformers import generation
+    from hf_tpu.integrations.transformers import prefill
 
     _, tpu = models
     seen = []
-    attending = generation._attending_to_the_prompt_only
+    attending = prefill._attending_to_the_prompt_only
 
     @contextlib.contextmanager
     def recorded(cache, length):
@@ -428,8 +428,8 @@ def test_a_prefill_gives_each_cache_layer_the_same_functions_at_each_call(models
                          for layer in cache.layers])
             yield
 
-    monkeypatch.setattr(generation, "_attending_to_the_prompt_only", recorded)
-    past_the_bucket = torch.arange(generation.bucketed_length(PROMPT.shape[1]) + 1).remainder(100)[None] + 3
+    monkeypatch.setattr(prefill, "_attending_to_the_prompt_only", recorded)
+    past_the_bucket = torch.arange(prefill.bucketed_length(PROMPT.shape[1]) + 1).remainder(100)[None] + 3
     seen_by_prompt = []
     for prompt in (PROMPT, PROMPT, past_the_bucket):
         seen.clear()
@@ -451,10 +451,10 @@ def test_an_update_set_on_a_cache_layer_is_called_by_the_prefills_own_and_put_ba
     from transformers import AutoModelForCausalLM
 
     from hf_tpu import direct
-    from hf_tpu.integrations.transformers import generation
+    from hf_tpu.integrations.transformers import prefill
 
     calls, own = [], {}
-    attending = generation._attending_to_the_prompt_only
+    attending = prefill._attending_to_the_prompt_only
 
     @contextlib.contextmanager
     def with_own_update(cache, length):
@@ -470,7 +470,7 @@ def test_an_update_set_on_a_cache_layer_is_called_by_the_prefills_own_and_put_ba
         for layer in cache.layers:
             del layer.update
 
-    monkeypatch.setattr(generation, "_attending_to_the_prompt_only", with_own_update)
+    monkeypatch.setattr(prefill, "_attending_to_the_prompt_only", with_own_update)
     monkeypatch.setattr(direct, "_programs", {})  # the prefill traced anew, not found traced by another test
     monkeypatch.setattr(direct, "_site_counts", {})
     model = AutoModelForCausalLM.from_pretrained(checkpoint, device_map="tpu")
@@ -487,12 +487,12 @@ def test_the_kept_prefill_functions_keep_no_cache_layer_alive(checkpoint):
 
     from transformers import AutoModelForCausalLM
 
-    from hf_tpu.integrations.transformers import generation
+    from hf_tpu.integrations.transformers import prefill
 
     model = AutoModelForCausalLM.from_pretrained(checkpoint, device_map="tpu")
-    before = set(map(id, generation._PROMPT_ONLY_FUNCTIONS))
+    before = set(map(id, prefill._PROMPT_ONLY_FUNCTIONS))
     model.generate(PROMPT.to("tpu"), max_new_tokens=1, do_sample=False)
-    layers = [weakref.ref(layer) for layer in generation._PROMPT_ONLY_FUNCTIONS if id(layer) not in before]
+    layers = [weakref.ref(layer) for layer in prefill._PROMPT_ONLY_FUNCTIONS if id(layer) not in before]
     assert layers
     del model
     gc.collect()
@@ -526,17 +526,17 @@ def test_a_second_call_of_the_same_shape_reuses_the_static_cache_zeroed(models, 
 def _prefill_events(monkeypatch) -> list:
     """"launch" at each call of the compiled prefill, "prepared" where Transformers' `_prefill` has prepared its
     inputs (the adapter then looks for a launch made ahead), in their order."""
-    from hf_tpu.integrations.transformers import generation
+    from hf_tpu.integrations.transformers import prefill
 
     events = []
-    compiled_prefill, taken_from_ahead = generation._compiled_prefill, generation._taken_from_ahead
+    compiled_prefill, taken_from_ahead = prefill._compiled_prefill, prefill._taken_from_ahead
 
     def counted(model, compile_config):
         prefill = compiled_prefill(model, compile_config)
         return lambda *args: events.append("launch") or prefill(*args)
 
-    monkeypatch.setattr(generation, "_compiled_prefill", counted)
-    monkeypatch.setattr(generation, "_taken_from_ahead", lambda *args: events.append("prepared") or
+    monkeypatch.setattr(prefill, "_compiled_prefill", counted)
+    monkeypatch.setattr(prefill, "_taken_from_ahead", lambda *args: events.append("prepared") or
                         taken_from_ahead(*args))
     return events
 
@@ -574,14 +574,14 @@ def test_a_prefill_launched_ahead_is_not_taken_when_the_cache_was_written_since(
     kind is not launched ahead again. A model in training mode launches nothing ahead."""
     from transformers import CompileConfig
 
-    from hf_tpu.integrations.transformers import generation
+    from hf_tpu.integrations.transformers.cache import allocated_ahead, spare_static_cache
 
     cpu, tpu = models
     _both(models, max_new_tokens=3, do_sample=False)
     get_logits_processor = type(tpu)._get_logits_processor
 
     def resetting(self, *args, **kwargs):  # runs in Transformers' setup, after the launch ahead
-        for cache in [generation.spare_static_cache(self), *generation.allocated_ahead]:
+        for cache in [spare_static_cache(self), *allocated_ahead]:
             if cache is not None:
                 cache.reset()
         return get_logits_processor(self, *args, **kwargs)

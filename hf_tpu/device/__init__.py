@@ -18,7 +18,7 @@ import torch
 
 from .. import modes, platform
 from ..device_state import current, rng
-from ..memory import buffer
+from ..memory import buffer, host_transfers
 
 
 def _index(device=None) -> int:
@@ -245,7 +245,7 @@ def memory_summary(device=None, abbreviated: bool = False) -> str:
 def empty_cache() -> None:
     """Lets go of the tiny host values kept once uploaded; JAX frees every other buffer as soon as its
     last tensor dies."""
-    buffer.let_go_of_kept_uploads()
+    host_transfers.let_go_of_kept_uploads()
 
 
 def mem_get_info(device=None) -> tuple[int, int]:

@@ -15,7 +15,7 @@ import torch
 from torch._prims_common import elementwise_dtypes
 
 from .. import dtypes
-from ..memory import buffer
+from ..memory import buffer, host_transfers, tensor_views
 from . import _entry
 from .signatures import (GENERATOR, OPT_TENSOR, SCALAR, SCALAR_LIST, STATIC, TENSOR, TENSOR_LIST, Signature,
                         hashable)
@@ -36,8 +36,8 @@ LIVE = buffer.allocator.live
 
 _analyse_common = _entry.analyse
 matmul_precision = torch._C._get_float32_matmul_precision
-_view_of = buffer.view_of
-_keyed_view = buffer.keyed_view
+_view_of = tensor_views.view_of
+_keyed_view = tensor_views.keyed_view
 
 
 def device_mismatch(sig, a, b) -> RuntimeError:
@@ -56,7 +56,7 @@ class Call:
         self.sig = sig
         self.values = values
         self.scalars = []
-        self.starts = []  # the starts of views read at a start the program is given (`buffer.keyed_view`)
+        self.starts = []  # the starts of views read at a start the program is given (`tensor_views.keyed_view`)
         self.rng = False
         # the float32 matmul precision is read while a program is traced, so it decides the program
         precision = matmul_precision()
@@ -128,7 +128,7 @@ class Call:
         if t.is_cpu:
             if t.dim() == 0 or host_ok:
                 # PyTorch lets a CPU scalar tensor join an op on an accelerator: its value is an input
-                host = buffer.host_array(t)
+                host = host_transfers.host_array(t)
                 operands.append(_operand((t, None, host)))
                 self.arrays.append(host)
                 key.append(("cpu", tuple(t.shape), t.dtype))

@@ -21,7 +21,7 @@ import torch
 
 from .. import dtypes
 from ..device_state import rng
-from ..memory import buffer, out_of_memory
+from ..memory import out_of_memory, tensor_views
 from ..modes import device_errors
 from .call import Call, call_with, checked_by_assert, flatten_returns, is_number, is_static_scalar, promotion, to_meta
 from .registry import lowering_function
@@ -188,7 +188,7 @@ def build_program(call: Call) -> Program:
     # per operand: the index among the scalars of its view's start, where the program is given it
     start_of = [None] * len(views)
     first_start = len(call.scalars) - len(call.starts)
-    for k in (k for k, v in enumerate(views) if v is not None and v.offset == buffer.START_IS_AN_INPUT):
+    for k in (k for k, v in enumerate(views) if v is not None and v.offset == tensor_views.START_IS_AN_INPUT):
         start_of[k], first_start = first_start, first_start + 1
     blank = [(op.buf.shape, dtypes.to_jax(op.buf.dtype)) if op.buf is not None else None for op in call.operands]
     names = sig.names
@@ -202,7 +202,7 @@ def build_program(call: Call) -> Program:
         elif kind == TENSOR_LIST:
             first_slot[i] = t_index
             t_index += sum(t is not None for t in v)
-    # per operand: (`buffer.Transposed` or `buffer.Flattened`, the shape its array takes) where the lowering
+    # per operand: (`tensor_views.Transposed` or `tensor_views.Flattened`, the shape its array takes) where the lowering
     # takes the buffer's array so, else None
     handed_whole = [None] * len(call.operands)
     if compute_dtype is None:
@@ -210,11 +210,11 @@ def build_program(call: Call) -> Program:
             op = call.operands[k]
             if op.buf is None:
                 continue
-            if names[i] in low.transposed and buffer.swaps_last_two(op.view, op.buf.shape, op.buf.dtype):
-                handed_whole[k] = (buffer.Transposed, op.buf.shape)
+            if names[i] in low.transposed and tensor_views.swaps_last_two(op.view, op.buf.shape, op.buf.dtype):
+                handed_whole[k] = (tensor_views.Transposed, op.buf.shape)
             elif names[i] in low.flattened:
-                shape = buffer.flattened_shape(op.view, op.buf.shape, op.buf.dtype)
-                handed_whole[k] = None if shape is None else (buffer.Flattened, shape)
+                shape = tensor_views.flattened_shape(op.view, op.buf.shape, op.buf.dtype)
+                handed_whole[k] = None if shape is None else (tensor_views.Flattened, shape)
     returns_mutated = sig.returns_mutated
     if sig.functional is not None and sig.written is None:  # out= and in-place variants
         check_out_dtypes(call)
@@ -230,7 +230,7 @@ def build_program(call: Call) -> Program:
         rng_key = rng.key_from_data(rng_data) if rng_data is not None else None
         arrays = [jnp.zeros(*blank[i]) if a is None else a for i, a in enumerate(arrays)]
         starts = [None if k is None else scalars[k] for k in start_of]
-        vals = [buffer.read(a, v, s) if whole is None else whole[0](a.reshape(whole[1]))
+        vals = [tensor_views.read(a, v, s) if whole is None else whole[0](a.reshape(whole[1]))
                 for a, v, s, whole in zip(arrays, views, starts, handed_whole)]
         if jax_compute is not None:
             vals = [v.astype(jax_compute) if _promotable(v) else v for v in vals]
@@ -264,8 +264,8 @@ def build_program(call: Call) -> Program:
             result = [r for x in result for r in (x if isinstance(x, (list, tuple)) else [x])]
             written = {}  # elements may be views of one buffer: their writes compose
             for (k, base, dtype), r in zip(written_slots, result):
-                written[base] = buffer.write(written.get(base, arrays[k]), views[k], dtypes.cast(jnp.asarray(r), dtype),
-                                             starts[k])
+                written[base] = tensor_views.write(written.get(base, arrays[k]), views[k],
+                                                   dtypes.cast(jnp.asarray(r), dtype), starts[k])
             return [written[base] for _, base, _ in written_slots] + checked
         outs = []
         for j, r in enumerate(result):
@@ -280,7 +280,7 @@ def build_program(call: Call) -> Program:
             target = returns_mutated[j] if j < len(returns_mutated) else None
             if target is not None:
                 k = slot_of_arg[target]
-                r = buffer.write(arrays[k], views[k], r, starts[k])
+                r = tensor_views.write(arrays[k], views[k], r, starts[k])
             outs.append(r)
         return outs + checked
 

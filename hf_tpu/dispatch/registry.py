@@ -43,10 +43,10 @@ class Lowering:
     # per Scalar argument name, values compiled into the program when the call passes one of them
     # (others stay traced): common constants a lowering computes faster as special cases, e.g. x ** 2
     static_values: tuple = ()  # ((name, frozenset of values), ...)
-    # names of matrix arguments that may arrive as `buffer.Transposed` (a whole buffer viewed with its
+    # names of matrix arguments that may arrive as `tensor_views.Transposed` (a whole buffer viewed with its
     # last two dims swapped) for the lowering to contract directly instead of reading a transposed copy
     transposed: frozenset = frozenset()
-    # names of matrix arguments that may arrive as `buffer.Flattened` (a whole contiguous buffer of 3 or more
+    # names of matrix arguments that may arrive as `tensor_views.Flattened` (a whole contiguous buffer of 3 or more
     # dims viewed with its leading dims flattened, a linear layer's input) for the lowering to contract in the
     # buffer's own shape
     flattened: frozenset = frozenset()

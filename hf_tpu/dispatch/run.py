@@ -10,7 +10,7 @@ import torch
 
 from .. import counters, dtypes, modes
 from ..device_state import current, rng
-from ..memory import buffer
+from ..memory import buffer, placement
 from ..memory.out_of_memory import check_allocation, check_results
 from ..modes import device_errors
 from .call import Call
@@ -58,7 +58,7 @@ def run_lowered(sig: Signature, values: list, analysed=None):
         if index_check is not None:  # its program reads its site, and reads and writes the device's record of errors
             arrays = [*arrays, *device_errors.operands(mode, device_index, sig, index_check.error)]
         if buffer.sharded_arrays_exist:
-            arrays = buffer.place_together(arrays)
+            arrays = placement.place_together(arrays)
         results = program.fn(arrays, call.scalars, rng_key)
         if index_check is not None:  # computed at once, after a sync: checked at the call
             device_errors.keep(mode, device_index, results[-1])
@@ -70,7 +70,7 @@ def run_lowered(sig: Signature, values: list, analysed=None):
         if index_check is not None:
             arrays = [*arrays, *device_errors.operands(mode, device_index, sig, index_check.error)]
         if buffer.sharded_arrays_exist:  # a sharded tensor (hf_tpu.distributed) may meet single-chip ones
-            arrays = buffer.place_together(arrays)
+            arrays = placement.place_together(arrays)
         results = mode.execute(program, call.key, arrays, call.scalars, rng_key, device_index)
         if index_check is not None:
             device_errors.keep(mode, device_index, results[-1])

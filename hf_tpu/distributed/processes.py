@@ -8,7 +8,7 @@ import torch
 from jax.experimental import multihost_utils
 
 from .. import modes, platform
-from ..memory import buffer
+from ..memory import host_transfers
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -44,8 +44,8 @@ def all_gather(t: torch.Tensor) -> torch.Tensor:
     local = t.detach().reshape(1) if t.dim() == 0 else t.detach()
     if process_count() == 1:
         return local.clone()
-    joined = multihost_utils.process_allgather(buffer.host_array(local.cpu()), tiled=True)
-    return buffer.to_host(joined, t.dtype).to(t.device)
+    joined = multihost_utils.process_allgather(host_transfers.host_array(local.cpu()), tiled=True)
+    return host_transfers.to_host(joined, t.dtype).to(t.device)
 
 
 def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:

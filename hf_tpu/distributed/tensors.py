@@ -14,7 +14,7 @@ import jax
 import torch
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..memory import buffer
+from ..memory import buffer, host_transfers, placement, tensor_views
 from .mesh import Mesh
 
 
@@ -63,12 +63,12 @@ def shard(t: torch.Tensor, mesh: Mesh, spec) -> torch.Tensor:
     shape = tuple(t.shape)
     spec = _check_spec(shape, mesh, spec)
     if t.device.type == "cpu":
-        value = buffer.host_array(t)
+        value = host_transfers.host_array(t)
     else:
         buf = buffer.buffer_of(t)
-        value = buffer.read(buf.value(), buffer.view_of(t, buf))
+        value = tensor_views.read(buf.value(), tensor_views.view_of(t, buf))
     device = mesh.device  # raises for a mesh with no chip in this process
-    array = buffer.place(value, NamedSharding(mesh.jax_mesh, PartitionSpec(*spec)))
+    array = placement.place(value, NamedSharding(mesh.jax_mesh, PartitionSpec(*spec)))
     buffer.sharded_arrays_exist = True
     return buffer.new_tensor(shape, t.dtype, device.index, array)
 
@@ -86,7 +86,7 @@ def from_process_parts(t: torch.Tensor, mesh: Mesh, spec) -> torch.Tensor:
     spec = tuple(spec) + (None,) * (t.dim() - len(tuple(spec)))
     layout = NamedSharding(mesh.jax_mesh, PartitionSpec(*spec))
     try:
-        array = jax.make_array_from_process_local_data(layout, buffer.host_array(t.detach().cpu()))
+        array = jax.make_array_from_process_local_data(layout, host_transfers.host_array(t.detach().cpu()))
     except ValueError as e:
         raise ValueError(f"this process's part of shape {tuple(t.shape)} does not split as {spec} over the "
                          f"chips the mesh {mesh} has in this process: {e}") from None
@@ -105,7 +105,7 @@ def sharding(t: torch.Tensor) -> Sharding | None:
     if t.device.type != "tpu":
         return None
     array = buffer.buffer_of(t).value()
-    if not buffer.is_sharded(array):
+    if not placement.is_sharded(array):
         return None
     layout = array.sharding
     if not isinstance(layout, NamedSharding):

@@ -10,7 +10,7 @@ without hf-tpu it raises RuntimeError). Providing them needs a C++ extension bui
 PyTorch's headers, which docs/design/native-hot-path.md rules out.
 
 Page-locked memory gains nothing here: JAX copies a host array to the device itself
-(`buffer.from_host`), which is as fast from ordinary memory. So host memory pinned for `tpu` is memory
+(`host_transfers.from_host`), which is as fast from ordinary memory. So host memory pinned for `tpu` is memory
 from PyTorch's CPU allocator that hf-tpu records as pinned: the factories that take `pin_memory`
 allocate without it and record the new storage, `Tensor.pin_memory()` copies once into a recorded
 storage (and returns a tensor already pinned unchanged, as PyTorch does), and `Tensor.is_pinned()`

@@ -15,7 +15,7 @@ import torch
 
 from ..device_state import current
 from ..dynamo_frames import hide_from_dynamo
-from . import buffer
+from . import buffer, host_transfers
 
 _LOCATION = re.compile(r"^tpu(:(\d+))?$")
 
@@ -37,7 +37,7 @@ def _restore(storage, location: str):
     host = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
     if host.device.type != "cpu":
         host = host.cpu()
-    tpu_bytes = buffer.new_tensor(host.shape, torch.uint8, index, buffer.from_host(host, index))
+    tpu_bytes = buffer.new_tensor(host.shape, torch.uint8, index, host_transfers.from_host(host, index))
     return tpu_bytes.untyped_storage()
 
 

@@ -19,7 +19,7 @@ import jax
 import torch
 
 from .. import counters, platform
-from ..memory import buffer, donation
+from ..memory import buffer, donation, host_transfers, tensor_views
 from ..memory.out_of_memory import raise_out_of_memory  # noqa: F401  (modes.raise_out_of_memory)
 from . import device_errors
 from .deferred import Deferred
@@ -227,10 +227,10 @@ def check_on_device(value: torch.Tensor, raise_if_bad) -> None:
     if mode.kind is ModeKind.TRACE:
         mode.checks.append((value, raise_if_bad))
     elif isinstance(raise_if_bad, device_errors.TraceSites):
-        merge_index_record(buffer.array_of(value), buffer.buffer_of(value).device_index, raise_if_bad)
+        merge_index_record(tensor_views.array_of(value), buffer.buffer_of(value).device_index, raise_if_bad)
     elif mode.kind is ModeKind.DEFER_NEVER_AND_LAUNCH_BLOCKING:
         host_read("a check on a device value")
-        raise_if_bad(buffer.host_copy(value))
+        raise_if_bad(host_transfers.host_copy(value))
     else:
         _pending_checks.append((value, raise_if_bad))
 
@@ -250,7 +250,7 @@ def report_device_checks(at_the_call: bool = False) -> None:
         checks = _pending_checks[:]
         _pending_checks.clear()
         for value, raise_if_bad in checks:
-            raise_if_bad(buffer.host_copy(value))
+            raise_if_bad(host_transfers.host_copy(value))
 
 
 def flush(reason: str) -> None:

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import counters, platform
-from ..memory import buffer, donation, out_of_memory
+from ..memory import buffer, donation, out_of_memory, placement
 from ..memory.out_of_memory import check_results, raise_out_of_memory
 from .kinds import ModeKind
 from .scalars import on_device
@@ -250,10 +250,10 @@ class Deferred:
             _counters["compile_cache_hits"] += 1
             _counters["compile_cache_hits_by_mode"][self.counter_key] += 1
         if buffer.sharded_arrays_exist:  # a sharded tensor (hf_tpu.distributed) may meet single-chip ones
-            graph.inputs = buffer.place_together(graph.inputs)
+            graph.inputs = placement.place_together(graph.inputs)
         if fused.large_result_bytes:  # each op's result was checked alone; together they may not fit
             check_results(fused.large_result_bytes, graph.device_index,
-                          buffer.sharded_arrays_exist and any(map(buffer.is_sharded, graph.inputs)),
+                          buffer.sharded_arrays_exist and any(map(placement.is_sharded, graph.inputs)),
                           lambda: f"a fused graph of {len(graph.nodes)} ops")
         scalars = on_device([node[2] for node in graph.nodes], graph.device_index)
         rngs = [node[3] for node in graph.nodes]

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from .. import platform, settings
-from ..memory import buffer
+from ..memory import buffer, host_transfers, placement, tensor_views
 from .kinds import ModeKind
 
 Lazy = buffer.Lazy
@@ -115,7 +115,7 @@ def _traced_from(frame) -> str | None:
 
 def site(sig, error, device_index: int):
     """The id of the site of an eager op now dispatched (its op's signature and error, the user's line), as the
-    array a program takes on `tpu:device_index` (uploaded once: `buffer.from_number`)."""
+    array a program takes on `tpu:device_index` (uploaded once: `host_transfers.from_number`)."""
     frame = _caller()
     key = (error, None, 0) if frame is None else (error, frame.f_code, frame.f_lineno)
     found = _site_ids.get(key)
@@ -124,7 +124,7 @@ def site(sig, error, device_index: int):
         _sites.append(Site(sig.name, error, _where(frame)))
     array = _site_arrays.get((found, device_index))
     if array is None:
-        array = _site_arrays[(found, device_index)] = buffer.from_number(found, device_index)
+        array = _site_arrays[(found, device_index)] = host_transfers.from_number(found, device_index)
         buffer.allocator.hold(array)  # held for good: a fused program may not be given it to overwrite
     return array
 
@@ -182,7 +182,7 @@ def _current(mode, device_index: int):
             array = held._array = array.concrete
         elif getattr(mode, "graphs", {}).get(device_index) is not array.graph:
             array = None  # the flush that was to compute it failed (out of memory): what it held is lost
-    elif buffer.sharded_arrays_exist and buffer.is_sharded(array):
+    elif buffer.sharded_arrays_exist and placement.is_sharded(array):
         # written by a program over a mesh (a sharded model's op): back on its own chip, so that a single-chip
         # op does not run over the mesh for it
         array = _on_own_chip(array, device_index)
@@ -220,7 +220,7 @@ def operands(mode, device_index: int, sig, error) -> tuple:
         traced = mode.index_record = _TraceRecord(tensor, TraceSites())
         mode.checks.append((tensor, traced.sites))
     traced.sites.sites.append(Site(sig.name, error, _where(_caller())))
-    return jnp.asarray(len(traced.sites.sites), DTYPE), buffer.array_of(traced.tensor)
+    return jnp.asarray(len(traced.sites.sites), DTYPE), tensor_views.array_of(traced.tensor)
 
 
 def keep(mode, device_index: int, record) -> None:
@@ -298,9 +298,9 @@ def merge(found, device_index: int, sites: TraceSites) -> None:
     if held is not None and type(held._array) is Lazy and held._array.concrete is None:
         flush("a traced program's index checks")  # not the case after a call: it syncs first
     record = _current(current(), device_index)
-    if buffer.sharded_arrays_exist and buffer.is_sharded(found):  # a sharded model's program: onto the record's chip
+    if buffer.sharded_arrays_exist and placement.is_sharded(found):  # a sharded model's program: onto the record's chip
         found = _on_own_chip(found, device_index)
-    _held[device_index].array = _merged(record, found, buffer.from_number(sites.first, device_index))
+    _held[device_index].array = _merged(record, found, host_transfers.from_number(sites.first, device_index))
     _held[device_index].written = True
 
 

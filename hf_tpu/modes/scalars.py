@@ -6,7 +6,7 @@ call: on a TPU v5e's host 158 us a number (raw JAX, 2026-12-06: a call with 141 
 the same values as device arrays 0.23 ms), where the rest of a strict op costs about 160 us. A fused
 training step of the tiny Llama passes 141 (its AdamW's constants, and per-parameter step sizes).
 
-`on_device` replaces each number by the array JAX would make of it (`buffer.from_number`: the same dtype and
+`on_device` replaces each number by the array JAX would make of it (`host_transfers.from_number`: the same dtype and
 weak type, so the program traced is the same) on the op's device, kept as recurring small uploads are: a
 constant of the model's code or an optimizer's hyperparameter is uploaded once per process. A value met for the
 first time is uploaded as the call would have uploaded it. Programs over sharded arrays keep Python numbers,
@@ -15,7 +15,7 @@ which JAX places with the program's sharding.
 
 from __future__ import annotations
 
-from ..memory import buffer
+from ..memory import buffer, host_transfers
 
 _NUMBERS = (bool, int, float, complex)
 
@@ -25,7 +25,7 @@ def _replaced(values, device_index: int):
     for v in values:
         kind = type(v)
         if kind in _NUMBERS:
-            v = buffer.from_number(v, device_index)
+            v = host_transfers.from_number(v, device_index)
         elif (kind is list or kind is tuple) and v:
             v = _replaced(v, device_index)
         replaced.append(v)

@@ -25,7 +25,7 @@ import torch
 from ..dispatch import backend_choice, lowering
 from ..kernels import flash_attention as flash_kernel
 from ..kernels import selection as kernel_selection
-from .linalg import matmul_precision
+from .products import matmul_precision
 from .nn import _opmath
 
 aten = torch.ops.aten

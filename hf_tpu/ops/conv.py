@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..dispatch import lowering
-from .linalg import accumulation_dtype, matmul_precision
+from .products import accumulation_dtype, matmul_precision
 
 aten = torch.ops.aten
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import torch
 from ..dispatch import lowering
-from .linalg import matmul_precision
+from .products import matmul_precision
 
 
 aten = torch.ops.aten

@@ -17,7 +17,7 @@ import torch
 from .. import dtypes
 from ..dispatch import lowering
 from .factory import _linspace
-from .linalg import accumulation_dtype
+from .products import accumulation_dtype
 
 aten = torch.ops.aten
 

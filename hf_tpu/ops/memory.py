@@ -15,7 +15,7 @@ import torch
 from .. import dispatch, modes, platform
 from ..device_state import current
 from ..dispatch import handler, lowering, reuse_cpu_kernel
-from ..memory import buffer
+from ..memory import buffer, host_transfers, placement, tensor_views
 from ..memory.out_of_memory import check_allocation
 
 aten = torch.ops.aten
@@ -73,7 +73,7 @@ def resize_(sig, values):
         fresh = buffer.new_tensor((self.storage_offset() + math.prod(size),), self.dtype, old.device_index)
         if old.array is not None:  # PyTorch keeps the old bytes at the front of the new storage
             kept = old.nbytes // self.element_size()
-            flat = buffer.read(old.value(), buffer.View((kept,), (1,), 0, self.dtype))
+            flat = tensor_views.read(old.value(), tensor_views.View((kept,), (1,), 0, self.dtype))
             buffer.buffer_of(fresh).array = jax.numpy.pad(flat, (0, fresh.numel() - kept))
         aten.set_.source_Storage_storage_offset.redispatch(
             _CPU, self, fresh.untyped_storage(), self.storage_offset(), size, _contiguous(size)
@@ -86,13 +86,13 @@ def resize_(sig, values):
 def local_scalar_dense(sig, values):
     t = values[0]
     modes.host_read("item()")
-    return buffer.to_numpy(buffer.array_of(t)).item()
+    return host_transfers.to_numpy(tensor_views.array_of(t)).item()
 
 
 def _copy_to_host(t) -> torch.Tensor:
     """A tpu tensor's values as a new CPU tensor of its dtype: a counted host read."""
     modes.host_read("copy to cpu")
-    return buffer.host_copy(t)
+    return host_transfers.host_copy(t)
 
 
 def to_cpu(tensors) -> list:
@@ -104,7 +104,7 @@ def to_cpu(tensors) -> list:
     on_tpu = [t for t in tensors if t.device.type == "tpu"]
     if on_tpu:
         modes.host_read("copy to cpu")
-    copies = iter(buffer.host_copies(on_tpu))
+    copies = iter(host_transfers.host_copies(on_tpu))
     return [next(copies) if t.device.type == "tpu" else t.cpu() for t in tensors]
 
 
@@ -115,7 +115,7 @@ def prefetch_to_cpu(tensors) -> None:
     first token's logits, which `generate()` reads after its bookkeeping. Nothing else changes: tensors on other
     devices, views of part of a buffer, and values not computed yet (in DEFER_AND_FUSE, where this would
     compute them) are left alone."""
-    buffer.start_host_copies([t for t in tensors if t.device.type == "tpu"])
+    host_transfers.start_host_copies([t for t in tensors if t.device.type == "tpu"])
 
 
 def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -124,7 +124,7 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     values, which share the array hf_tpu keeps of them). False means not known, not unequal; nothing waits and
     nothing is computed (a value still deferred is not known). For a caller that launched device work ahead,
     from the inputs it expected, and takes its results when the inputs then made are those."""
-    return a.device.type == "tpu" and b.device.type == "tpu" and buffer.read_one_array(a, b)
+    return a.device.type == "tpu" and b.device.type == "tpu" and tensor_views.read_one_array(a, b)
 
 
 @handler(aten.copy_.default)
@@ -141,24 +141,24 @@ def copy_(sig, values):
         host = src.to(dst.dtype)
         if tuple(host.shape) != tuple(dst.shape):
             host = host.expand(dst.shape)
-        src = buffer.new_tensor(host.shape, host.dtype, index, buffer.from_host(host, index))
+        src = buffer.new_tensor(host.shape, host.dtype, index, host_transfers.from_host(host, index))
     elif src.device.index != index:
         src_buf = buffer.buffer_of(src)
-        moved = buffer.place(buffer.array_of(src, src_buf), platform.jax_device(index))
+        moved = placement.place(tensor_views.array_of(src, src_buf), platform.jax_device(index))
         src = buffer.new_tensor(src.shape, src.dtype, index, moved)
     dst_buf = buffer.buffer_of(dst)
     if (
-        buffer.view_of(dst, dst_buf) is None
+        tensor_views.view_of(dst, dst_buf) is None
         and tuple(src.shape) == tuple(dst.shape)
         and src.dtype == dst.dtype
-        and buffer.view_of(src, buffer.buffer_of(src)) is None
+        and tensor_views.view_of(src, buffer.buffer_of(src)) is None
     ):
         src_buf = buffer.buffer_of(src)
         # jax arrays are immutable, so sharing one is a copy (a deferred result is shared the same way)
         value = src_buf.array if src_buf.array is not None else src_buf.value()
-        if buffer.sharded_arrays_exist and buffer.is_sharded(dst_buf.array) and type(value) is not buffer.Lazy:
+        if buffer.sharded_arrays_exist and placement.is_sharded(dst_buf.array) and type(value) is not buffer.Lazy:
             # loading weights into a sharded model (load_state_dict) keeps each chip's shard
-            value = buffer.place(value, dst_buf.array.sharding)
+            value = placement.place(value, dst_buf.array.sharding)
         dst_buf.array = value
         return dst
     return dispatch.run_lowered(dispatch.signature(aten.copy_.default), [dst, src, False])
@@ -182,9 +182,9 @@ def to_copy(sig, values):
     index = current.current_index_for(target)
     if self.device.type == "cpu":
         host = self.to(dtype)
-        return buffer.new_tensor(host.shape, dtype, index, buffer.from_host(host, index))
+        return buffer.new_tensor(host.shape, dtype, index, host_transfers.from_host(host, index))
     if index != self.device.index:  # another chip: the values move, then the cast runs there
-        value = buffer.place(buffer.array_of(self), platform.jax_device(index))
+        value = placement.place(tensor_views.array_of(self), platform.jax_device(index))
         self = buffer.new_tensor(self.shape, self.dtype, index, value)
     # a cast on the device is an op like any other: recorded in DEFER_AND_FUSE, never a sync
     return dispatch.run_lowered(dispatch.signature(aten._to_copy.default), [self, dtype] + [None] * 5)

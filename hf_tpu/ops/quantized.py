@@ -2,7 +2,7 @@
 
 Int8 weights need no op of their own: a linear layer of int8 data and scales is PyTorch's own ops (a conversion,
 a product, a scaling), which a traced program fuses (XLA converts the int8 data inside the product), and int8
-activations times int8 weights are `_int_mm` (`hf_tpu.ops.linalg`). Int4 weights are two to a byte, and how
+activations times int8 weights are `_int_mm` (`hf_tpu.ops.products`). Int4 weights are two to a byte, and how
 they are unpacked decides what a TPU reads: an op of their own keeps that choice in one lowering.
 
 `int4_linear(input, qdata, scale, zero_point, group_size)` is `input @ W.T` (in `input`'s dtype, accumulated in
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import torch
 
 from ..dispatch import lowering
-from .linalg import dot
+from .products import dot
 
 _library = torch.library.Library("hf_tpu", "FRAGMENT")
 _library.define("int4_linear(Tensor input, Tensor qdata, Tensor scale, Tensor zero_point, int group_size) -> Tensor")

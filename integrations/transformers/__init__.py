@@ -1,8 +1,9 @@
 """The Transformers adapter: loading onto `tpu` and generation with a static KV cache and compiled decoding,
 one module a job: `from_pretrained` (the wrapper), `loading` (checks, placement, preparation),
-`tensor_parallel`, `cache` (the static cache), `generation` (prompt buckets
-and the on-device decode loop), `continuous_batching` (the paged cache's size), `trainer`, and
-`settings` (`configure`).
+`tensor_parallel`, `cache` (the static cache), `generation` (the host's bookkeeping and
+prompt padding), `prefill` (compiled once per prompt bucket, launched ahead), `decode_loop` (the tokens after
+the first in one device loop), `compiled_buckets` (a compiled causal LM's calls padded to buckets),
+`continuous_batching` (the paged cache's size), `trainer`, and `settings` (`configure`).
 
 Installed by `hf_tpu.integrations.activate()` when `transformers.modeling_utils` or
 `transformers.generation.utils` is first imported. What it changes, only for models on `tpu`:
@@ -44,8 +45,8 @@ from hf_tpu.model_patches.wrapping import wrap_once
 
 from .. import attention
 from ..output_capturing import capturing_hooks_traced, install_output_capturing_hooks
-from . import cache, compiled_buckets, continuous_batching, from_pretrained, generation, trainer
-from .generation import bucketed_length
+from . import cache, compiled_buckets, continuous_batching, decode_loop, from_pretrained, generation, prefill, trainer
+from .prefill import bucketed_length
 from .loading import check_before_loading, prepare_model
 from .settings import DEFAULT_PROMPT_BUCKETS, Settings, configure, settings
 
@@ -86,8 +87,8 @@ def install(module) -> None:
     elif module.__name__ == "transformers.generation.utils":
         mixin = module.GenerationMixin
         wrap_once(mixin, "generate", generation._wrap_generate)
-        wrap_once(mixin, "_sample", generation._wrap_sample)
-        wrap_once(mixin, "_prefill", generation._wrap_prefill)
+        wrap_once(mixin, "_sample", decode_loop._wrap_sample)
+        wrap_once(mixin, "_prefill", prefill._wrap_prefill)
         wrap_once(mixin, "_valid_auto_compile_criteria", generation._wrap_valid_auto_compile_criteria)
         wrap_once(mixin, "_prepare_generation_config", cache._wrap_prepare_generation_config)
         wrap_once(mixin, "_prepare_cache_for_generation", cache._wrap_prepare_cache_for_generation)

@@ -422,7 +422,7 @@ def _wrap_prepare_static_cache(original):
         for the same one (batch size, length after Transformers' rounding up to the longest seen, dtype,
         device), instead of a new `StaticCache` built from the config and allocated layer by layer: on the v5e
         that took about 3 ms of a 14 ms `generate()` of one token after a 128-token prompt. It still holds the
-        previous call's keys, values and lengths: its prefill zeroes them (`generation._prefill_forward`, inside
+        previous call's keys, values and lengths: its prefill zeroes them (`prefill._prefill_forward`, inside
         the compiled prefill's program). Only calls within `static_cache_kept` (the adapter's own `generate()`
         path) keep and take a cache, one at a time."""
         kept = _static_caches.get(self, {})

@@ -109,7 +109,7 @@ def test_moving_a_module_keeps_its_parameter_objects_like_cuda():
 def test_to_cpu_copies_many_tensors_with_one_host_read(monkeypatch):
     """`hf_tpu.to_cpu(tensors)` is `[t.detach().cpu() for t in tensors]` (every dtype bit for bit, views, CPU
     tensors), counted as one host read, and the tpu arrays' transfers are started before the first is read."""
-    from hf_tpu.memory import buffer
+    from hf_tpu.memory import tensor_views
 
     model = torch.nn.Linear(3, 5).to(torch.bfloat16)
     mask = torch.tensor([True, False, True])
@@ -117,7 +117,7 @@ def test_to_cpu_copies_many_tensors_with_one_host_read(monkeypatch):
     on_tpu = [p.to("tpu") for p in model.parameters()] + [mask.to("tpu"), big.to("tpu")]
     view = on_tpu[0].t()[1:]
     started = []
-    monkeypatch.setattr(type(buffer.array_of(on_tpu[-1])), "copy_to_host_async",
+    monkeypatch.setattr(type(tensor_views.array_of(on_tpu[-1])), "copy_to_host_async",
                         lambda array: started.append(array.shape), raising=False)
     hf_tpu.reset_metrics()
     copies = hf_tpu.to_cpu([*on_tpu, view, big])
@@ -134,13 +134,13 @@ def test_prefetch_to_cpu_starts_the_transfers_a_later_copy_reads(monkeypatch):
     `.cpu()` reads the same array. A view that is its buffer under another shape (`logits[:, -1]`) is copied as
     its buffer, reshaped on the host, with no device program; a view of part of a buffer, a CPU tensor and a
     deferred value (which a transfer would compute) are left alone."""
-    from hf_tpu.memory import buffer
+    from hf_tpu.memory import buffer, host_transfers, tensor_views
 
     logits = torch.randn(2, 1, 700).to("tpu") * 2  # computed on the device, not an upload kept on the host
     part = (torch.randn(4, 700).to("tpu") * 2)[1:]
     started = []
-    monkeypatch.setattr(type(buffer.array_of(logits)), "copy_to_host_async", lambda array: started.append(array),
-                        raising=False)
+    monkeypatch.setattr(type(tensor_views.array_of(logits)), "copy_to_host_async",
+                        lambda array: started.append(array), raising=False)
     hf_tpu.reset_metrics()
     hf_tpu.prefetch_to_cpu([logits[:, -1], part, torch.ones(2)])
     assert hf_tpu.metrics()["host_syncs"] == 0
@@ -150,7 +150,7 @@ def test_prefetch_to_cpu_starts_the_transfers_a_later_copy_reads(monkeypatch):
     def no_device_copy(*args):
         raise AssertionError("the whole buffer is read, not a copy the device makes of the view")
 
-    monkeypatch.setattr(buffer, "array_of", no_device_copy)
+    monkeypatch.setattr(host_transfers, "array_of", no_device_copy)
     assert torch.equal(logits[:, -1].cpu(), expected)
     monkeypatch.undo()
     with torch.tpu.use_eager_mode("DEFER_AND_FUSE"):
@@ -234,7 +234,7 @@ def test_module_functions():
 
 @pytest.mark.requires_chips(2)
 def test_synchronize_waits_on_every_computed_array_of_its_chip(monkeypatch):
-    from hf_tpu.memory import buffer
+    from hf_tpu.memory import buffer, tensor_views
 
     on_chip0 = torch.ones(4, device="tpu:0") * 3
     on_chip1 = torch.ones(4, device="tpu:1") * 3
@@ -243,7 +243,7 @@ def test_synchronize_waits_on_every_computed_array_of_its_chip(monkeypatch):
     monkeypatch.setattr(jax, "block_until_ready", lambda arrays: waited.append(arrays) or arrays)
     torch.tpu.synchronize(0)
     ids = {id(a) for a in waited[0]}
-    assert id(buffer.array_of(on_chip0)) in ids
+    assert id(tensor_views.array_of(on_chip0)) in ids
     assert id(buffer.buffer_of(on_chip1)._array) not in ids
     assert buffer.buffer_of(uninitialised)._array is None and None not in waited[0]
     assert all(a.devices() == {hf_tpu.platform.jax_device(0)} for a in waited[0])

@@ -641,7 +641,7 @@ def test_a_change_to_a_module_after_its_walk_was_kept_is_seen(model, change):
         first.weight.requires_grad_(False).t_()  # the same tensor and buffer, another view of it
     elif change == "read as another dtype":
         # a whole-buffer view of another dtype, read: the buffer takes that view's shape and dtype
-        # (`buffer._adopt_layout`), which the weight's next reader gives back
+        # (`tensor_views._adopt_layout`), which the weight's next reader gives back
         first.weight.detach().view(torch.int32).add(0)
         assert direct.buffer.buffer_of(first.weight).dtype == torch.int32
     else:

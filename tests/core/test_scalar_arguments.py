@@ -7,22 +7,22 @@ import math
 import pytest
 import torch
 
-from hf_tpu.memory import buffer
+from hf_tpu.memory import host_transfers
 
 
 @pytest.fixture
 def uploads(monkeypatch):
     """The numbers uploaded, in order, from no kept value on."""
     seen = []
-    upload = buffer._upload
+    upload = host_transfers._upload
 
     def counted(host, aval, device_index):
         if aval.shape == () and not isinstance(host, torch.Tensor):
             seen.append(host.item())
         return upload(host, aval, device_index)
 
-    buffer.let_go_of_kept_uploads()
-    monkeypatch.setattr(buffer, "_upload", counted)
+    host_transfers.let_go_of_kept_uploads()
+    monkeypatch.setattr(host_transfers, "_upload", counted)
     return seen
 
 
@@ -84,7 +84,7 @@ def test_a_bfloat16_tensor_times_a_number_stays_bfloat16():
 
 
 def test_the_least_recently_used_value_is_let_go_first(uploads, monkeypatch):
-    monkeypatch.setattr(buffer, "_RECURRING_KEPT", 2)
+    monkeypatch.setattr(host_transfers, "_RECURRING_KEPT", 2)
     x = torch.randn(3, device="tpu")
     for k in (0.5, 1.5, 0.5, 2.5, 0.5, 1.5):
         torch.testing.assert_close((x * k).cpu(), x.cpu() * k)
@@ -94,4 +94,4 @@ def test_the_least_recently_used_value_is_let_go_first(uploads, monkeypatch):
 
 def test_a_number_beyond_int64_raises_overflow_error():
     with pytest.raises(OverflowError):
-        buffer.from_number(2**63, 0)
+        host_transfers.from_number(2**63, 0)

@@ -285,15 +285,15 @@ def test_views_of_one_buffer_in_one_order_slice_one_transposed_array():
     (on a TPU, the minor dim of its tiles). A view of a small part of its buffer is sliced before its transpose,
     which XLA:CPU would otherwise make of the whole."""
     import jax
-    from hf_tpu.memory import buffer
+    from hf_tpu.memory import buffer, tensor_views
 
     x = torch.randn(2 * 16, 4 * 64)
     on_tpu = x.to("tpu")
     q, q_tpu = (t.view(2, 16, 4, 64).transpose(1, 2) for t in (x, on_tpu))
     halves, halves_tpu = ((t[..., 32:], t[..., :32]) for t in (q, q_tpu))
     buf = buffer.buffer_of(on_tpu)
-    views = [buffer.view_of(t, buf) for t in (q_tpu, *halves_tpu)]
-    jaxpr = jax.make_jaxpr(lambda a: [buffer.read(a, view) for view in views])(buf.value()).jaxpr
+    views = [tensor_views.view_of(t, buf) for t in (q_tpu, *halves_tpu)]
+    jaxpr = jax.make_jaxpr(lambda a: [tensor_views.read(a, view) for view in views])(buf.value()).jaxpr
     transposed = [e.invars[0].aval.shape for e in jaxpr.eqns if e.primitive.name == "transpose"]
     assert transposed and all(shape == (2, 16, 4, 64) for shape in transposed), transposed
     # each transposed array is kept whole behind a barrier, which the slices read
@@ -307,7 +307,7 @@ def test_views_of_one_buffer_in_one_order_slice_one_transposed_array():
     y = torch.randn(8, 8, 8, 8)
     part, part_tpu = (t.permute(3, 2, 1, 0)[1] for t in (y, y.to("tpu")))
     buf = buffer.buffer_of(part_tpu)
-    jaxpr = jax.make_jaxpr(lambda a: buffer.read(a, buffer.view_of(part_tpu, buf)))(buf.value()).jaxpr
+    jaxpr = jax.make_jaxpr(lambda a: tensor_views.read(a, tensor_views.view_of(part_tpu, buf)))(buf.value()).jaxpr
     assert [e.invars[0].aval.shape for e in jaxpr.eqns if e.primitive.name == "transpose"] == [(8, 8, 8)]
     assert torch.equal(part_tpu.cpu(), part)
 
@@ -337,11 +337,11 @@ def test_an_upload_of_values_just_read_back_is_the_array_they_were_read_from(mon
     to either tensor changes. Other values, and values whose array is gone or was donated, are uploaded."""
     import gc
 
-    from hf_tpu.memory import buffer
+    from hf_tpu.memory import buffer, host_transfers
 
     uploads = []
-    upload = buffer._upload
-    monkeypatch.setattr(buffer, "_upload", lambda *args: uploads.append(args[0].copy()) or upload(*args))
+    upload = host_transfers._upload
+    monkeypatch.setattr(host_transfers, "_upload", lambda *args: uploads.append(args[0].copy()) or upload(*args))
     torch.tpu.empty_cache()  # the uploads an earlier test kept (equal values recur: they would not be uploaded)
     computed = torch.arange(300).to("tpu") * 3 + 1
     torch.tpu.synchronize()  # deferred: its numbers are uploaded when it is computed

@@ -81,10 +81,10 @@ def test_ragged_dot_asks_for_a_precision_only_for_float32_operands(dtype, precis
     import jax
     import jax.numpy as jnp
 
-    from hf_tpu.ops import linalg
+    from hf_tpu.ops import products
 
     lhs, rhs = jnp.ones((4, 8), dtype), jnp.ones((2, 8, 16), dtype)
-    jaxpr = jax.make_jaxpr(lambda a, b: linalg._ragged_dot(a, b, jnp.array([1, 3], jnp.int32), 0, [0],
+    jaxpr = jax.make_jaxpr(lambda a, b: products._ragged_dot(a, b, jnp.array([1, 3], jnp.int32), 0, [0],
                                                           ((1,), (1,))))(lhs, rhs)
     (equation,) = [e for e in jaxpr.eqns if "ragged_dot" in e.primitive.name]
     traced = equation.params["precision"]

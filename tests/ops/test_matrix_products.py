@@ -1,6 +1,6 @@
 """How a linear layer's product reaches XLA: its input contracted in the input's own shape
-(`hf_tpu.memory.buffer.Flattened`), and on a TPU a bfloat16 product of many rows asked for in bfloat16
-(`hf_tpu.ops.linalg._product_dtype`). Both decide the layouts XLA gives a model on a TPU; the values match
+(`hf_tpu.memory.tensor_views.Flattened`), and on a TPU a bfloat16 product of many rows asked for in bfloat16
+(`hf_tpu.ops.products._product_dtype`). Both decide the layouts XLA gives a model on a TPU; the values match
 PyTorch's on the CPU either way."""
 
 import jax
@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from hf_tpu import platform
-from hf_tpu.memory import buffer
-from hf_tpu.ops import linalg
+from hf_tpu.memory import buffer, tensor_views
+from hf_tpu.ops import products
 
 _TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
 
@@ -42,8 +42,8 @@ def test_a_linear_layer_matches_the_cpus(product, dtype, compiled):
 def test_a_linear_layers_input_is_contracted_in_its_own_shape(monkeypatch):
     """The product's left side is the input's buffer in its own shape, not a (tokens, features) copy of it."""
     seen = []
-    dot = linalg.dot
-    monkeypatch.setattr(linalg, "dot", lambda a, b, *rest: seen.append(a.shape) or dot(a, b, *rest))
+    dot = products.dot
+    monkeypatch.setattr(products, "dot", lambda a, b, *rest: seen.append(a.shape) or dot(a, b, *rest))
     x, w = torch.randn(3, 11, 13).to("tpu"), torch.randn(17, 13).to("tpu")  # shapes no other test builds
     torch.testing.assert_close(F.linear(x, w).cpu(), F.linear(x.cpu(), w.cpu()), rtol=1e-5, atol=1e-5)
     assert seen == [(3, 11, 13)]
@@ -51,36 +51,37 @@ def test_a_linear_layers_input_is_contracted_in_its_own_shape(monkeypatch):
 
 def test_which_views_are_flattened_inputs():
     def view(t):
-        return buffer.view_of(t, buffer.buffer_of(t))
+        return tensor_views.view_of(t, buffer.buffer_of(t))
 
     x = torch.zeros(2, 5, 4, 6, device="tpu")
-    assert buffer.flattened_shape(view(x.view(10, 24)), x.shape, x.dtype) == (2, 5, 24)
-    assert buffer.flattened_shape(view(x.view(40, 6)), x.shape, x.dtype) == (2, 5, 4, 6)
-    assert buffer.flattened_shape(view(x.view(2, 120)), x.shape, x.dtype) is None  # one leading dim: a plain matrix
-    assert buffer.flattened_shape(view(x.view(10, 24)[1:]), x.shape, x.dtype) is None  # not the whole buffer
-    assert buffer.flattened_shape(view(x.view(10, 24).t()), x.shape, x.dtype) is None  # transposed
+    assert tensor_views.flattened_shape(view(x.view(10, 24)), x.shape, x.dtype) == (2, 5, 24)
+    assert tensor_views.flattened_shape(view(x.view(40, 6)), x.shape, x.dtype) == (2, 5, 4, 6)
+    # one leading dim: a plain matrix
+    assert tensor_views.flattened_shape(view(x.view(2, 120)), x.shape, x.dtype) is None
+    assert tensor_views.flattened_shape(view(x.view(10, 24)[1:]), x.shape, x.dtype) is None  # not the whole buffer
+    assert tensor_views.flattened_shape(view(x.view(10, 24).t()), x.shape, x.dtype) is None  # transposed
 
 
 @pytest.mark.parametrize("name", ["tpu", "cpu", "gpu"])
 def test_a_bfloat16_product_of_many_rows_is_asked_for_in_bfloat16_on_a_tpu_alone(monkeypatch, name):
     monkeypatch.setattr(platform, "name", lambda: name)
-    many, few = linalg._BFLOAT16_PRODUCT_ROWS, linalg._BFLOAT16_PRODUCT_ROWS - 1
-    assert linalg._product_dtype(jnp.bfloat16, many) == (jnp.bfloat16 if name == "tpu" else jnp.float32)
-    assert linalg._product_dtype(jnp.bfloat16, few) == jnp.float32
-    assert linalg._product_dtype(jnp.float16, many) == jnp.float32
-    assert linalg._product_dtype(jnp.float32, many) == jnp.float32
-    assert linalg._product_dtype(jnp.int8, many) == jnp.int32
+    many, few = products._BFLOAT16_PRODUCT_ROWS, products._BFLOAT16_PRODUCT_ROWS - 1
+    assert products._product_dtype(jnp.bfloat16, many) == (jnp.bfloat16 if name == "tpu" else jnp.float32)
+    assert products._product_dtype(jnp.bfloat16, few) == jnp.float32
+    assert products._product_dtype(jnp.float16, many) == jnp.float32
+    assert products._product_dtype(jnp.float32, many) == jnp.float32
+    assert products._product_dtype(jnp.int8, many) == jnp.int32
 
 
 def test_a_products_rows_are_its_left_sides_elements_per_contracted_element(monkeypatch):
-    """A linear layer's input of (batch, tokens, features), contracted in its own shape (`buffer.Flattened`), has
+    """A linear layer's input of (batch, tokens, features), contracted in its own shape (`tensor_views.Flattened`), has
     batch * tokens rows: 8x1024 asks for bfloat16 on a TPU, 1x1024 for float32."""
     monkeypatch.setattr(platform, "name", lambda: "tpu")
     weight = jnp.ones((4, 3), jnp.bfloat16)
 
     def asked_for(batch, tokens):
         x = jnp.ones((batch, tokens, 4), jnp.bfloat16)
-        eqns = jax.make_jaxpr(lambda x, w: linalg.dot(x, w, (((2,), (0,)), ((), ()))))(x, weight).jaxpr.eqns
+        eqns = jax.make_jaxpr(lambda x, w: products.dot(x, w, (((2,), (0,)), ((), ()))))(x, weight).jaxpr.eqns
         return [e.params["preferred_element_type"] for e in eqns if e.primitive.name == "dot_general"]
 
     assert asked_for(8, 1024) == [jnp.bfloat16]
@@ -91,17 +92,17 @@ def test_a_product_with_an_epilogue_is_rounded_once_on_a_tpu_too(monkeypatch):
     """On a TPU `mm` of many rows asks for a bfloat16 product; `addmm` (a linear layer with a bias) and `mm` with an
     out_dtype ask for float32, so the bias is added, or the dtype given, before the one rounding."""
     monkeypatch.setattr(platform, "name", lambda: "tpu")
-    a = jnp.ones((linalg._BFLOAT16_PRODUCT_ROWS, 8), jnp.bfloat16)
+    a = jnp.ones((products._BFLOAT16_PRODUCT_ROWS, 8), jnp.bfloat16)
     b, bias = jnp.ones((8, 3), jnp.bfloat16), jnp.ones((3,), jnp.bfloat16)
 
     def asked_for(fn, *args):
         eqns = jax.make_jaxpr(fn)(*args).jaxpr.eqns
         return [e.params["preferred_element_type"] for e in eqns if e.primitive.name == "dot_general"]
 
-    assert asked_for(linalg.mm, a, b) == [jnp.bfloat16]
-    assert asked_for(linalg.addmm, bias, a, b) == [jnp.float32]
-    assert asked_for(lambda a, b: linalg.mm_out_dtype(a, b, torch.float32), a, b) == [jnp.float32]
-    assert asked_for(linalg.addmv, bias, b.T, a[0]) == [jnp.float32]
+    assert asked_for(products.mm, a, b) == [jnp.bfloat16]
+    assert asked_for(products.addmm, bias, a, b) == [jnp.float32]
+    assert asked_for(lambda a, b: products.mm_out_dtype(a, b, torch.float32), a, b) == [jnp.float32]
+    assert asked_for(products.addmv, bias, b.T, a[0]) == [jnp.float32]
 
 
 def _equations(jaxpr):

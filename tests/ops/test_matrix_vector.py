@@ -1,5 +1,5 @@
 """Half-precision matrix-vector products: on the CPU platform the vector side is multiplied as two rows
-(`hf_tpu.ops.linalg._vector_as_two_rows`), which XLA:CPU runs without a float32 copy of the matrix; elsewhere the
+(`hf_tpu.ops.products._vector_as_two_rows`), which XLA:CPU runs without a float32 copy of the matrix; elsewhere the
 product is left as it is. The products match PyTorch's on the CPU in every form a vector takes (a row, a column,
 a 1-D tensor, one row per batch), and on the CPU platform the compiled program converts no matrix to float32."""
 
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_tpu import platform
-from hf_tpu.ops import linalg
+from hf_tpu.ops import products
 
 _ON_CPU = platform.name() == "cpu"
 
@@ -48,9 +48,9 @@ def test_the_matrix_is_not_converted_to_float32_on_the_cpu(sides):
     a, b = jnp.ones(vector_shape, jnp.bfloat16), jnp.ones(matrix_shape, jnp.bfloat16)
     contracting = (a.ndim - 1, b.ndim - 1)
     dimension_numbers = (((contracting[0],), (contracting[1],)), ((), ()))
-    padded = linalg._half_precision_vector_on_cpu(a, b, dimension_numbers)
+    padded = products._half_precision_vector_on_cpu(a, b, dimension_numbers)
     assert padded == (vector_side if _ON_CPU else None)
-    product = jax.jit(lambda a, b: linalg.dot(a, b, dimension_numbers))
+    product = jax.jit(lambda a, b: products.dot(a, b, dimension_numbers))
     assert product(a, b).shape == jax.eval_shape(
         lambda a, b: jax.lax.dot_general(a, b, dimension_numbers), a, b).shape
     if _ON_CPU:
@@ -60,6 +60,6 @@ def test_the_matrix_is_not_converted_to_float32_on_the_cpu(sides):
 def test_float32_and_matrix_products_are_left_as_they_are():
     """A float32 vector takes XLA:CPU's vector path, which is the faster one there; two matrices are not padded."""
     dimension_numbers = (((1,), (1,)), ((), ()))
-    assert linalg._half_precision_vector_on_cpu(jnp.ones((1, 64)), jnp.ones((96, 64)), dimension_numbers) is None
-    assert linalg._half_precision_vector_on_cpu(
+    assert products._half_precision_vector_on_cpu(jnp.ones((1, 64)), jnp.ones((96, 64)), dimension_numbers) is None
+    assert products._half_precision_vector_on_cpu(
         jnp.ones((2, 64), jnp.bfloat16), jnp.ones((96, 64), jnp.bfloat16), dimension_numbers) is None
