@@ -746,7 +746,10 @@ def _group_compile(spec: dict, rows: _Rows) -> None:
                              score_matrix=not _flash_attention()):
                 continue
             forward = _compiled_forward(compiled, _ids(spec["model"]["vocab_size"], batch, length).to("tpu"))
-            _compile_row(rows, side, "forward", forward, batch=batch, length=length)
+            try:
+                _compile_row(rows, side, "forward", forward, batch=batch, length=length)
+            except torch.OutOfMemoryError as e:  # a shape served from a longer bucket's program may not fit
+                rows.out_of_memory(f"compile {batch}x{length}", e)
     del model, compiled, forward
     if settings_direct():  # a training step takes Dynamo either way: `compile_dynamo` leaves it to `compile`
         try:

@@ -93,7 +93,7 @@ def launching(device_index: int, what: str):
     """XLA's out-of-memory error of a traced program, as `torch.OutOfMemoryError` naming `what` ran."""
     try:
         yield
-    except jax.errors.JaxRuntimeError as e:
+    except modes.LAUNCH_ERRORS as e:
         modes.raise_out_of_memory(e, device_index, what)
         raise
 

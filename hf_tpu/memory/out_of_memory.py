@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import torch
 
 from .. import platform
@@ -24,6 +25,10 @@ from . import buffer
 # How XLA says it ran out of memory: RESOURCE_EXHAUSTED at run time, and at compile time on a TPU an
 # INTERNAL error that says "Ran out of memory in memory space hbm".
 _MARKERS = ("resource_exhausted", "out of memory", "resource exhausted")
+# The errors a program's launch may say it with: JAX raises a failed allocation of a result at launch as a
+# ValueError ("RESOURCE_EXHAUSTED: E0100: RuntimeBufferAllocationFailure", on the v5e), its other failures as
+# JaxRuntimeError. Callers catch these, turn one that says out of memory into torch's, and re-raise the rest.
+LAUNCH_ERRORS = (jax.errors.JaxRuntimeError, ValueError)
 
 
 def is_out_of_memory(error) -> bool:
@@ -104,5 +109,17 @@ def raise_out_of_memory(error, device_index: int, what: str) -> None:
     raise torch.OutOfMemoryError(
         f"tpu:{device_index} ran out of memory running {what}. Live tpu tensors hold "
         f"{buffer.allocator.allocated.get(device_index, 0) / 2**30:.2f} GiB of {total / 2**30:.2f} GiB "
-        f"({free / 2**30:.2f} GiB free). XLA said: {str(error).strip().splitlines()[0]}"
+        f"({free / 2**30:.2f} GiB free). XLA said: {_what_xla_said(error)}"
     ) from None
+
+
+def _what_xla_said(error) -> str:
+    """XLA's message on one line, up to its pointer to the documentation: the sizes may be on its second line
+    (the v5e's "RESOURCE_EXHAUSTED: E0100: RuntimeBufferAllocationFailure:" then "Error allocating ...")."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    said = []
+    for line in lines[:3]:
+        if line.startswith("See http"):
+            break
+        said.append(line)
+    return " ".join(said)

@@ -20,7 +20,7 @@ import torch
 
 from .. import counters, platform
 from ..memory import buffer, donation, host_transfers, tensor_views
-from ..memory.out_of_memory import raise_out_of_memory  # noqa: F401  (modes.raise_out_of_memory)
+from ..memory.out_of_memory import LAUNCH_ERRORS, raise_out_of_memory  # noqa: F401  (modes.raise_out_of_memory)
 from . import device_errors
 from .deferred import Deferred
 from .kinds import EagerMode, ModeKind
@@ -96,7 +96,7 @@ class _Eager:
                     out = jitted(arrays, scalars, rng)
             if self.blocking:
                 jax.block_until_ready(out)
-        except jax.errors.JaxRuntimeError as e:
+        except LAUNCH_ERRORS as e:
             raise_out_of_memory(e, device_index, f"an op ({program.name})")
             raise
         return out

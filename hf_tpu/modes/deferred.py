@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from .. import counters, platform
 from ..memory import buffer, donation, out_of_memory, placement
-from ..memory.out_of_memory import check_results, raise_out_of_memory
+from ..memory.out_of_memory import LAUNCH_ERRORS, check_results, raise_out_of_memory
 from .kinds import ModeKind
 from .scalars import on_device
 
@@ -263,7 +263,7 @@ class Deferred:
             else:
                 with jax.default_device(platform.jax_device(graph.device_index)):
                     results = fused(graph.inputs, scalars, rngs)
-        except jax.errors.JaxRuntimeError as e:
+        except LAUNCH_ERRORS as e:
             raise_out_of_memory(e, graph.device_index, f"a fused graph of {len(graph.nodes)} ops")
             raise
         for (value, bufs), array in zip(holders, results):

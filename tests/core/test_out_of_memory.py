@@ -95,14 +95,14 @@ def test_deferred_results_that_fit_alone_but_not_together_raise_at_the_flush(mon
     assert (x - 1).cpu()[0, 0].item() == 0.0
 
 
-def _failing_launch(monkeypatch, mode, message):
+def _failing_launch(monkeypatch, mode, message, error_type=jax.errors.JaxRuntimeError):
     """Every launch from now on fails with `message`, as XLA fails (in strict eager, each new program's
     launch; in defer-and-fuse, each flush); returns the list of launches tried."""
     tried = []
 
     def fail(*args, **kwargs):
         tried.append(1)
-        raise jax.errors.JaxRuntimeError(message)
+        raise error_type(message)
 
     if mode == "DEFER_AND_FUSE":
         from hf_tpu.modes import deferred
@@ -122,16 +122,18 @@ def _failing_launch(monkeypatch, mode, message):
     return tried
 
 
-@pytest.mark.parametrize("message", [
-    "RESOURCE_EXHAUSTED: Error allocating device buffer: Attempting to allocate 18.63G. That was not "
-    "possible. There are 15.48G free.",
-    "INTERNAL: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. Used 18.63G of "
-    "15.75G hbm.",
+@pytest.mark.parametrize("message, error_type", [
+    ("RESOURCE_EXHAUSTED: Error allocating device buffer: Attempting to allocate 18.63G. That was not "
+     "possible. There are 15.48G free.", jax.errors.JaxRuntimeError),
+    ("RESOURCE_EXHAUSTED: E0100: RuntimeBufferAllocationFailure:\nError allocating device buffer: Attempting to "
+     "allocate 18.63G. That was not possible. There are 881.44M free.; (0x0x0_HBM0)", ValueError),  # the v5e's
+    ("INTERNAL: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. Used 18.63G of "
+     "15.75G hbm.", jax.errors.JaxRuntimeError),
 ])
-def test_launch_out_of_memory_is_one_torch_error(monkeypatch, eager_mode, message):
+def test_launch_out_of_memory_is_one_torch_error(monkeypatch, eager_mode, message, error_type):
     x = torch.ones(7, next(_fresh), device="tpu")  # a shape no other test uses: a new program
     torch.tpu.synchronize()
-    tried = _failing_launch(monkeypatch, eager_mode, message)
+    tried = _failing_launch(monkeypatch, eager_mode, message, error_type)
     with pytest.raises(torch.OutOfMemoryError, match=r"tpu:0 ran out of memory running .*(mul|fused)") as info:
         x.mul(3.5).cpu()  # strict eager: at the op; defer-and-fuse: at the read that runs it
     monkeypatch.undo()
@@ -142,15 +144,17 @@ def test_launch_out_of_memory_is_one_torch_error(monkeypatch, eager_mode, messag
     assert y.cpu()[0, 0].item() == 3.5
 
 
-def test_other_launch_errors_stay_what_they_are(monkeypatch, eager_mode):
+@pytest.mark.parametrize("error_type", [jax.errors.JaxRuntimeError, ValueError])
+def test_other_launch_errors_stay_what_they_are(monkeypatch, eager_mode, error_type):
     x = torch.ones(7, next(_fresh), device="tpu")
     torch.tpu.synchronize()
-    _failing_launch(monkeypatch, eager_mode, "INVALID_ARGUMENT: something else")
-    with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
+    _failing_launch(monkeypatch, eager_mode, "INVALID_ARGUMENT: something else", error_type)
+    with pytest.raises(error_type, match="something else"):
         x.mul(2.5).cpu()
 
 
-def test_compiled_graph_out_of_memory(monkeypatch):
+@pytest.mark.parametrize("error_type", [jax.errors.JaxRuntimeError, ValueError])
+def test_compiled_graph_out_of_memory(monkeypatch, error_type):
     from hf_tpu import compile as tpu_compile
 
     graphs = []
@@ -171,7 +175,7 @@ def test_compiled_graph_out_of_memory(monkeypatch):
     graph = graphs[-1]
 
     def fail(*args, **kwargs):
-        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4.0G.")
+        raise error_type("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4.0G.")
 
     kept = graph.jitted
     graph.jitted = {True: fail, False: fail}
