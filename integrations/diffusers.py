@@ -24,7 +24,7 @@ import torch
 
 from hf_tpu import model_patches
 from hf_tpu.model_patches import DENOISERS
-from hf_tpu.model_patches.wrapping import is_tpu, original_of, wrap_once
+from hf_tpu.model_patches.wrapping import is_tpu, module_on_tpu, original_of, wrap_once
 
 from .output_capturing import install_output_capturing_hooks
 
@@ -87,11 +87,6 @@ def _wrap_execution_device(original):
     return _execution_device
 
 
-def _on_tpu(module) -> bool:
-    parameter = next(module.parameters(), None)
-    return parameter is not None and parameter.device.type == "tpu"
-
-
 def compile_pipeline(pipe, *, vae_decoder: bool = True, text_encoders: bool = True, dynamic: bool = False,
                      options: dict | None = None):
     """Compiles the pipeline's denoiser (`unet`, `transformer`, ...) and, with `vae_decoder` and
@@ -119,7 +114,7 @@ def compile_pipeline(pipe, *, vae_decoder: bool = True, text_encoders: bool = Tr
     if not targets:
         raise ValueError(f"{type(pipe).__name__} has none of {DENOISERS} and no VAE decoder to compile.")
     for name, module in targets:
-        if not _on_tpu(module):
+        if not module_on_tpu(module):
             raise ValueError(f"pipe.{name} is on {next(module.parameters()).device}: call pipe.to('tpu') before "
                              "compile_pipeline(pipe).")
     prepare_pipeline(pipe)

@@ -39,7 +39,7 @@ from torch.utils import _pytree as pytree
 
 import hf_tpu
 from hf_tpu import settings as _environment
-from hf_tpu.model_patches.wrapping import wrap_once
+from hf_tpu.model_patches.wrapping import module_on_tpu, wrap_once
 
 log = logging.getLogger("hf_tpu.integrations")
 
@@ -69,11 +69,6 @@ def bucketed_length(length: int, longest: int | None) -> int:
         if bucket >= length:
             return bucket if longest is None or bucket <= longest else length
     return length
-
-
-def _on_tpu(module) -> bool:
-    parameter = next(module.parameters(), None)
-    return parameter is not None and parameter.device.type == "tpu"
 
 
 def _longest_sequence(module) -> int | None:
@@ -108,7 +103,7 @@ def _wrap_preprocess(original):
     @functools.wraps(original)
     def preprocess(self, *args, **kwargs):
         features = original(self, *args, **kwargs)
-        if features.get("modality") != "text" or not _on_tpu(self):
+        if features.get("modality") != "text" or not module_on_tpu(self):
             return features
         tokenizer = getattr(self, "tokenizer", None)
         pad_token_id = getattr(tokenizer, "pad_token_id", None)
@@ -253,7 +248,7 @@ def _wrap_model_forward(original):
     @functools.wraps(original)
     def forward(self, features, **kwargs):
         if (_running_on_the_host[0] or torch.is_grad_enabled() or torch.compiler.is_compiling()
-                or not _on_tpu(self)):
+                or not module_on_tpu(self)):
             return original(self, features, **kwargs)  # training, a trace already, or another device: as it is
         # a plain dict: the tokenizer's BatchEncoding is unhashable, so it could not key a program
         return _traced_model_forward(self, dict(features), kwargs)
@@ -270,13 +265,13 @@ def _wrap_to(original):
         pay). What a copy holds is what the tpu tensor was made from; it serves until that tensor is written
         or replaced, as a copy read back does."""
         before = _state(self)
-        if (any(t.device.type != "cpu" for t in before.values()) or _on_tpu(self)
+        if (any(t.device.type != "cpu" for t in before.values()) or module_on_tpu(self)
                 or _state_bytes(self) > HOST_MODEL_BYTES or not _plain_state(self)):
             return original(self, *args, **kwargs)
         aliases = {id(t): t.detach() for t in before.values()}  # hold the CPU storages past the move; tied: one
         before = {name: aliases[id(t)] for name, t in before.items()}
         result = original(self, *args, **kwargs)
-        if _on_tpu(self):
+        if module_on_tpu(self):
             _host_weights[self] = {name: _host_entry(t, before[name]) for name, t in _state(self).items()
                                    if name in before and (before[name].shape, before[name].dtype) == (t.shape, t.dtype)}
         return result

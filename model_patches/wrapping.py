@@ -55,3 +55,10 @@ def is_tpu(device) -> bool:
         return device is not None and torch.device(device).type == "tpu"
     except (TypeError, RuntimeError):
         return False
+
+
+def module_on_tpu(module) -> bool:
+    """Whether a module's first parameter is on `tpu` (a module without parameters is not): what a wrapper of a
+    module's call asks before it changes anything."""
+    parameter = next(module.parameters(), None)
+    return parameter is not None and parameter.device.type == "tpu"
