@@ -346,3 +346,130 @@ def test_a_configuration_that_sends_accelerate_to_the_cpu_says_so_once(monkeypat
         assert not [w for w in caught if "runs on the CPU" in str(w.message)]
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+# --- A training step traced into one program (`hf_tpu.jit`): autograd over the trace's tensors
+
+
+def _traced_training(device, steps, make_opt, checkpointing=None, dropout=0.0, jit=True, schedule=False):
+    """Losses of `steps` steps (forward, backward, optimizer step) of the tiny Llama, each step traced whole by
+    `hf_tpu.jit` where `jit`; and the model's parameters after them. The programs traced before are forgotten:
+    a module's attributes other than `training` (which checkpoint function it calls) are not part of their key."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_tpu import direct
+
+    direct.reset()
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64, max_position_embeddings=32, attention_dropout=dropout)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    if checkpointing is not None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
+    model.train().to(device)
+    opt = make_opt(model.parameters())
+    lrs = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + step)) if schedule else None
+
+    def step(ids):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    step = hf_tpu.jit(step) if jit else step
+    data = torch.randint(0, 64, (steps, 2, 8), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(5)
+    losses = []
+    for ids in data:
+        losses.append(step(ids.to(device)).item())
+        if lrs is not None:
+            lrs.step()
+    return torch.tensor(losses), [p.detach().cpu() for p in model.parameters()]
+
+
+def test_a_training_step_traces_into_one_program_with_the_cpu_losses(caplog):
+    """Forward, backward and AdamW's step in one program per call: the model and the optimizer (found among the
+    function's globals and closure) are its state, the moments AdamW makes at its first step are outputs that
+    the call adds to the optimizer's state, and the gradients never leave the program. The first step traces a
+    program that makes the moments, the second one that reads them; a learning-rate schedule changes no program."""
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=True)
+
+    cpu, cpu_params = _traced_training("cpu", 4, adamw, jit=False, schedule=True)
+    tpu, tpu_params = _traced_training("tpu", 4, adamw, schedule=True)
+    torch.testing.assert_close(tpu, cpu, rtol=1e-5, atol=1e-5)
+    # AdamW divides by the gradient's running size: an entry whose gradients are float32 noise (another order
+    # of the same sums) moves by a part of the learning rate either way
+    for a, b in zip(tpu_params, cpu_params):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-3)
+    metrics = hf_tpu.metrics()
+    assert metrics["compiles_by_mode"]["COMPILE"] == 2 and not metrics["cpu_fallbacks"]
+    assert "runs without hf_tpu.jit's trace" not in caplog.text
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_checkpointed_traced_step_recomputes_behind_a_barrier_with_the_forward_draws(reentrant):
+    """`gradient_checkpointing_enable()` inside a traced step: the recomputed forward takes its inputs through an
+    optimization barrier (else XLA merges it with the forward and keeps every activation), and its dropout draws
+    what the forward drew: the traced steps' losses and parameters are eager tpu's."""
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=1e-2, foreach=True)
+
+    eager, eager_params = _traced_training("tpu", 2, adamw, checkpointing=reentrant, dropout=0.5, jit=False)
+    traced, traced_params = _traced_training("tpu", 2, adamw, checkpointing=reentrant, dropout=0.5)
+    torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-5)
+    for a, b in zip(traced_params, eager_params):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_the_barrier_stands_before_each_recomputed_layer():
+    from hf_tpu import remat
+
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()).to("tpu")
+
+    def step(x):
+        checkpoint(block, x, use_reentrant=False).sum().backward()
+        checkpoint(block, x, use_reentrant=True).sum().backward()
+        return x.grad.detach()
+
+    x = torch.randn(2, 4, device="tpu", requires_grad=True)
+    text = hf_tpu.jit(step).lower(x).as_text()
+    assert text.count("optimization_barrier") == 2
+    assert remat.behind_barrier([x, 1]) == [x, 1]  # outside a trace: as they are
+
+
+def test_gradients_accumulate_in_a_traced_micro_step_without_leaving_the_device():
+    """Gradient accumulation: a traced forward and backward sets `.grad` at its first call (an output of the program)
+    and adds to it in place at the next (an input it overwrites, donated); the optimizer's step traced apart."""
+    def run(device):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+
+        def micro_step(x):
+            loss = model(x).square().mean() / 4
+            loss.backward()
+            return loss.detach()
+
+        def optimizer_step():
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+
+        if device == "tpu":
+            micro_step, optimizer_step = hf_tpu.jit(micro_step), hf_tpu.jit(optimizer_step)
+        data = torch.randn(2, 4, 5, 6, generator=torch.Generator().manual_seed(3))
+        for window in data:
+            for x in window:
+                micro_step(x.to(device))
+            optimizer_step()
+        return [p.detach().cpu() for p in model.parameters()]
+
+    hf_tpu.reset_metrics()
+    for a, b in zip(run("tpu"), run("cpu")):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # programs: the micro step setting and adding to `.grad`, the optimizer's first step and its next
+    assert hf_tpu.metrics()["compiles_by_mode"]["COMPILE"] == 4

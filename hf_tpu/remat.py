@@ -1,0 +1,82 @@
+"""`torch.utils.checkpoint` inside a traced program: the recomputed forward stays a recomputation.
+
+In eager execution a checkpointed block (Transformers' `gradient_checkpointing_enable()`, a user's
+`checkpoint(fn, x)`) keeps only its inputs and runs its forward again in the backward. Traced into one
+program by `hf_tpu.jit` (a whole training step: forward, backward, optimizer), that second forward is the
+same computation of the same arrays as the first, and XLA's common-subexpression elimination merges the
+two: the program then keeps every activation alive from the forward to the backward, as if nothing were
+checkpointed. `jax.checkpoint` meets the same problem and passes the recomputation's inputs through an
+optimization barrier, which XLA may not look through: the recomputed values are then new values, computed
+where the backward needs them. The same is done here at the two places PyTorch's checkpoint hands its saved
+inputs to the recomputation: `_CheckpointFrame.get_inputs` (the non-reentrant form, Transformers' default)
+and `detach_variable` (the reentrant form).
+
+Random ops of a recomputation draw what the forward drew: inside a trace `torch.tpu.get_rng_state()` names
+the trace's next draw and `set_rng_state` moves it (`hf_tpu.compile._Tracing.rng_state`), so the
+checkpoint's `fork_rng` replays the forward's draws as it does in eager execution.
+
+Under `torch.compile` none of this runs: AOT autograd puts the recomputation in the backward graph, a
+program of its own.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+
+from . import modes
+from .memory import buffer
+
+
+def behind_barrier(values):
+    """`values` (a list or tuple, as the checkpoint holds its inputs) with every tpu tensor among them replaced by
+    one whose array has passed, with the others', one optimization barrier; outside a trace, `values` as they
+    are."""
+    mode = modes.current()
+    if mode.kind is not modes.ModeKind.TRACE:
+        return values
+    positions = [k for k, v in enumerate(values) if isinstance(v, torch.Tensor) and v.device.type == "tpu"]
+    if not positions:
+        return values
+    # with the results of the op traced last (the backward's, which is what needs the recomputation): the
+    # recomputation depends on them, so XLA cannot move it up into the forward, where it would hold its values
+    # from there on as much as the forward's own would have
+    arrays, _ = jax.lax.optimization_barrier(([buffer.array_of(values[k]) for k in positions],
+                                              jax.tree_util.tree_leaves(mode.latest)[:1]))
+    replaced = list(values)
+    for k, array in zip(positions, arrays):
+        # requiring gradients where the old did: autograd saves what an op's backward needs by that (the
+        # recomputation must save what the forward did), and the reentrant form reads their `.grad`
+        old = values[k]
+        replaced[k] = buffer.new_tensor(array.shape, old.dtype, old.device.index, array).requires_grad_(old.requires_grad)
+    return type(values)(replaced)
+
+
+def _wrap_get_inputs(original):
+    @functools.wraps(original)
+    def get_inputs(self):
+        return behind_barrier(original(self))
+
+    get_inputs._hf_tpu = True
+    return get_inputs
+
+
+def _wrap_detach_variable(original):
+    @functools.wraps(original)
+    def detach_variable(inputs):
+        return behind_barrier(original(inputs))
+
+    detach_variable._hf_tpu = True
+    return detach_variable
+
+
+def install() -> None:
+    """Put the barrier into PyTorch's checkpoint (once)."""
+    frame = torch_checkpoint._CheckpointFrame
+    if not getattr(frame.get_inputs, "_hf_tpu", False):
+        frame.get_inputs = _wrap_get_inputs(frame.get_inputs)
+    if not getattr(torch_checkpoint.detach_variable, "_hf_tpu", False):
+        torch_checkpoint.detach_variable = _wrap_detach_variable(torch_checkpoint.detach_variable)
