@@ -916,10 +916,12 @@ def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, meanwhile=None,
     return program.results(new[len(program.mutated):], inputs)
 
 
-def lower(fn, args: tuple, kwargs: dict, state=()):
+def lower(fn, args: tuple, kwargs: dict, state=(), device=None):
     """The program `call` would run for these inputs (traced now if it has not been), as JAX's `Lowered`: its
     `.compile().memory_analysis()` gives the device memory it takes, `.as_text()` its StableHLO. Raises what
-    makes the call fall back."""
+    makes the call fall back. With `device` (a JAX device, such as one of a TPU topology's that
+    `jax.experimental.topologies` describes without the chip), lowered for that device from the inputs' shapes
+    alone: what the program would take there, found without running it."""
     name = _name_of(fn)
     inputs, key = _prepare(_function_parts(fn)[0], (fn,), args, kwargs, state)
     if inputs.device_index is None:
@@ -928,7 +930,12 @@ def lower(fn, args: tuple, kwargs: dict, state=()):
     program = _traced_program(key, name, lambda: fn(*args, **kwargs), inputs, arrays, f"the direct trace of `{name}`",
                               lambda: _arguments_text(args, kwargs, inputs.state), f"traced_{name}", None)
     mutated, others = donation.split(arrays, program.mutated)
-    return program.jitted[donatable(mutated)].lower(mutated, others, rng.current_key(inputs.device_index))
+    key_data, donate = rng.current_key(inputs.device_index), donatable(mutated)
+    if device is not None:
+        sharding = jax.sharding.SingleDeviceSharding(device)
+        mutated, others, key_data = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), (mutated, others, key_data))
+    return program.jitted[donate].lower(mutated, others, key_data)
 
 
 def _untraceable(key, name: str, error: Exception, fallback, args: tuple, kwargs: dict):
