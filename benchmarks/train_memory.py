@@ -33,7 +33,8 @@ def _topology_device(name: str):
     return topology.devices[0]
 
 
-def measure(config: dict, layers: int, batch: int, length: int, recipe: str, checkpointing: bool, device) -> dict:
+def measure(config: dict, layers: int, batch: int, length: int, recipe: str, checkpointing: bool, device,
+            dump: str | None = None) -> dict:
     """XLA's memory analysis (bytes) and the compile's seconds of the first traced step of a `layers`-deep model."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -64,8 +65,12 @@ def measure(config: dict, layers: int, batch: int, length: int, recipe: str, che
     lowered = direct.lower(step, (ids,), {}, device=device)
     traced = time.perf_counter() - start
     start = time.perf_counter()
-    analysis = lowered.compile().memory_analysis()
+    executable = lowered.compile()
     compiled = time.perf_counter() - start
+    analysis = executable.memory_analysis()
+    if dump:
+        with open(os.path.join(dump, f"step_{layers}_layers.hlo.txt"), "w") as f:
+            f.write(executable.as_text())
     figures = {name: getattr(analysis, f"{name}_size_in_bytes") for name in ("argument", "output", "alias", "temp")}
     figures["total"] = figures["argument"] + figures["output"] - figures["alias"] + figures["temp"]
     return dict(figures, trace_seconds=traced, compile_seconds=compiled)
@@ -83,6 +88,7 @@ def main(argv=None) -> None:
     parser.add_argument("--no-checkpointing", action="store_true")
     parser.add_argument("--topology", default="v5e:1x1")
     parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--dump", help="write each compiled program's optimized HLO into this folder")
     args = parser.parse_args(argv)
     config = chip.SIZES["1b"]["train"]["models"][args.model]
     device = _topology_device(args.topology)
@@ -90,7 +96,7 @@ def main(argv=None) -> None:
     checkpointing = not args.no_checkpointing
     rows = {}
     for layers in depths:
-        rows[layers] = measure(config, layers, args.batch, args.length, args.recipe, checkpointing, device)
+        rows[layers] = measure(config, layers, args.batch, args.length, args.recipe, checkpointing, device, args.dump)
         print(f"{args.model} with {layers} layers, {args.recipe} {args.batch}x{args.length}"
               f"{' checkpointed' if checkpointing else ''}: " + ", ".join(
                   f"{k} {v / 2**30:.3f} GiB" if not k.endswith("seconds") else f"{k} {v:.1f}" for k, v in rows[layers].items()),

@@ -64,6 +64,7 @@ import concurrent.futures
 import enum
 import functools
 import gc
+import inspect
 import itertools
 import logging
 import operator
@@ -355,6 +356,34 @@ def _traceable_optimizer(optimizer: torch.optim.Optimizer) -> None:
                     optimizer.state[p]["step"] = step.to(p.device)
         if type(group.get("lr")) is float and (group.get("capturable") or group.get("fused")):
             group["lr"] = torch.tensor(group["lr"], dtype=torch.float32, device=params[0].device)
+        _make_state(optimizer, group)
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        # a learning-rate schedule's mark that the optimizer has stepped, which the first step sets: set before
+        # it, the first step's key is every later step's (only `scheduler.step()`'s order warning reads it)
+        optimizer._opt_called = True
+
+
+def _make_state(optimizer: torch.optim.Optimizer, group: dict) -> None:
+    """The state a `torch.optim` optimizer makes for a group's parameters at its first step (`_init_group`: Adam's
+    step counts and moments, zeros), made now, as Dynamo makes it before tracing a compiled step: the first traced
+    step is then the program of every step after it, not one of its own that makes the state (a second trace and
+    compile). What `_init_group` makes is what the step reads, so the step's result is the same. It makes state for
+    the parameters that have a gradient: one without gets a zero one for the while (a broadcast scalar). An
+    optimizer that makes its state in the step itself (SGD's momentum) makes it in the first trace, which adds it."""
+    init_group = getattr(optimizer, "_init_group", None)
+    missing = [p for p in group["params"] if p.requires_grad and p not in optimizer.state]
+    if init_group is None or not missing:
+        return
+    lists = len(inspect.signature(init_group).parameters) - 1  # the group, then the lists it fills
+    without = [p for p in missing if p.grad is None]
+    for p in without:
+        p.grad = torch.zeros((), dtype=p.dtype, device=p.device).expand_as(p)
+    try:
+        with torch.no_grad():
+            init_group(group, *[[] for _ in range(lists)])
+    finally:
+        for p in without:
+            p.grad = None
 
 
 def _layouts(tensors: list) -> list:
@@ -894,6 +923,7 @@ def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, meanwhile=None,
     try:
         program = _traced_program(key, name, lambda: fn(*args, **kwargs), inputs, arrays, description,
                                   lambda: _arguments_text(args, kwargs, inputs.state), f"traced_{name}", disk_digest)
+        _own_arrays(inputs, program.mutated, arrays)
         mutated, others = donation.split(arrays, program.mutated)
         donate, key_data = donatable(mutated), rng.current_key(inputs.device_index)
         compiling = None if meanwhile is None else _device_compile(key, program, donate, mutated, others, key_data)
@@ -929,6 +959,7 @@ def lower(fn, args: tuple, kwargs: dict, state=(), device=None):
     arrays = _arrays(inputs)
     program = _traced_program(key, name, lambda: fn(*args, **kwargs), inputs, arrays, f"the direct trace of `{name}`",
                               lambda: _arguments_text(args, kwargs, inputs.state), f"traced_{name}", None)
+    _own_arrays(inputs, program.mutated, arrays)
     mutated, others = donation.split(arrays, program.mutated)
     key_data, donate = rng.current_key(inputs.device_index), donatable(mutated)
     if device is not None:
@@ -936,6 +967,22 @@ def lower(fn, args: tuple, kwargs: dict, state=(), device=None):
         mutated, others, key_data = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), (mutated, others, key_data))
     return program.jitted[donate].lower(mutated, others, key_data)
+
+
+def _own_arrays(inputs: _Inputs, slots: tuple, arrays: list) -> None:
+    """Each array the program overwrites (at `slots` of `arrays`) made its buffer's alone, so the program can take it
+    (donated: XLA writes the new value in its memory). Small equal values share one uploaded array (the norms'
+    weights of a model, all ones), and a whole-tensor `copy_` shares its source's: such an array is copied for
+    the buffer that the program overwrites, once, and the program's result is its own from then on. One shared
+    array would make the call run a program that donates nothing: compiled a second time beside the donating
+    one, and holding every parameter and moment twice."""
+    for slot in slots:
+        array = arrays[slot]
+        if buffer.allocator.holders(array) > 1:
+            copy = jax.device_put(array, may_alias=False)
+            if inputs.buffers[slot]._array is array:
+                inputs.buffers[slot].array = copy
+            arrays[slot] = copy
 
 
 def _untraceable(key, name: str, error: Exception, fallback, args: tuple, kwargs: dict):
@@ -1078,6 +1125,7 @@ def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state
         compile_log.end(finished=False)
         _programs[key] = _NOT_TRACEABLE
         raise loops.NotLoopable(f"{type(e).__name__}: {e}") from e
+    _own_arrays(inputs, program.mutated, arrays)
     mutated, others = donation.split(arrays, program.mutated)
     slots = tuple(slot - sum(m < slot for m in program.mutated) for slot in carried_slots)
     keep_going = buffer.array_of(keep_going)
