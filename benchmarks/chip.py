@@ -745,7 +745,7 @@ def _worker(args, spec: dict) -> None:
     if args.worker in TRAIN_GROUPS:
         if args.train_row is None:
             return training.run_group(spec, rows, args.worker)
-        return training.run_row(spec, rows, args.worker, args.train_row)
+        return training.run_row(spec, rows, args.worker, args.train_row, args.train_mode)
     GROUPS[args.worker][0](spec, rows)
 
 
@@ -1068,6 +1068,7 @@ def main(argv=None) -> None:
                         + "; ".join(f"{k} {training.row_name(r)}" for k, r in enumerate(SIZES["1b"]["train"]["rows"]))
                         + " at --size 1b)")
     parser.add_argument("--train-row", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--train-mode", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     unknown = set(args.only.split(",")) - set(GROUPS)
     if unknown:

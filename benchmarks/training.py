@@ -264,45 +264,51 @@ def _torchax_row(spec: dict, rows, row: dict) -> None:
               memory_analysis=_memory_analysis(lowered), fallbacks=0)
 
 
-def run_row(spec: dict, rows, group: str, index: int) -> None:
-    """Row `index` of the size's training rows, in each mode of `group`."""
+# the ways each training group runs a row
+MODES = {"train": ("jit",), "train_compile": ("compile",), "train_eager": ("DEFER_AND_FUSE", "DEFER_NEVER"),
+         "train_torchax": ("torchax",)}
+
+
+def run_row(spec: dict, rows, group: str, index: int, mode: str) -> None:
+    """Row `index` of the size's training rows, run `mode`'s way."""
+    if mode != "torchax":
+        import hf_tpu  # noqa: F401  (before JAX starts: it sets JAX's flags; the torchax process must not import it)
     import torch
 
     row = spec["train"]["rows"][index]
-    modes = {"train": ("jit",), "train_compile": ("compile",), "train_eager": ("DEFER_AND_FUSE", "DEFER_NEVER"),
-             "train_torchax": ("torchax",)}[group]
-    for mode in modes:
-        try:
-            if mode == "torchax":
-                _torchax_row(spec, rows, row)
-            else:
-                _hf_tpu_row(spec, rows, row, mode)
-        except torch.OutOfMemoryError as e:
-            rows.out_of_memory(f"{row_name(row)} {mode}", e)
+    if rows.check_memory and not _fits(rows, row, spec["train"]["models"][row["model"]]):
+        return
+    try:
+        if mode == "torchax":
+            _torchax_row(spec, rows, row)
+        else:
+            _hf_tpu_row(spec, rows, row, mode)
+    except torch.OutOfMemoryError as e:
+        rows.out_of_memory(f"{row_name(row)} {mode}", e)
 
 
 def run_group(spec: dict, rows, group: str) -> None:
-    """Each training row of the size whose memory fits, in a process of its own (see the module's docstring)."""
+    """Each training row of the size in each of the group's ways, in a process of its own (see the module's
+    docstring), which checks that its memory fits. This process starts no JAX backend: on a TPU the row's process
+    must hold the chip alone."""
+    import importlib.util
+
     if group == "train_torchax":
-        try:
-            import optax  # noqa: F401
-            import torchax  # noqa: F401
-        except ImportError as e:
-            rows.skip("train_torchax", f"torchax or optax is not importable here ({e})")
+        missing = [name for name in ("torchax", "optax") if importlib.util.find_spec(name) is None]
+        if missing:
+            rows.skip("train_torchax", f"{' and '.join(missing)} not importable here")
             return
     for index, row in enumerate(spec["train"]["rows"]):
-        config = spec["train"]["models"][row["model"]]
-        if rows.check_memory and not _fits(rows, row, config):
-            continue
-        command = [sys.executable, "-m", "benchmarks.chip", "--worker", group, "--size", spec["name"],
-                   "--train-row", str(index)]
-        if spec["train"].get("chosen"):  # `--train-rows`: the row's index is among those chosen
-            command += ["--train-rows", spec["train"]["chosen"]]
-        if not rows.check_memory:
-            command.append("--no-memory-check")
-        finished = subprocess.run(command, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        if finished.returncode:
-            rows.skip(row_name(row), f"its process exited with {finished.returncode} (its error is above)")
+        for mode in MODES[group]:
+            command = [sys.executable, "-m", "benchmarks.chip", "--worker", group, "--size", spec["name"],
+                       "--train-row", str(index), "--train-mode", mode]
+            if spec["train"].get("chosen"):  # `--train-rows`: the row's index is among those chosen
+                command += ["--train-rows", spec["train"]["chosen"]]
+            if not rows.check_memory:
+                command.append("--no-memory-check")
+            finished = subprocess.run(command, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            if finished.returncode:
+                rows.skip(f"{row_name(row)} {mode}", f"its process exited with {finished.returncode} (its error is above)")
 
 
 def _fits(rows, row: dict, config: dict) -> bool:
