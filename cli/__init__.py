@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import sys
 
 
 def _model_folder(path: str) -> str:
@@ -29,6 +30,41 @@ def _model_types(text: str) -> list[str]:
     return model_types
 
 
+def _positive_integer(text: str) -> int:
+    """`--limit`'s and `--jobs`' check: an integer of at least 1."""
+    try:
+        number = int(text)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return number
+
+
+def _positive_seconds(text: str) -> float:
+    """`--timeout`'s check: a number of seconds above zero, finite."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = None
+    if seconds is None or not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return seconds
+
+
+def _run(command, args) -> int:
+    """`command.run(args)`, ended quietly where the reader of its output goes away (`hf-tpu compat | head`): as
+    Python's documentation says for SIGPIPE, stdout is pointed at devnull so that the interpreter's own flush
+    at exit does not fail again, and the status is 1."""
+    try:
+        status = command.run(args)
+        sys.stdout.flush()  # inside the try: a pipe closed while the last lines sat in the buffer
+        return status
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="hf-tpu", description="A native tpu device for PyTorch, backed by JAX/XLA")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -44,9 +80,10 @@ def main(argv=None) -> int:
                                help="the page to write instead of the repository's docs/compatibility.md")
     sweep_parser = sub.add_parser("sweep", help="run tiny models of every Transformers architecture on cpu and tpu")
     sweep_parser.add_argument("--only", type=_model_types, help="comma-separated model types, e.g. llama,mistral")
-    sweep_parser.add_argument("--limit", type=int, help="check only the first N architectures")
-    sweep_parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
-    sweep_parser.add_argument("--timeout", type=float, default=120.0, help="seconds per architecture (default 120)")
+    sweep_parser.add_argument("--limit", type=_positive_integer, help="check only the first N architectures")
+    sweep_parser.add_argument("--jobs", type=_positive_integer, default=1, help="worker processes (default 1)")
+    sweep_parser.add_argument("--timeout", type=_positive_seconds, default=120.0,
+                              help="seconds per architecture (default 120)")
     sweep_parser.add_argument("--write", action="store_true",
                               help="record the results in model_patches/table.json (the checkout's, in an "
                                    "editable install; otherwise pass --table)")
@@ -54,5 +91,13 @@ def main(argv=None) -> int:
                               help="the table file to update instead of the checkout's (implies --write)")
     sweep_parser.add_argument("--json", help="also write every result to this JSON file")
     args = parser.parse_args(argv)
+    if args.command != "env":  # env lists a malformed variable with its error; the others refuse to run
+        from hf_tpu import settings
+
+        try:
+            settings.validate()
+        except ValueError as e:
+            parser.exit(2, f"hf-tpu {args.command}: error: {e} (`hf-tpu env` lists every variable)\n")
+        settings.tolerate_malformed(False)  # an adapter's variable, registered later, raises where it is read
     command = importlib.import_module(f".{args.command}", __name__)  # only the command's own imports
-    return command.run(args)
+    return _run(command, args)

@@ -33,12 +33,22 @@ def env_report() -> str:
     for pkg in ("torch", "jax", "jaxlib", "transformers", "diffusers", "accelerate", "safetensors"):
         lines.append(f"{pkg:<13} {_version(pkg)}")
     lines.append("\nsettings (environment variables; `default` where unset):")
-    for row in settings.describe():
+    rows = settings.describe()
+    for row in rows:
         value = "-" if row["value"] in ("", None) else row["value"]
-        lines.append(f"  {row['name']:<32} {value!s:<24} {row['source']}")
+        malformed = f"  MALFORMED: expected {row['accepted']}" if row["error"] else ""
+        lines.append(f"  {row['name']:<32} {value!s:<24} {row['source']}{malformed}")
+    malformed = [row["name"] for row in rows if row["error"]]
+    if malformed:
+        lines.append(f"\nmalformed: {', '.join(malformed)}. A program raises a ValueError naming each where it is read "
+                     "(the core's at `import hf_tpu`); above, the defaults stood in for them.")
     return "\n".join(line for line in lines if line)
 
 
 def run(args) -> int:
+    """Prints the report; the status is 1 where a variable is malformed, since a program run in this
+    environment fails at `import hf_tpu` (`hf-tpu env && python train.py` stops here)."""
+    from hf_tpu import settings
+
     print(env_report())
-    return 0
+    return 1 if any(row["error"] for row in settings.describe()) else 0

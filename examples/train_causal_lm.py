@@ -1,6 +1,7 @@
 """Fine-tune a tiny Llama on a small text file with Accelerate on `tpu`, with the Transformers `Trainer`
 and with a plain Accelerate loop; a progress bar while it trains, then the losses in
-OUTPUT_DIR/losses.json and their plot in OUTPUT_DIR/loss.png.
+OUTPUT_DIR/losses.json and their plot in OUTPUT_DIR/loss.png (`--output-dir`; by default a folder in the
+system's temporary directory, the same for every process of a run, so nothing lands in the folder it runs from).
 
     accelerate launch examples/train_causal_lm.py                       # both, one chip
     accelerate launch --config_file examples/accelerate/all-chips.yaml examples/train_causal_lm.py --batch-size 8
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from pathlib import Path
 
 import torch
@@ -30,7 +32,8 @@ def parse_args(argv=None):
     parser.add_argument("--mode", choices=["trainer", "loop", "both"], default="both")
     parser.add_argument("--device", choices=["tpu", "cpu"], default="tpu")
     parser.add_argument("--text", type=Path, default=HERE / "data" / "alice.txt")
-    parser.add_argument("--output-dir", type=Path, default=Path("train_causal_lm_output"))
+    parser.add_argument("--output-dir", type=Path, default=Path(tempfile.gettempdir()) / "hf_tpu_train_causal_lm",
+                        help="where the losses, their plot and the Trainer's files go (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per process and step")
     parser.add_argument("--seq-len", type=int, default=64)

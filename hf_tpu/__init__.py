@@ -2,14 +2,35 @@
 
 `import hf_tpu` is all a user does: PyTorch's PrivateUse1 backend becomes `tpu`, `torch.tpu` appears,
 and every ATen op on a `tpu` tensor is routed to `hf_tpu.dispatch`. The layers, bottom up: `platform`,
-`dtypes`, `counters`; `memory/`; `device/current` and `device/rng`; `modes/`; `dispatch/`; `ops/`;
+`dtypes`, `counters`, `dynamo_frames`; `memory/`; `device/current` and `device/rng`; `modes/`; `dispatch/`; `ops/`;
 `device/` (`torch.tpu`, and `device/backend`, which registers it all); `compile`, `loops`,
 `distributed/`.
 """
 
 from __future__ import annotations
 
-from . import platform  # first: configures JAX before its backends start
+import os as _os
+import sys as _sys
+
+from . import settings
+
+
+def _started_as_the_command_line() -> bool:
+    """Whether this process is the `hf-tpu` command (its script, or `python -m hf_tpu.cli`): the command reports
+    a malformed HF_TPU_* variable itself, `hf-tpu env` listing it with its error, so importing this package,
+    which it does first, must not raise for one."""
+    script = _os.path.basename(_sys.argv[0]) if _sys.argv else ""
+    if _os.path.splitext(script)[0] in ("hf-tpu", "hf-tpu-script"):  # the script, on Windows hf-tpu.exe
+        return True
+    argv = getattr(_sys, "orig_argv", [])
+    return any(option == "-m" and module == "hf_tpu.cli" for option, module in zip(argv, argv[1:]))
+
+
+_COMMAND_LINE = _started_as_the_command_line()
+if _COMMAND_LINE:
+    settings.tolerate_malformed()
+
+from . import platform  # noqa: E402  (before torch: configures JAX before its backends start)
 
 import torch  # noqa: E402
 
@@ -26,8 +47,6 @@ def _check_torch_version() -> None:
     match = re.match(r"(\d+)\.(\d+)", torch.__version__)
     if match and (int(match[1]), int(match[2])) in SUPPORTED_TORCH:
         return
-    from hf_tpu import settings
-
     if settings.get("HF_TPU_ALLOW_UNSUPPORTED_TORCH"):
         return
     supported = ", ".join(f"{major}.{minor}.x" for major, minor in SUPPORTED_TORCH)
@@ -40,9 +59,8 @@ def _check_torch_version() -> None:
 
 
 _check_torch_version()
-from . import settings  # noqa: E402
-
-settings.validate()
+if not _COMMAND_LINE:
+    settings.validate()
 
 
 def _check_privateuse1_is_free() -> None:

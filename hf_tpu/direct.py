@@ -110,10 +110,11 @@ def reset() -> None:
 
 
 def _plain_object(x) -> bool:
-    """An object whose attributes are searched for state tensors: not JAX's own objects (a sharded cache's
-    device mesh), which hold no tpu tensor and fill caches of their own when read."""
+    """An object whose attributes are searched for state tensors: not a tensor (an input itself), and not JAX's
+    own objects (a sharded cache's device mesh), which hold no tpu tensor and fill caches of their own when
+    read."""
     return hasattr(x, "__dict__") and not isinstance(
-        x, (type, types.ModuleType, types.FunctionType, types.MethodType, functools.partial, enum.Enum)
+        x, (torch.Tensor, type, types.ModuleType, types.FunctionType, types.MethodType, functools.partial, enum.Enum)
     ) and not type(x).__module__.startswith(("jax.", "jaxlib."))
 
 
@@ -851,9 +852,15 @@ class _Key(tuple):
         return self._hash
 
 
+def _state_objects(state) -> tuple:
+    """The state objects `state` names: the items of a tuple or list, or `state` itself (a module, a tensor, a
+    dict, a cache); a tuple, list or dict among them is searched as a whole."""
+    return tuple(state) if isinstance(state, (tuple, list)) else (state,)
+
+
 def _prepare(site, functions, args, kwargs, state) -> tuple:
     """(inputs, key) of a call, or raises `_Unkeyable`."""
-    inputs = _Inputs(tuple(state))
+    inputs = _Inputs(_state_objects(state))
     return inputs, _Key((site, _call_key(inputs, functions, args, kwargs)))
 
 
@@ -1047,7 +1054,9 @@ class Jitted:
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args, **kwargs):
-        state = self.state(*args, **kwargs) if callable(self.state) else self.state
+        state = self.state
+        if callable(state) and not isinstance(state, torch.nn.Module):  # a function of the call's arguments
+            state = state(*args, **kwargs)
         return call(self.fn, args, kwargs, state, self.fallback, self.meanwhile, self.trace_after)
 
     def lower(self, *args, **kwargs):
@@ -1059,11 +1068,13 @@ class Jitted:
 def jit(fn, *, state=(), fallback=None, meanwhile=None, trace_after: float = 0.0) -> Jitted:
     """`fn` run as one XLA program over its `tpu` tensors, traced from Python without Dynamo.
 
-    `state` names the objects whose tensors the function reads or writes besides its arguments (a tuple,
-    or a function of the call's arguments that returns one): a module's parameters and buffers, a KV
-    cache's tensors. Tensors written in place become outputs of the program, donated to XLA and rebound
-    after the call. `fallback` (by default `fn`, run eagerly) runs any call that cannot be traced. See
-    `hf_tpu.direct` for what is keyed and what is not guarded.
+    `state` names the objects whose tensors the function reads or writes besides its arguments: a module (its
+    parameters, buffers and tensor attributes), a tensor, another object (a KV cache: the tensors among its
+    attributes), or a tuple, list or dict of them, nested; or a function of the call's arguments that returns
+    such state. Tensors written in place become outputs of the program, donated to XLA and rebound after the
+    call: the caller's tensor objects hold the new values, as after the eager call. `fallback` (by default
+    `fn`, run eagerly) runs any call that cannot be traced. See `hf_tpu.direct` for what is keyed and what is
+    not guarded.
 
     `meanwhile`: a function of the same arguments whose result a call returns while the device has not
     compiled the call's program: the device's compile runs on a thread of its own, and the calls after it

@@ -172,7 +172,7 @@ def while_loop(cond_fn, body_fn, carried_inputs, state=None, *, run: bool = True
     `cond_fn` returns a one-element bool tensor; `body_fn` returns tensors of the same shapes and
     dtypes as `carried_inputs`. No gradient flows through the loop.
 
-    With `state` (a tuple of objects, as `hf_tpu.jit` takes it: modules, a KV cache), the step is traced
+    With `state` (the objects `hf_tpu.jit` takes as state: modules, tensors, a KV cache), the step is traced
     straight from Python (`hf_tpu.direct`), without Dynamo: the state's tensors, and those the two
     functions' closures hold, are the loop's inputs, and those written in place are carried through it.
     Where that trace cannot be made, the loop compiles its step with `torch.compile` as without `state`.
@@ -189,7 +189,7 @@ def while_loop(cond_fn, body_fn, carried_inputs, state=None, *, run: bool = True
 
             try:
                 with torch.no_grad():
-                    direct.while_loop(cond_fn, body_fn, carried, cond_fn(*carried), tuple(state), run=False)
+                    direct.while_loop(cond_fn, body_fn, carried, cond_fn(*carried), state, run=False)
             except NotLoopable as e:  # the call that runs the loop finds its own way
                 log.info("hf_tpu: while_loop compiles nothing ahead (%s)", e)
         return None
@@ -199,7 +199,7 @@ def while_loop(cond_fn, body_fn, carried_inputs, state=None, *, run: bool = True
         keep_going = cond_fn(*carried)
         try:
             with torch.no_grad():
-                return direct.while_loop(cond_fn, body_fn, carried, keep_going, tuple(state))
+                return direct.while_loop(cond_fn, body_fn, carried, keep_going, state)
         except NotLoopable as e:
             log.warning("hf_tpu: while_loop compiles its step with torch.compile instead (%s)", e)
     if _on_device(carried):

@@ -52,9 +52,35 @@ if _settings.get("HF_TPU_PLATFORM") == "cpu":
                       "first, or set JAX_PLATFORMS=cpu too", stacklevel=2)
 
 
+def _unusable_cache_dir() -> str | None:
+    """`HF_TPU_CACHE_DIR` where it cannot hold the disk cache (a file, a folder this process may not write), said
+    once in a warning that names the variable; None where it can, or where it is empty. JAX, given such a folder,
+    would warn at each program that it could not read an entry, and never say which setting to change."""
+    path = _settings.get("HF_TPU_CACHE_DIR")
+    if not path:
+        return None
+    try:
+        os.makedirs(os.path.join(path, "xla"), exist_ok=True)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError("not writable")
+    except OSError as e:
+        import warnings
+
+        warnings.warn(f"HF_TPU_CACHE_DIR={path!r} cannot hold the disk cache ({e}), so this process keeps no "
+                      "compiled program on disk: point HF_TPU_CACHE_DIR at a folder it can write, or set it empty "
+                      "to turn the disk cache off", stacklevel=4)
+        return path
+    return None
+
+
+_UNUSABLE_CACHE_DIR = _unusable_cache_dir()
+
+
 def cache_dir() -> str:
-    """Where compiled programs persist between processes (`HF_TPU_CACHE_DIR`, empty to disable)."""
-    return _settings.get("HF_TPU_CACHE_DIR")
+    """Where compiled programs persist between processes (`HF_TPU_CACHE_DIR`, empty to disable; empty too where
+    the folder is unusable)."""
+    path = _settings.get("HF_TPU_CACHE_DIR")
+    return "" if path == _UNUSABLE_CACHE_DIR else path
 
 
 if cache_dir():

@@ -48,7 +48,7 @@ log = logging.getLogger("hf_tpu.integrations")
 DEFAULT_BUCKETS = tuple(sorted({2 ** k for k in range(4, 14)} | {3 * 2 ** k for k in range(4, 12)}))
 
 _environment.register(
-    _environment.Setting("HF_TPU_ENCODE_BUCKETS", "text", None, "Sentence Transformers on tpu: sequence lengths "
+    _environment.Setting("HF_TPU_ENCODE_BUCKETS", "lengths", None, "Sentence Transformers on tpu: sequence lengths "
                          "to pad each batch to (\"64,128,256\"; empty: no padding)", empty_is_value=True),
 )
 
@@ -57,16 +57,8 @@ _PADDED_INPUTS = {"input_ids": None, "attention_mask": 0, "token_type_ids": 0}
 
 
 def buckets() -> tuple[int, ...]:
-    text = _environment.get("HF_TPU_ENCODE_BUCKETS")
-    if text is None:
-        return DEFAULT_BUCKETS
-    try:
-        lengths = sorted({int(part) for part in text.replace(" ", "").split(",") if part})
-    except ValueError:
-        lengths = [0]
-    if any(length <= 0 for length in lengths):
-        raise ValueError(f"HF_TPU_ENCODE_BUCKETS={text!r}: expected positive lengths separated by commas")
-    return tuple(lengths)
+    lengths = _environment.get("HF_TPU_ENCODE_BUCKETS")
+    return DEFAULT_BUCKETS if lengths is None else lengths
 
 
 def bucketed_length(length: int, longest: int | None) -> int:

@@ -23,8 +23,11 @@ LR = 0.5
 
 
 def tiny_model():
+    """Two norm layers: parameters created equal (weights of ones, biases of zeros), which once made replicas
+    over the same chip memory that the optimizer's step donated twice (tests/test_equal_parameters.py)."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Tanh(),
+                               torch.nn.LayerNorm(16), torch.nn.Linear(16, 1))
 
 
 def data(processes):

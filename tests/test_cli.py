@@ -123,3 +123,77 @@ def test_demo_leaves_nothing_in_the_temp_dir(tmp_path, monkeypatch, capsys):
     assert cli.main(["demo"]) == 0
     assert "greedy tokens identical to CPU" in capsys.readouterr().out
     assert list(temp_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize("option, value, words", [("--limit", "-1", "is not a positive integer"),
+                                                  ("--limit", "0", "is not a positive integer"),
+                                                  ("--jobs", "0", "is not a positive integer"),
+                                                  ("--jobs", "two", "is not a positive integer"),
+                                                  ("--timeout", "-5", "is not a positive number of seconds"),
+                                                  ("--timeout", "nan", "is not a positive number of seconds")])
+def test_sweep_refuses_counts_and_timeouts_that_mean_nothing(option, value, words, monkeypatch, capsys):
+    """`--limit -1` swept all but one architecture, `--jobs 0` ran with no worker, `--timeout -5` reported every
+    architecture as failed: argparse's usual error instead."""
+    from hf_tpu.cli import sweep
+
+    monkeypatch.setattr(sweep, "run_sweep", lambda *a, **k: pytest.fail(f"{option} {value} started a sweep"))
+    assert _exit_code(["sweep", option, value]) == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}" in err and f"{value!r} {words}" in err
+
+
+def _command(*args, **env):
+    """`python -m hf_tpu.cli ...` in a process of its own, as the `hf-tpu` script runs it."""
+    import subprocess
+    import sys
+
+    from tests.util import cpu_process_env
+
+    return subprocess.Popen([sys.executable, "-m", "hf_tpu.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=cpu_process_env(HF_TPU_CACHE_DIR="", **env))
+
+
+def test_env_lists_each_malformed_variable_with_its_error():
+    """`import hf_tpu` raises for a malformed variable, which made `hf-tpu env`, the command that lists them, die
+    with a traceback: it lists each with what it accepts, and its status says the environment is unusable."""
+    process = _command("env", HF_TPU_NUM_DEVICES="abc", HF_TPU_PROMPT_BUCKETS="a,b", HF_TPU_KERNEL_BLOCK="100")
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 1, err
+    assert "Traceback" not in err, err
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("  HF_TPU_")}
+    assert rows["HF_TPU_NUM_DEVICES"].split()[1:] == ["abc", "env", "MALFORMED:", "expected", "a", "positive",
+                                                      "integer"]
+    assert "MALFORMED: expected positive lengths separated by commas" in rows["HF_TPU_PROMPT_BUCKETS"]
+    assert "MALFORMED: expected a positive multiple of 128" in rows["HF_TPU_KERNEL_BLOCK"]
+    assert "MALFORMED" not in rows["HF_TPU_CPU_FALLBACK"]
+    assert "malformed: HF_TPU_NUM_DEVICES, HF_TPU_KERNEL_BLOCK, HF_TPU_PROMPT_BUCKETS." in out
+
+
+def test_the_other_commands_refuse_a_malformed_variable_in_one_line(monkeypatch, capsys):
+    monkeypatch.setenv("HF_TPU_KERNEL_BLOCK", "100")
+    assert _exit_code(["compat"]) == 2
+    assert capsys.readouterr().err == ("hf-tpu compat: error: HF_TPU_KERNEL_BLOCK='100': expected a positive "
+                                       "multiple of 128 (`hf-tpu env` lists every variable)\n")
+
+
+def test_output_into_a_closed_pipe_ends_quietly():
+    """`hf-tpu compat | head` ended in a BrokenPipeError traceback: the reader here is gone before the first line."""
+    process = _command("compat")
+    process.stdout.close()
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 1
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_past_the_check_a_command_reads_settings_strictly(monkeypatch, capsys):
+    """The `hf-tpu` process starts tolerant (so that env can list what is malformed); a command that passed the
+    check reads strictly again: an adapter's variable, registered after the check in that process, raises where
+    it is read instead of standing in for its default unseen."""
+    from hf_tpu import settings
+    from hf_tpu.integrations.transformers import Settings
+
+    monkeypatch.setattr(settings, "_tolerant", True)  # as `import hf_tpu` leaves it in the hf-tpu process
+    assert cli.main(["compat"]) == 0
+    monkeypatch.setenv("HF_TPU_PROMPT_BUCKETS", "a,b")
+    with pytest.raises(ValueError, match="HF_TPU_PROMPT_BUCKETS='a,b': expected positive lengths"):
+        Settings()

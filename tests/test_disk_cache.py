@@ -139,3 +139,21 @@ def test_a_forked_child_starts_its_own_loads():
     finally:
         gate.set()
         disk_cache._pending.pop("parent's", None)
+
+
+def test_an_unusable_cache_dir_is_said_once_by_name_and_the_disk_cache_is_off(tmp_path):
+    """A file (or a folder the process may not write) as HF_TPU_CACHE_DIR: one warning naming the variable and
+    what to do, and a run without the disk cache, where JAX warned at each program that it could not read an
+    entry and named no setting."""
+    not_a_folder = tmp_path / "a-file"
+    not_a_folder.write_text("")
+    code = ("import torch, hf_tpu; from hf_tpu import platform; x = torch.ones(3, device='tpu'); "
+            "print(round((x + 1).sin().sum().item(), 4), torch.compile(lambda y: y * 2, backend='tpu')(x).sum().item(), "
+            "repr(platform.cache_dir()))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                            env=cpu_process_env(HF_TPU_NUM_DEVICES="1", HF_TPU_CACHE_DIR=str(not_a_folder)))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["2.7279", "6.0", "''"], result.stdout
+    assert result.stderr.count("HF_TPU_CACHE_DIR=") == 1, result.stderr
+    assert "cannot hold the disk cache" in result.stderr and "set it empty" in result.stderr
+    assert "Error reading" not in result.stderr and "Error writing" not in result.stderr, result.stderr

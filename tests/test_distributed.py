@@ -169,6 +169,26 @@ def test_shard_model_bad_plans_raise_before_moving_weights():
         dist.shard_model(model, {"1": "rowwise"}, mesh, tp_axis="dp")
 
 
+@pytest.mark.parametrize("mode", MODES[:2])
+def test_a_large_sharded_result_is_checked_by_its_share_of_each_chip(monkeypatch, mode):
+    """An op's large result is checked against the device's free memory before its launch
+    (hf_tpu/memory/out_of_memory.py); where XLA may split it over the chips, only its share of each chip is."""
+    from hf_tpu.memory import out_of_memory
+
+    mesh = dist.mesh(2, "tp")
+    x = dist.shard(torch.ones(2 * 1021, 64), mesh, ("tp",))
+    torch.tpu.synchronize()
+    total = torch.tpu.memory_allocated() + x.nbytes * 3 // 4  # room on chip 0 for its half of x + x, not for all
+    monkeypatch.setattr(out_of_memory, "capacity", lambda index: total, raising=False)
+    monkeypatch.setattr(out_of_memory, "LARGE_SHARE", 1 << 40)  # every result is large
+    with torch.tpu.use_eager_mode(mode):
+        first = x + x
+        torch.tpu.synchronize()
+        assert dist.sharding(first) == dist.Sharding(mesh, ("tp", None))
+        with pytest.raises(torch.OutOfMemoryError, match=r"aten::add.Tensor of .* split over 2 chips at best, asks"):
+            x + x
+
+
 def test_eight_chips_forward_and_data_times_tensor_parallel_step():
     env = dict(os.environ, HF_TPU_NUM_DEVICES="8", HF_TPU_PLATFORM="cpu")
     done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)

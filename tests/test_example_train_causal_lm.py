@@ -35,3 +35,10 @@ def test_the_example_trains_on_tpu_with_the_cpu_losses(tmp_path):
         assert tpu[-1] < tpu[0]  # it learns
     assert json.loads((tmp_path / "tpu" / "losses.json").read_text()) == runs["tpu"]
     assert (tmp_path / "tpu" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_by_default_it_writes_into_the_temporary_directory_not_the_one_it_runs_from():
+    import tempfile
+
+    output_dir = load_example().parse_args([]).output_dir
+    assert output_dir.is_absolute() and output_dir.parent == Path(tempfile.gettempdir()), output_dir

@@ -11,7 +11,7 @@ import functools
 import torch
 
 from .. import device as tpu
-from .. import dispatch
+from ..dynamo_frames import hide_from_dynamo
 
 
 def _device_arg(device):
@@ -92,4 +92,5 @@ def install() -> None:
         torch.accelerator.device_index = _DeviceIndex
     # Dynamo asks for the current stream while it compiles: it must not try to compile our answer
     routed = [getattr(torch.accelerator, name) for name in _ROUTES if hasattr(torch.accelerator, name)]
-    dispatch.hide_from_dynamo(*{wrapper.__code__ for wrapper in routed})
+    hide_from_dynamo(*{wrapper.__code__ for wrapper in routed}, _DeviceIndex.__enter__.__code__,
+                     _DeviceIndex.__exit__.__code__)

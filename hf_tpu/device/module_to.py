@@ -21,6 +21,8 @@ import weakref
 
 import torch
 
+from ..dynamo_frames import hide_from_dynamo
+
 _swap = torch.__future__.get_swap_module_params_on_conversion
 _set_swap = torch.__future__.set_swap_module_params_on_conversion
 
@@ -77,6 +79,9 @@ def _to_device(*args, **kwargs):
 
 def install() -> None:
     module = torch.nn.Module
-    module.to = _keeping_parameters(module.to, _to_device)
-    module.cpu = _keeping_parameters(module.cpu, lambda: "cpu")
-    module.to_empty = _keeping_parameters(module.to_empty, lambda *, device, recurse=True: device)
+    devices_of = {"to": _to_device, "cpu": lambda: "cpu", "to_empty": lambda *, device, recurse=True: device}
+    for name, device_of in devices_of.items():
+        setattr(module, name, _keeping_parameters(getattr(module, name), device_of))
+    # run as PyTorch's methods do under torch.compile, not traced by Dynamo as functions of their own
+    hide_from_dynamo(module.to.__code__, recursive=False)  # the code of every wrapper
+    hide_from_dynamo(_swaps_for.__code__, *(device_of.__code__ for device_of in devices_of.values()))

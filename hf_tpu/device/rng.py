@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .. import platform
+from ..dynamo_frames import hide_from_dynamo
 from . import current
 
 DEFAULT_SEED = 67280421310721  # PyTorch's default seed on every device
@@ -178,3 +179,6 @@ class Generator(torch._C.Generator, metaclass=_AnyGenerator):
 def install() -> None:
     if torch.Generator is torch._C.Generator:
         torch.Generator = Generator
+    # run as PyTorch's own do under torch.compile, not traced by Dynamo as functions of their own
+    hide_from_dynamo(Generator.__new__.__code__, _AnyGenerator.__instancecheck__.__code__,
+                     _AnyGenerator.__subclasscheck__.__code__)

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 from .call import device_mismatch
 from .fallback import cpu_fallback, cpu_fallback_enabled, run_unlowered, unsupported
-from .registration import hide_from_dynamo, register_kernels
-from .registry import (LOWERINGS, Lowering, Promote, backend_choice, handler, lowering,  # noqa: F401
-                       reuse_cpu_kernel)
+from .registration import register_kernels
+from .registry import (LOWERINGS, Lowering, Promote, backend_choice, floating_kernel, handler,  # noqa: F401
+                       lowering, reuse_cpu_kernel)
 from .run import run_bound, run_lowered
 from .signatures import Signature, signature
 
 __all__ = ["Signature", "signature", "run_bound", "run_lowered", "run_unlowered", "cpu_fallback",
-           "cpu_fallback_enabled", "unsupported", "device_mismatch", "register_kernels", "hide_from_dynamo",
-           "LOWERINGS", "Lowering", "Promote", "lowering", "handler", "reuse_cpu_kernel", "backend_choice"]
+           "cpu_fallback_enabled", "unsupported", "device_mismatch", "register_kernels",
+           "LOWERINGS", "Lowering", "Promote", "lowering", "floating_kernel", "handler", "reuse_cpu_kernel",
+           "backend_choice"]

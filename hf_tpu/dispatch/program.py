@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import zlib
 
@@ -20,7 +21,7 @@ import torch
 
 from .. import dtypes
 from ..device import rng
-from ..memory import buffer
+from ..memory import buffer, out_of_memory
 from .call import Call, call_with, checked_by_assert, flatten_returns, is_number, is_static_scalar, promotion, to_meta
 from .registry import lowering_function
 from .signatures import GENERATOR, OPT_TENSOR, SCALAR, SCALAR_LIST, TENSOR, TENSOR_LIST
@@ -69,6 +70,18 @@ class Program:
     def content_hash(self) -> int:
         """32 bits of the op and its results' shapes, the same in every process (deferred cut points)."""
         return zlib.crc32(f"{self.name} {self.out_specs}".encode())
+
+    @functools.cached_property
+    def result_bytes(self) -> int:
+        """The bytes of the new tensors the program makes (not those it writes in place)."""
+        return sum(math.prod(spec[0]) * spec[1].itemsize for spec in self.out_specs or () if spec[0] != "mutated")
+
+    @functools.cached_property
+    def large_result_bytes(self) -> int:
+        """`result_bytes` where they are a large share of the device's memory (`out_of_memory.is_large`), checked
+        against what it has left before each launch, else 0 (nothing checked)."""
+        nbytes = self.result_bytes
+        return nbytes if self.device_index is not None and out_of_memory.is_large(nbytes, self.device_index) else 0
 
     @functools.cached_property
     def result_layouts(self) -> tuple:

@@ -15,6 +15,7 @@ import torch
 from jax._src.array import ArrayImpl
 
 from .. import counters, modes
+from ..dynamo_frames import hide_from_dynamo
 from ..memory import buffer
 from . import _entry
 from .call import LIVE, Operand, matmul_precision
@@ -96,18 +97,9 @@ def register_kernels() -> None:
     fallback = torch.library.Library("_", "IMPL")
     fallback.fallback(_fallback, "PrivateUse1")
     _libraries.extend([*libraries.values(), fallback])
-    hide_from_dynamo(run_bound.__code__, _fallback.__code__)  # the C entry has no frame
-
-
-def hide_from_dynamo(*entry_points) -> None:
-    """Dynamo's frame hook stays set while a graph break runs eagerly, and it would try to trace
-    these kernels (and fail on their buffer bookkeeping) when the eager code calls an op: skip them
-    and everything they call."""
-    from torch._C._dynamo import eval_frame
-
-    skip = eval_frame._FrameExecStrategy(eval_frame._FrameAction.SKIP, eval_frame._FrameAction.SKIP)
-    for code in entry_points:
-        eval_frame.set_code_exec_strategy(code, skip)
+    # Dynamo would try to trace these kernels (and fail on their buffer bookkeeping) when code that runs
+    # eagerly under torch.compile calls an op: skipped, and everything they call (the C entry has no frame)
+    hide_from_dynamo(run_bound.__code__, _fallback.__code__)
 
 
 _STRICT = modes.mode_for(modes.EagerMode.DEFER_NEVER)

@@ -23,8 +23,10 @@ from typing import Callable
 import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as Promote
 
-__all__ = ["Lowering", "LOWERINGS", "lowering", "HANDLERS", "handler", "CPU_VIEW_KERNELS", "reuse_cpu_kernel",
-           "BACKEND_CHOICES", "backend_choice", "KERNEL_CHOICES", "lowering_function", "Promote"]
+from ..dtypes import scalar_type_name
+
+__all__ = ["Lowering", "LOWERINGS", "lowering", "floating_kernel", "HANDLERS", "handler", "CPU_VIEW_KERNELS",
+           "reuse_cpu_kernel", "BACKEND_CHOICES", "backend_choice", "KERNEL_CHOICES", "lowering_function", "Promote"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +65,21 @@ class Lowering:
 
 
 LOWERINGS: dict[torch._ops.OpOverload, Lowering] = {}
+
+
+def floating_kernel(kernel: str | Callable, complex: bool = False):
+    """The `type_check` of an op whose CPU kernel is compiled for floating dtypes only (ATen's
+    `AT_DISPATCH_FLOATING_TYPES_AND2(Half, BFloat16, ...)`: softmax, the normalisations, most activations and
+    losses): PyTorch's NotImplementedError, naming the CPU kernel, for an integer, bool or complex input, which
+    the op's meta kernel lets through and JAX would compute (`cross_entropy` of Long logits). `kernel` is the
+    CPU kernel's name, or a function of the call's values giving it where it depends on them; `complex`: the
+    kernel takes complex dtypes too (`AT_DISPATCH_FLOATING_AND_COMPLEX_TYPES...`)."""
+    def check(values):
+        if not (values[0].is_floating_point() or (complex and values[0].is_complex())):
+            name = kernel(values) if callable(kernel) else kernel
+            raise NotImplementedError(f'"{name}" not implemented for {scalar_type_name(values[0].dtype)!r}')
+
+    return check
 
 
 def _overloads(op):

@@ -6,14 +6,12 @@ program, run it through the current execution mode, wrap the results as tensors)
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .. import counters, dtypes, modes
 from ..device import current, rng
 from ..memory import buffer
-from ..memory.out_of_memory import check_allocation
+from ..memory.out_of_memory import check_allocation, check_results
 from . import index_checks
 from .call import Call
 from .fallback import run_unlowered
@@ -49,8 +47,11 @@ def run_lowered(sig: Signature, values: list, analysed=None):
     device_index = call.device_index
     if device_index is None:  # a factory (zeros, randn, ...): refused at once beyond the device's memory
         device_index = _factory_device(sig, values)
-        check_allocation(_result_bytes(program), device_index,
-                         lambda: f"{sig.name} of {_result_shapes(program)}")
+        check_allocation(program.result_bytes, device_index, lambda: f"{sig.name} of {_result_shapes(program)}")
+    elif program.large_result_bytes:  # so is an op's large result, before its launch
+        check_results(program.large_result_bytes, device_index,
+                      buffer.sharded_arrays_exist and any(map(buffer.may_be_sharded, call.arrays)),
+                      lambda: f"{sig.name} of {_result_shapes(program)}")
     rng_key = random_key(device_index, _generator_arg(sig, values)) if call.rng else None
     if program.data_dependent:
         modes.host_read(f"{sig.name} has a data-dependent output shape")
@@ -98,11 +99,6 @@ def _generator_arg(sig, values):
         if kind == GENERATOR:
             return v
     return None
-
-
-def _result_bytes(program) -> int:
-    """The bytes of the new tensors a program makes (not those it writes in place)."""
-    return sum(math.prod(spec[0]) * spec[1].itemsize for spec in program.out_specs or () if spec[0] != "mutated")
 
 
 def _result_shapes(program) -> str:

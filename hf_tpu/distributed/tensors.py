@@ -68,7 +68,7 @@ def shard(t: torch.Tensor, mesh: Mesh, spec) -> torch.Tensor:
         buf = buffer.buffer_of(t)
         value = buffer.read(buf.value(), buffer.view_of(t, buf))
     device = mesh.device  # raises for a mesh with no chip in this process
-    array = buffer.put_sharded(value, NamedSharding(mesh.jax_mesh, PartitionSpec(*spec)))
+    array = buffer.place(value, NamedSharding(mesh.jax_mesh, PartitionSpec(*spec)))
     buffer.sharded_arrays_exist = True
     return buffer.new_tensor(shape, t.dtype, device.index, array)
 

@@ -38,11 +38,9 @@ def interpret() -> bool:
 
 
 def attention_block() -> int:
-    """`HF_TPU_KERNEL_BLOCK`: the largest query/key block of the attention kernel."""
-    block = settings.get("HF_TPU_KERNEL_BLOCK")
-    if block % 128:
-        raise ValueError(f"HF_TPU_KERNEL_BLOCK={block}: expected a multiple of 128 (the TPU's lane width)")
-    return block
+    """`HF_TPU_KERNEL_BLOCK`: the largest query/key block of the attention kernel (a multiple of 128, the TPU's
+    lane width: `settings` checks it)."""
+    return settings.get("HF_TPU_KERNEL_BLOCK")
 
 
 def in_32_bit_mode(kernel):

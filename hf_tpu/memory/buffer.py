@@ -312,6 +312,16 @@ def is_sharded(array) -> bool:
         and type(array.sharding) is not jax.sharding.SingleDeviceSharding and len(array.sharding.device_set) > 1
 
 
+def may_be_sharded(value) -> bool:
+    """Whether an operand's array may live on more than one chip: a concrete one that does, or a deferred
+    result (`Lazy`) of a graph that reads one (a graph's values are laid out over the chips of its inputs)."""
+    if type(value) is Lazy:
+        if value.concrete is not None:
+            return is_sharded(value.concrete)
+        return any(is_sharded(array) for array in value.graph.inputs)
+    return is_sharded(value)
+
+
 @functools.cache
 def _chip_index(device) -> int:
     return platform.devices().index(device)
@@ -740,12 +750,44 @@ def to_numpy(array) -> np.ndarray:
 
 
 def put_sharded(value, sharding):
-    """`value` (a NumPy array or a jax.Array) laid out as `sharding`. Where the sharding spans other
-    processes' chips, each process writes its own chips from its own copy of the value: every process
-    runs the same program, so holds the same value (JAX cannot send it between processes' chips)."""
+    """`value` (a NumPy array or a jax.Array) laid out as `sharding`, for one program's arguments: it may
+    share device memory with `value` (what a buffer keeps is made by `place`). Where the sharding spans other
+    processes' chips, each process writes its own chips from its own copy of the value: every process runs
+    the same program, so holds the same value (JAX cannot send it between processes' chips)."""
     if sharding.is_fully_addressable or (isinstance(value, jax.Array) and not value.is_fully_addressable):
         return jax.device_put(value, sharding)
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def place(value, placement):
+    """`value` (a NumPy array or a jax.Array) laid out as `placement` (a sharding, or one jax Device), for a
+    buffer to keep: in device memory of its own unless it is `value` itself.
+
+    Buffers may hold one jax.Array together: the allocator counts its holders, and no program is donated an
+    array another buffer holds. Two arrays over the same memory look unshared to that count, and donating
+    either deletes the other's data (XLA: "Attempt to donate the same buffer twice", "Buffer has been
+    deleted or donated"). `jax.device_put` makes such arrays: it keeps each part of the value already on its
+    target chip (a weight on `tpu:0` replicated over a mesh keeps its memory on chip 0, two LayerNorm weights
+    uploaded as one kept array of ones then shared it), and `may_alias=False` does not stop it for a
+    multi-chip sharding (jax 0.10.2). So the parts of a placement on the chips the source is on are copied
+    once, by a program, whose results never alias arguments it is not donated (a weight replicated from
+    `tpu:0` over 8 chips: chip 0's copy)."""
+    if isinstance(placement, jax.Device):
+        placed = jax.device_put(value, placement)
+    else:
+        placed = put_sharded(value, placement)
+    if placed is value or not isinstance(value, jax.Array):
+        return placed
+    source_chips = value.sharding.device_set
+    if source_chips.isdisjoint(placed.sharding.device_set):
+        return placed
+    if len(placed.sharding.device_set) == 1:
+        return _copy(placed)
+    shards = [_copy(shard.data) if shard.device in source_chips else shard.data for shard in placed.addressable_shards]
+    return jax.make_array_from_single_device_arrays(placed.shape, placed.sharding, shards)
+
+
+_copy = jax.jit(lambda array: array)
 
 
 def host_array(t: torch.Tensor) -> np.ndarray:

@@ -16,7 +16,9 @@ allocate without it and record the new storage, `Tensor.pin_memory()` copies onc
 storage (and returns a tensor already pinned unchanged, as PyTorch does), and `Tensor.is_pinned()`
 answers from the record, which forgets a storage when PyTorch frees it. The factories are wrapped in
 Python, which costs 0.3-0.8 us per call (measured on `torch.zeros(4)`, 1.8-2.5 us unwrapped). On a
-machine with CUDA, PyTorch's CUDA allocator pins, as it does without hf-tpu.
+machine with CUDA, PyTorch's CUDA allocator pins, as it does without hf-tpu. The wrappers are hidden from
+Dynamo's frame hook (`hf_tpu.dynamo_frames`): CPU code compiled with `torch.compile` compiles to the same
+graphs as without hf-tpu (where a graph calls `torch.ones_like`, the wrapper stands in the builtin's place).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import functools
 import weakref
 
 import torch
+
+from ..dynamo_frames import hide_from_dynamo
 
 # data pointer of a pinned storage -> the finalizer that forgets it when PyTorch frees the storage
 _pinned: dict[int, weakref.finalize] = {}
@@ -53,9 +57,14 @@ def _record(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+_PYTHON_DISPATCH = torch._C.DispatchKey.Python
+
+
 def is_pinned(tensor: torch.Tensor, device=None) -> bool:
-    """Whether `tensor`'s memory was pinned through `pin_memory=True` or `Tensor.pin_memory()`."""
-    if tensor.device.type != "cpu" or _cuda_pins():
+    """Whether `tensor`'s memory was pinned through `pin_memory=True` or `Tensor.pin_memory()`. A tensor of
+    Python dispatch (a fake tensor while `torch.compile` traces, a subclass) has no memory of its own to look
+    up: PyTorch's dispatch answers for it."""
+    if tensor.device.type != "cpu" or _cuda_pins() or torch._C._dispatch_keys(tensor).has(_PYTHON_DISPATCH):
         return _base_is_pinned(tensor) if device is None else _base_is_pinned(tensor, device)
     return tensor.untyped_storage().data_ptr() in _pinned
 
@@ -99,3 +108,6 @@ def install() -> None:
         setattr(torch.Tensor, name, _pinning(getattr(torch.Tensor, name)))
     torch.Tensor.pin_memory = _pin_memory
     torch.Tensor.is_pinned = is_pinned
+    # run as the builtins in whose place they are, not traced by Dynamo as functions of their own
+    hide_from_dynamo(torch.empty.__code__, _pin_memory.__code__, is_pinned.__code__, recursive=False)
+    hide_from_dynamo(_cuda_pins.__code__, _record.__code__)

@@ -14,6 +14,7 @@ import re
 import torch
 
 from ..device import current
+from ..dynamo_frames import hide_from_dynamo
 from . import buffer
 
 _LOCATION = re.compile(r"^tpu(:(\d+))?$")
@@ -64,3 +65,4 @@ def install() -> None:
         for_tensor=False, for_module=False, for_packed_sequence=False, for_storage=True)
     torch.serialization.register_package(15, _tag, _restore)
     torch.UntypedStorage.__new__ = _untyped_storage_new
+    hide_from_dynamo(_untyped_storage_new.__code__)  # runs as the builtin it replaces under torch.compile

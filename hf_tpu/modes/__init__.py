@@ -54,7 +54,8 @@ class _Eager:
             # (A program's number of scalars and its use of a key are in its key: fixed per program.)
             program.jitted = jax.jit(lambda *arrays: traced((), list(arrays), (), None)[0])
             program.arrays_only_call = True
-            if program.single_result_spec is not None and not program.overwritten:
+            if program.single_result_spec is not None and not program.overwritten and not program.large_result_bytes:
+                # (a large result is checked against the device's free memory in Python first)
                 program.direct_launch = (program.jitted, *program.single_result_spec)
         else:
             program.jitted = jax.jit(lambda arrays, scalars, rng: traced((), arrays, scalars, rng))

@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import typing
 
 import jax
 import jax.numpy as jnp
 
 from .. import counters, platform
-from ..memory import buffer, donation
-from ..memory.out_of_memory import raise_out_of_memory
+from ..memory import buffer, donation, out_of_memory
+from ..memory.out_of_memory import check_results, raise_out_of_memory
 from .kinds import ModeKind
 from .scalars import on_device
 
@@ -140,11 +141,12 @@ _EAGER_ROUNDING = {"xla_allow_excess_precision": False}
 class _Fused:
     """The one jitted function replaying a graph structure."""
 
-    def __init__(self, nodes, outputs, donated):
+    def __init__(self, nodes, outputs, donated, large_result_bytes: int):
         self.programs = [node[0] for node in nodes]
         self.wirings = [node[1] for node in nodes]
         self.outputs = outputs
         self.donated = donated
+        self.large_result_bytes = large_result_bytes  # checked against the device's free memory before each launch
         self.jitted = jax.jit(self._run, donate_argnums=(0,) if donated else (), compiler_options=_EAGER_ROUNDING)
 
     def __call__(self, inputs, scalars, rngs):
@@ -160,6 +162,17 @@ class _Fused:
             for j, out in enumerate(program.fn(args, scalars[n], rngs[n])):
                 env[(n, j)] = out
         return [env[o] for o in self.outputs]
+
+
+def _large_result_bytes(graph: _Graph, holders, donated: tuple) -> int:
+    """The bytes of device memory a graph's results take beyond the donated inputs they reuse, where they are a
+    large share of the device's (`out_of_memory.is_large`: checked against what it has left before each launch
+    of the fused program), else 0. Each op's own results were checked at the op (`dispatch.run`) against the
+    memory of the tensors computed; pending results count only here."""
+    made = sum(math.prod(value.shape) * jnp.dtype(value.dtype).itemsize for value, _ in holders)
+    reused = sum(math.prod(graph.inputs[i].shape) * graph.inputs[i].dtype.itemsize for i in donated)
+    nbytes = made - reused
+    return nbytes if out_of_memory.is_large(nbytes, graph.device_index) else 0
 
 
 class Deferred:
@@ -226,7 +239,8 @@ class Deferred:
         key = (structure, tuple((a.shape, a.dtype) for a in graph.inputs))
         fused = self.cache.get(key)
         if fused is None:
-            fused = self.cache[key] = _Fused(graph.nodes, outputs, donated)
+            large = _large_result_bytes(graph, holders, donated)
+            fused = self.cache[key] = _Fused(graph.nodes, outputs, donated, large)
             if _settings.get("HF_TPU_LOG_COMPILES"):
                 why = "new input shapes" if structure in self.seen_structures else "new graph"
                 log.warning("hf_tpu: compiling a fused graph of %d ops (%s), flushed because %s",
@@ -237,6 +251,10 @@ class Deferred:
             _counters["compile_cache_hits_by_mode"][self.counter_key] += 1
         if buffer.sharded_arrays_exist:  # a sharded tensor (hf_tpu.distributed) may meet single-chip ones
             graph.inputs = buffer.place_together(graph.inputs)
+        if fused.large_result_bytes:  # each op's result was checked alone; together they may not fit
+            check_results(fused.large_result_bytes, graph.device_index,
+                          buffer.sharded_arrays_exist and any(map(buffer.is_sharded, graph.inputs)),
+                          lambda: f"a fused graph of {len(graph.nodes)} ops")
         scalars = on_device([node[2] for node in graph.nodes], graph.device_index)
         rngs = [node[3] for node in graph.nodes]
         try:

@@ -144,7 +144,7 @@ def copy_(sig, values):
         src = buffer.new_tensor(host.shape, host.dtype, index, buffer.from_host(host, index))
     elif src.device.index != index:
         src_buf = buffer.buffer_of(src)
-        moved = jax.device_put(buffer.array_of(src, src_buf), platform.jax_device(index))
+        moved = buffer.place(buffer.array_of(src, src_buf), platform.jax_device(index))
         src = buffer.new_tensor(src.shape, src.dtype, index, moved)
     dst_buf = buffer.buffer_of(dst)
     if (
@@ -158,7 +158,7 @@ def copy_(sig, values):
         value = src_buf.array if src_buf.array is not None else src_buf.value()
         if buffer.sharded_arrays_exist and buffer.is_sharded(dst_buf.array) and type(value) is not buffer.Lazy:
             # loading weights into a sharded model (load_state_dict) keeps each chip's shard
-            value = buffer.put_sharded(value, dst_buf.array.sharding)
+            value = buffer.place(value, dst_buf.array.sharding)
         dst_buf.array = value
         return dst
     return dispatch.run_lowered(dispatch.signature(aten.copy_.default), [dst, src, False])
@@ -184,7 +184,7 @@ def to_copy(sig, values):
         host = self.to(dtype)
         return buffer.new_tensor(host.shape, dtype, index, buffer.from_host(host, index))
     if index != self.device.index:  # another chip: the values move, then the cast runs there
-        value = jax.device_put(buffer.array_of(self), platform.jax_device(index))
+        value = buffer.place(buffer.array_of(self), platform.jax_device(index))
         self = buffer.new_tensor(self.shape, self.dtype, index, value)
     # a cast on the device is an op like any other: recorded in DEFER_AND_FUSE, never a sync
     return dispatch.run_lowered(dispatch.signature(aten._to_copy.default), [self, dtype] + [None] * 5)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import torch
 
 from .. import dispatch
-from ..dispatch import Promote, handler, lowering
+from ..dispatch import Promote, floating_kernel, handler, lowering
 
 aten = torch.ops.aten
 
@@ -51,12 +51,22 @@ def _reduce(loss, reduction):
 # --- Softmax.
 
 
-@lowering(aten._softmax.default)
+def _softmax_kernel(name: str):
+    """The name of PyTorch's CPU kernel for `name` (softmax or log_softmax) along this call's dim, as its dtype
+    error says it: one kernel for the last dim (a 0-dim tensor's too), one for the others."""
+    def kernel(values):
+        self, dim = values[0], values[1]
+        return f"{name}_lastdim_kernel_impl" if self.dim() <= 1 or dim % self.dim() == self.dim() - 1 \
+            else f"{name}_kernel_impl"
+    return kernel
+
+
+@lowering(aten._softmax.default, type_check=floating_kernel(_softmax_kernel("softmax")))
 def _softmax(self, dim, half_to_float):
     return _along(lambda x, axis: jax.nn.softmax(x, axis=axis), dim, _opmath(self))
 
 
-@lowering(aten._log_softmax.default)
+@lowering(aten._log_softmax.default, type_check=floating_kernel(_softmax_kernel("log_softmax")))
 def _log_softmax(self, dim, half_to_float):
     return _along(lambda x, axis: jax.nn.log_softmax(x, axis=axis), dim, _opmath(self))
 
@@ -149,7 +159,7 @@ def _scaled(grad_out, weight, shape):
     return grad_out * _opmath(weight).reshape(shape) if weight is not None else grad_out
 
 
-@lowering(aten.native_layer_norm.default)
+@lowering(aten.native_layer_norm.default, type_check=floating_kernel("LayerNormKernelImpl"))
 def native_layer_norm(input, normalized_shape, weight, bias, eps):
     axes = tuple(range(input.ndim - len(normalized_shape), input.ndim))
     y, mean, rstd = _normalize(_opmath(input), axes, eps)
@@ -174,7 +184,7 @@ def _grouped(x, n, group):
     return x.reshape(n, group, x.size // max(n * group, 1))  # not -1: the sizes may be 0
 
 
-@lowering(aten.native_group_norm.default)
+@lowering(aten.native_group_norm.default, type_check=floating_kernel("GroupNormKernelImpl"))
 def native_group_norm(input, weight, bias, N, C, HxW, group, eps):
     x = _grouped(_opmath(input), N, group)
     y, mean, rstd = _normalize(x, (2,), eps)
@@ -218,12 +228,12 @@ def _batch_norm(input, weight, bias, running_mean, running_var, training, moment
     return _affine(y, weight, bias, shape), mean, rstd, running_mean, running_var
 
 
-@lowering(aten._native_batch_norm_legit_functional.default)
+@lowering(aten._native_batch_norm_legit_functional.default, type_check=floating_kernel("batch_norm"))
 def _native_batch_norm_legit_functional(input, weight, bias, running_mean, running_var, training, momentum, eps):
     return _batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
 
 
-@lowering(aten._native_batch_norm_legit.no_stats)
+@lowering(aten._native_batch_norm_legit.no_stats, type_check=floating_kernel("batch_norm"))
 def _native_batch_norm_legit_no_stats(input, weight, bias, training, momentum, eps):
     return _batch_norm(input, weight, bias, None, None, training, momentum, eps)[:3]
 
@@ -311,7 +321,7 @@ def _gelu(x, approximate):
     return 0.5 * x * (1 + jax.lax.erf(x * (1 / math.sqrt(2))))
 
 
-@lowering(aten.gelu.default, promote=Promote.DEFAULT)
+@lowering(aten.gelu.default, promote=Promote.DEFAULT, type_check=floating_kernel("GeluKernelImpl"))
 def gelu(self, *, approximate="none"):
     return _gelu(self, approximate)
 
@@ -321,7 +331,7 @@ def gelu_backward(grad_output, self, *, approximate="none"):
     return _vjp(lambda x: _gelu(x, approximate), grad_output, self)[0]
 
 
-@lowering(aten.silu.default, promote=Promote.DEFAULT)
+@lowering(aten.silu.default, promote=Promote.DEFAULT, type_check=floating_kernel("silu_cpu", complex=True))
 def silu(self):
     return self * jax.nn.sigmoid(self)
 
@@ -330,7 +340,7 @@ def _softplus(x, beta, threshold):
     return jnp.where(x * beta > threshold, x, jnp.log1p(jnp.exp(x * beta)) / beta)
 
 
-@lowering(aten.softplus.default, promote=Promote.DEFAULT)
+@lowering(aten.softplus.default, promote=Promote.DEFAULT, type_check=floating_kernel("softplus_cpu"))
 def softplus(self, beta=1, threshold=20):
     return _softplus(self, beta, threshold)
 
@@ -341,12 +351,12 @@ def softplus_backward(grad_output, self, beta, threshold):
     return jnp.where(self * beta > threshold, grad_output, grad_output * z / (z + 1))
 
 
-@lowering(aten.mish.default, promote=Promote.DEFAULT)
+@lowering(aten.mish.default, promote=Promote.DEFAULT, type_check=floating_kernel("mish_cpu"))
 def mish(self):
     return self * jnp.tanh(_softplus(self, 1, 20))
 
 
-@lowering(aten.elu.default, promote=Promote.DEFAULT)
+@lowering(aten.elu.default, promote=Promote.DEFAULT, type_check=floating_kernel("elu_cpu"))
 def elu(self, alpha=1, scale=1, input_scale=1):
     return jnp.where(self > 0, self * scale, jnp.expm1(self * input_scale) * (alpha * scale))
 
@@ -361,7 +371,7 @@ def elu_backward(grad_output, alpha, scale, input_scale, is_result, self_or_resu
     return jnp.where(x <= 0, negative, grad_output * scale)
 
 
-@lowering(aten.leaky_relu.default, promote=Promote.DEFAULT)
+@lowering(aten.leaky_relu.default, promote=Promote.DEFAULT, type_check=floating_kernel("leaky_relu_cpu"))
 def leaky_relu(self, negative_slope=0.01):
     return jnp.where(self > 0, self, self * negative_slope)
 
@@ -382,7 +392,7 @@ def hardtanh_backward(grad_output, self, min_val, max_val):
     return jnp.where((self <= min_val) | (self >= max_val), 0, grad_output)
 
 
-@lowering(aten.hardsigmoid.default, promote=Promote.DEFAULT)
+@lowering(aten.hardsigmoid.default, promote=Promote.DEFAULT, type_check=floating_kernel("hardsigmoid_cpu"))
 def hardsigmoid(self):
     return jnp.clip(self + 3, 0, 6) / 6
 
@@ -392,7 +402,7 @@ def hardsigmoid_backward(grad_output, self):
     return jnp.where((self > -3) & (self < 3), grad_output / 6, 0)
 
 
-@lowering(aten.hardswish.default, promote=Promote.DEFAULT)
+@lowering(aten.hardswish.default, promote=Promote.DEFAULT, type_check=floating_kernel("hardswish_cpu"))
 def hardswish(self):
     return self * jnp.clip(self + 3, 0, 6) / 6
 
@@ -403,12 +413,12 @@ def hardswish_backward(grad_output, self):
     return jnp.where(self < -3, 0, inside)
 
 
-@lowering(aten.hardshrink.default, promote=Promote.DEFAULT)
+@lowering(aten.hardshrink.default, promote=Promote.DEFAULT, type_check=floating_kernel("hardshrink_cpu"))
 def hardshrink(self, lambd=0.5):
     return jnp.where((self >= -lambd) & (self <= lambd), 0, self)
 
 
-@lowering(aten.softshrink.default, promote=Promote.DEFAULT)
+@lowering(aten.softshrink.default, promote=Promote.DEFAULT, type_check=floating_kernel("softshrink_check"))
 def softshrink(self, lambd=0.5):
     # inside the band self * 0, not 0: NaN stays NaN, as on CPU
     return jnp.where(self > lambd, self - lambd, jnp.where(self < -lambd, self + lambd, self * 0))
@@ -424,7 +434,7 @@ def _glu(x, dim):
     return a * jax.nn.sigmoid(b)
 
 
-@lowering(aten.glu.default, promote=Promote.DEFAULT)
+@lowering(aten.glu.default, promote=Promote.DEFAULT, type_check=floating_kernel("glu_cpu"))
 def glu(self, dim=-1):
     return _glu(self, dim)
 
@@ -434,7 +444,7 @@ def glu_backward(grad_output, self, dim):
     return _vjp(lambda x: _glu(x, dim), grad_output, self)[0]
 
 
-@lowering(aten.log_sigmoid_forward.default, promote=Promote.DEFAULT)
+@lowering(aten.log_sigmoid_forward.default, promote=Promote.DEFAULT, type_check=floating_kernel("log_sigmoid_cpu"))
 def log_sigmoid_forward(self):
     return jax.nn.log_sigmoid(self), jnp.zeros_like(self)
 
@@ -444,7 +454,7 @@ def log_sigmoid_backward(grad_output, self, buffer):
     return grad_output * jax.nn.sigmoid(-self)
 
 
-@lowering(aten._prelu_kernel.default, promote=Promote.DEFAULT)
+@lowering(aten._prelu_kernel.default, promote=Promote.DEFAULT, type_check=floating_kernel("prelu_cpu"))
 def _prelu_kernel(self, weight):
     return jnp.where(self > 0, self, weight * self)
 
@@ -457,7 +467,8 @@ def _prelu_kernel_backward(grad_output, self, weight):
     return grad_input, jnp.where(positive, 0, self * grad_output)
 
 
-@lowering(aten.rrelu_with_noise_functional.default, promote=Promote.DEFAULT)
+@lowering(aten.rrelu_with_noise_functional.default, promote=Promote.DEFAULT,
+          type_check=floating_kernel("rrelu_with_noise_out_cpu"))
 def rrelu_with_noise_functional(self, noise, lower=0.125, upper=1 / 3, training=False, generator=None):
     """(output, noise). Training: each negative element is scaled by a slope drawn uniformly from
     [lower, upper], which becomes its noise (1 for the others); eval: the mean slope, noise kept."""
@@ -578,7 +589,7 @@ def _picked(self, target):
     return jnp.squeeze(jnp.take_along_axis(self, index, axis), axis)
 
 
-@lowering(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
+@lowering(aten.nll_loss_forward.default, type_check=floating_kernel("nll_loss_out_frame"))
 def nll_loss_forward(self, target, weight, reduction, ignore_index):
     w = _nll_weights(target, weight, ignore_index)
     loss = -_picked(_opmath(self), target) * w
@@ -586,6 +597,9 @@ def nll_loss_forward(self, target, weight, reduction, ignore_index):
     if reduction == _REDUCTION_MEAN:
         return jnp.sum(loss) / total_weight, total_weight
     return _reduce(loss, reduction), total_weight
+
+
+lowering(aten.nll_loss2d_forward.default, type_check=floating_kernel("nll_loss2d_forward_out_frame"))(nll_loss_forward)
 
 
 @lowering(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
@@ -599,7 +613,7 @@ def nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index
     return one_hot * jnp.expand_dims(-w * g, axis)
 
 
-@lowering(aten.mse_loss.default, promote=Promote.DEFAULT)
+@lowering(aten.mse_loss.default, promote=Promote.DEFAULT, type_check=floating_kernel("mse_cpu"))
 def mse_loss(self, target, reduction=_REDUCTION_MEAN):
     return _reduce(jnp.square(self - target), reduction)
 
@@ -616,7 +630,8 @@ def _weighted(loss, weight):
     return loss if weight is None else loss * weight
 
 
-@lowering(aten.binary_cross_entropy.default, promote=Promote.DEFAULT)
+@lowering(aten.binary_cross_entropy.default, promote=Promote.DEFAULT,
+          type_check=floating_kernel("binary_cross_entropy"))
 def binary_cross_entropy(self, target, weight=None, reduction=_REDUCTION_MEAN):
     log_x = jnp.maximum(jnp.log(self), _LOG_FLOOR)
     log_1mx = jnp.maximum(jnp.log1p(-self), _LOG_FLOOR)
@@ -629,14 +644,15 @@ def binary_cross_entropy_backward(grad_output, self, target, weight=None, reduct
     return _weighted(grad * _grad_of_reduction(grad_output, reduction, self.size), weight)
 
 
-@lowering(aten.binary_cross_entropy_with_logits.default, promote=Promote.DEFAULT)
+@lowering(aten.binary_cross_entropy_with_logits.default, promote=Promote.DEFAULT,
+          type_check=floating_kernel("log_sigmoid_cpu"))
 def binary_cross_entropy_with_logits(self, target, weight=None, pos_weight=None, reduction=_REDUCTION_MEAN):
     softplus_neg = jnp.log1p(jnp.exp(-jnp.abs(self))) + jnp.maximum(-self, 0)  # log(1 + exp(-x)), stably
     log_weight = 1 if pos_weight is None else (pos_weight - 1) * target + 1
     return _reduce(_weighted((1 - target) * self + log_weight * softplus_neg, weight), reduction)
 
 
-@lowering(aten.smooth_l1_loss.default, promote=Promote.DEFAULT)
+@lowering(aten.smooth_l1_loss.default, promote=Promote.DEFAULT, type_check=floating_kernel("smooth_l1_cpu"))
 def smooth_l1_loss(self, target, reduction=_REDUCTION_MEAN, beta=1.0):
     z = jnp.abs(self - target)
     loss = z if beta == 0 else jnp.where(z < beta, 0.5 * z * z / beta, z - 0.5 * beta)
@@ -693,7 +709,7 @@ def multilabel_margin_loss_backward(grad_output, self, target, reduction, is_tar
     return ((gained - lost) * scale).reshape(self.shape)
 
 
-@lowering(aten.huber_loss.default, promote=Promote.DEFAULT)
+@lowering(aten.huber_loss.default, promote=Promote.DEFAULT, type_check=floating_kernel("huber_cpu"))
 def huber_loss(self, target, reduction=_REDUCTION_MEAN, delta=1.0):
     z = jnp.abs(self - target)
     return _reduce(jnp.where(z < delta, 0.5 * z * z, delta * (z - 0.5 * delta)), reduction)

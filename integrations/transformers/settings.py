@@ -13,7 +13,7 @@ DEFAULT_PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 _environment.register(
-    _environment.Setting("HF_TPU_PROMPT_BUCKETS", "text", None, "Transformers generate: prompt lengths to pad to "
+    _environment.Setting("HF_TPU_PROMPT_BUCKETS", "lengths", None, "Transformers generate: prompt lengths to pad to "
                          "(\"32,64,128\"; empty: no bucketing)", empty_is_value=True),
     _environment.Setting("HF_TPU_CACHE_LENGTH_MULTIPLE", "count", 128,
                          "Transformers generate: static cache length rounding"),
@@ -25,13 +25,8 @@ _environment.register(
 
 
 def _buckets_from_env() -> tuple[int, ...]:
-    text = _environment.get("HF_TPU_PROMPT_BUCKETS")
-    if text is None:
-        return DEFAULT_PROMPT_BUCKETS
-    try:
-        return _valid_buckets(int(part) for part in text.replace(" ", "").split(",") if part)
-    except ValueError as e:
-        raise ValueError(f"HF_TPU_PROMPT_BUCKETS={text!r}: {e}") from None
+    buckets = _environment.get("HF_TPU_PROMPT_BUCKETS")
+    return DEFAULT_PROMPT_BUCKETS if buckets is None else buckets
 
 
 def _valid_buckets(buckets) -> tuple[int, ...]:

@@ -355,3 +355,51 @@ def test_an_assert_checks_the_condition_at_the_call():
     condition.fill_(True)
     with pytest.raises(RuntimeError, match="false at the call"):
         torch.tpu.synchronize()
+
+
+# ops whose CPU kernels are compiled for floating dtypes only: an integer, bool or complex input raises there
+_FLOATING_ONLY = {
+    "cross_entropy": lambda x: torch.nn.functional.cross_entropy(x, torch.tensor([0, 1], device=x.device)),
+    "nll_loss": lambda x: torch.nn.functional.nll_loss(x, torch.tensor([0, 1], device=x.device)),
+    "softmax": lambda x: torch.softmax(x, 1), "softmax_dim0": lambda x: torch.softmax(x, 0),
+    "log_softmax": lambda x: torch.log_softmax(x, -1), "log_softmax_dim0": lambda x: torch.log_softmax(x, 0),
+    "layer_norm": lambda x: torch.nn.functional.layer_norm(x, (3,)),
+    "group_norm": lambda x: torch.nn.functional.group_norm(x, 1),
+    "batch_norm": lambda x: torch.nn.functional.batch_norm(x, None, None, training=True),
+    "gelu": torch.nn.functional.gelu, "softplus": torch.nn.functional.softplus, "mish": torch.nn.functional.mish,
+    "elu": torch.nn.functional.elu, "leaky_relu": torch.nn.functional.leaky_relu,
+    "hardsigmoid": torch.nn.functional.hardsigmoid, "hardswish": torch.nn.functional.hardswish,
+    "hardshrink": torch.nn.functional.hardshrink, "softshrink": torch.nn.functional.softshrink,
+    "glu": lambda x: torch.nn.functional.glu(torch.cat([x, x], 1)), "logsigmoid": torch.nn.functional.logsigmoid,
+    "prelu": lambda x: torch.nn.functional.prelu(x, torch.ones(1, dtype=x.dtype, device=x.device)),
+    "rrelu": lambda x: torch.nn.functional.rrelu(x, training=True),
+    "mse_loss": lambda x: torch.nn.functional.mse_loss(x, x),
+    "binary_cross_entropy": lambda x: torch.nn.functional.binary_cross_entropy(x, x),
+    "binary_cross_entropy_with_logits": lambda x: torch.nn.functional.binary_cross_entropy_with_logits(x, x),
+    "smooth_l1_loss": lambda x: torch.nn.functional.smooth_l1_loss(x, x),
+    "huber_loss": lambda x: torch.nn.functional.huber_loss(x, x),
+}
+
+
+def _raised(fn, device, dtype):
+    try:
+        fn(torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=dtype, device=device))
+    except Exception as e:  # noqa: BLE001 - the type and message are what is compared
+        return type(e), str(e)
+    return None
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.complex64])
+@pytest.mark.parametrize("op", sorted(_FLOATING_ONLY))
+def test_floating_only_ops_refuse_other_dtypes_as_cpu_does(op, dtype):
+    """`cross_entropy` of Long logits, and the other ops whose CPU kernel takes floating dtypes only: the CPU's
+    NotImplementedError naming its kernel, where tpu computed an answer in the input's dtype."""
+    expected = _raised(_FLOATING_ONLY[op], "cpu", dtype)
+    assert expected is not None and expected[0] is NotImplementedError, expected
+    assert _raised(_FLOATING_ONLY[op], "tpu", dtype) == expected
+
+
+def test_silu_takes_complex_as_cpu_does():
+    x = torch.tensor([1 + 1j, -2j], dtype=torch.complex64)
+    torch.testing.assert_close(torch.nn.functional.silu(x.to("tpu")).cpu(), torch.nn.functional.silu(x))
+    assert _raised(torch.nn.functional.silu, "tpu", torch.int64) == _raised(torch.nn.functional.silu, "cpu", torch.int64)

@@ -82,6 +82,72 @@ def test_state_tensors_are_inputs_and_in_place_writes_are_rebound_and_donated(mo
     assert fallbacks() == []
 
 
+# what `_write_through_held` reads: reached through a global, so that only `state=` makes them the program's inputs
+_held = {}
+
+
+def _write_through_held(x, position):
+    y = _held["model"](x)
+    _held["cache"].index_copy_(0, position, y)  # written in place: an output of the program, rebound
+    return y.relu()
+
+
+def _in_a_module(model, cache):
+    holder = torch.nn.Module()
+    holder.model = model
+    holder.register_buffer("cache", cache)  # the same tensor object, registered
+    return holder
+
+
+# each form of `state=` that `hf_tpu.jit` takes, made of the model and the cache the function reaches
+STATE_FORMS = {
+    "a module and a tensor": lambda model, cache: (model, cache),
+    "a tensor": lambda model, cache: cache,
+    "a tuple of a tensor": lambda model, cache: (cache,),
+    "a module": _in_a_module,
+    "a list": lambda model, cache: [model, cache],
+    "a dict": lambda model, cache: {"model": model, "cache": cache},
+    "nested": lambda model, cache: (cache, [{"model": model}]),
+    "a function of the arguments": lambda model, cache: lambda x, position: (model, cache),
+}
+
+
+@pytest.mark.parametrize("form", STATE_FORMS)
+def test_every_form_of_state_is_traced_and_written_back_as_on_the_cpu(form, fallbacks):
+    torch.manual_seed(0)
+    cpu_model, cpu_cache = torch.nn.Linear(4, 4), torch.zeros(5, 4)
+    model, cache = torch.nn.Linear(4, 4).to("tpu"), cpu_cache.to("tpu")
+    model.load_state_dict(cpu_model.state_dict())
+    traced = hf_tpu.jit(_write_through_held, state=STATE_FORMS[form](model, cache))
+    xs = [torch.randn(1, 4) for _ in range(3)]
+    with torch.no_grad():
+        _held.update(model=model, cache=cache)
+        outputs = [traced(x.to("tpu"), torch.tensor([i], device="tpu")).cpu() for i, x in enumerate(xs)]
+        _held.update(model=cpu_model, cache=cpu_cache)
+        expected = [_write_through_held(x, torch.tensor([i])) for i, x in enumerate(xs)]
+    _held.clear()
+    assert not fallbacks()
+    assert _traced() == 1
+    torch.testing.assert_close(outputs, expected)
+    torch.testing.assert_close(cache.cpu(), cpu_cache)  # the caller's tensor holds what the calls wrote
+
+
+def test_a_loop_with_a_tensor_as_its_state_writes_it_back(model):
+    cache = torch.zeros(4, 4, device="tpu")
+    _held.update(cache=cache)
+
+    def body(x, i):
+        _held["cache"].index_copy_(0, i, x[None] * 2)
+        return x + 1, i + 1
+
+    start = (torch.ones(4, device="tpu"), torch.tensor([0], device="tpu"))
+    with torch.no_grad():
+        x, i = hf_tpu.while_loop(lambda x, i: i < 4, body, start, state=cache)
+    _held.clear()
+    assert _traced() == 1 and int(i) == 4
+    torch.testing.assert_close(cache.cpu(), 2 * torch.arange(1.0, 5.0)[:, None].expand(4, 4))
+
+
 def test_new_weights_or_a_new_cache_of_the_same_shapes_reuse_the_program(model):
     with torch.no_grad():
         x = torch.randn(2, 4, device="tpu")

@@ -115,6 +115,50 @@ def test_describe_lists_every_variable_the_package_reads(monkeypatch):
     assert [name for name in rows if f"| `{name}`" not in readme] == []
 
 
+@pytest.mark.parametrize("name, text, accepted", [
+    ("HF_TPU_ENCODE_BUCKETS", "0,-5", "positive lengths separated by commas (e.g. 32,64,128), or empty for none"),
+    ("HF_TPU_PROMPT_BUCKETS", "a,b", "positive lengths separated by commas (e.g. 32,64,128), or empty for none"),
+    ("HF_TPU_PROMPT_BUCKETS", ",", "positive lengths separated by commas"),
+    ("HF_TPU_KERNEL_BLOCK", "100", "a positive multiple of 128"),
+    ("HF_TPU_KERNEL_BLOCK", "0", "a positive multiple of 128"),
+    ("HF_TPU_COORDINATOR_ADDRESS", "localhost", "host:port, with a port from 1 to 65535"),
+    ("HF_TPU_COORDINATOR_ADDRESS", "localhost:99999", "host:port, with a port from 1 to 65535"),
+    ("HF_TPU_SLOW_COMPILE_SECONDS", "nan", "a non-negative number of seconds"),
+])
+def test_every_malformed_value_is_refused_where_it_is_parsed_and_listed_as_such(monkeypatch, name, text, accepted):
+    """What a variable accepts is checked when it is parsed, for the adapters' variables too (registered with the
+    same parser): a malformed value is never shown as in force and fails later where it is used."""
+    import re
+
+    from hf_tpu import settings
+    from hf_tpu.integrations.transformers import settings as _generation  # noqa: F401  (registers its variables)
+    from hf_tpu.integrations import sentence_transformers as _encode_settings  # noqa: F401  (its variable)
+
+    monkeypatch.setenv(name, text)
+    with pytest.raises(ValueError, match=re.escape(f"{name}={text!r}: expected {accepted}")):
+        settings.get(name)
+    row = {row["name"]: row for row in settings.describe()}[name]
+    assert row["error"] is not None and row["value"] == text and row["source"] == "env"
+
+
+def test_lengths_and_addresses_parse_as_written(monkeypatch):
+    import importlib
+
+    from hf_tpu import settings
+
+    generation = importlib.import_module("hf_tpu.integrations.transformers.settings")
+    monkeypatch.setenv("HF_TPU_PROMPT_BUCKETS", " 64, 32,64 ")
+    assert settings.get("HF_TPU_PROMPT_BUCKETS") == (32, 64) and generation.Settings().prompt_buckets == (32, 64)
+    monkeypatch.setenv("HF_TPU_PROMPT_BUCKETS", "")
+    assert generation.Settings().prompt_buckets == ()
+    monkeypatch.delenv("HF_TPU_PROMPT_BUCKETS")
+    assert generation.Settings().prompt_buckets == generation.DEFAULT_PROMPT_BUCKETS
+    monkeypatch.setenv("HF_TPU_COORDINATOR_ADDRESS", "10.0.0.2:8476")
+    assert settings.get("HF_TPU_COORDINATOR_ADDRESS") == "10.0.0.2:8476"
+    monkeypatch.setenv("HF_TPU_KERNEL_BLOCK", "256")
+    assert settings.get("HF_TPU_KERNEL_BLOCK") == 256
+
+
 # --- 3. HF_TPU_PLATFORM=cpu keeps JAX off the accelerator (libtpu's lock when another process has the chip)
 
 

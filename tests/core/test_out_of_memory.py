@@ -47,6 +47,54 @@ def test_allocation_within_capacity_works(small_device):
     assert t.shape == (1000,)
 
 
+def test_a_result_beyond_the_device_raises_at_the_op(eager_mode):
+    """The product of two vectors of 2**20 is a matrix of 4 TiB: refused at the op, before its launch (which
+    returned at once, the next read failing in XLA, and every allocation check counting its bytes meanwhile)."""
+    x = torch.ones(1, device="tpu")
+    a, b = x.new_ones(2**20, 1), x.new_ones(1, 2**20)
+    expected = r"tpu:0 is out of memory: aten::mm of \(1048576, 1048576\) torch.float32 asks for 4096\.00 GiB"
+    for _ in range(2):  # the second call finds its program
+        with pytest.raises(torch.OutOfMemoryError, match=expected):
+            a @ b
+    assert torch.empty(0, device="tpu").shape == (0,)  # the device stays usable
+    assert (x + 1).cpu().item() == 2.0 and (a[:2] @ b[:, :3]).cpu().tolist() == [[1.0] * 3] * 2
+
+
+def test_a_large_result_is_checked_at_every_launch(monkeypatch, eager_mode):
+    """A program whose result is a large share of the device (here every program, `LARGE_SHARE` made huge) is
+    checked before each launch, not only its first: its later calls do not take the C entry's launch, which
+    checks nothing."""
+    x = torch.ones(next(_fresh), 64, device="tpu")
+    torch.tpu.synchronize()
+    total = torch.tpu.memory_allocated() + x.nbytes  # room for one result like x, not for more
+    monkeypatch.setattr(out_of_memory, "capacity", lambda index: total, raising=False)
+    monkeypatch.setattr(out_of_memory, "LARGE_SHARE", 1 << 40)
+    first = x + x
+    torch.tpu.synchronize()  # a deferred result counts once computed
+    with pytest.raises(torch.OutOfMemoryError, match=r"aten::add.Tensor of \(\d+, 64\) torch.float32 asks for"):
+        x + x
+    del first
+    assert (x + x).cpu()[0, 0].item() == 2.0
+
+
+def test_deferred_results_that_fit_alone_but_not_together_raise_at_the_flush(monkeypatch, eager_mode):
+    """Each op's result is checked at the op against the tensors computed; the results a flush is to compute are
+    checked together before it launches, and lost as in a flush XLA fails (the device stays usable)."""
+    if eager_mode != "DEFER_AND_FUSE":
+        pytest.skip("only deferred results are computed together")
+    x = torch.ones(next(_fresh), 64, device="tpu")
+    torch.tpu.synchronize()
+    total = torch.tpu.memory_allocated() + x.nbytes  # room for one result like x, not for more
+    monkeypatch.setattr(out_of_memory, "capacity", lambda index: total, raising=False)
+    monkeypatch.setattr(out_of_memory, "LARGE_SHARE", 1 << 40)
+    first, second = x + x, x * 3
+    with pytest.raises(torch.OutOfMemoryError, match=r"tpu:0 is out of memory: a fused graph of 2 ops asks for"):
+        second.cpu()
+    with pytest.raises(RuntimeError, match="has no value: the deferred work that computes it failed"):
+        first.cpu()
+    assert (x - 1).cpu()[0, 0].item() == 0.0
+
+
 def _failing_launch(monkeypatch, mode, message):
     """Every launch from now on fails with `message`, as XLA fails (in strict eager, each new program's
     launch; in defer-and-fuse, each flush); returns the list of launches tried."""
