@@ -88,7 +88,8 @@ def _train_row(model: str, recipe: str, batch: int, length: int, checkpointing: 
 
 SIZES["1b"]["train"] = dict(models={"0.44b": training.LLAMA_044B, "1.1b": _LLAMA_1B}, steps=5,
                             rows=[_train_row("1.1b", "bf16", 8, 1024, True), _train_row("0.44b", "bf16", 8, 1024, True),
-                                  _train_row("0.44b", "mixed", 8, 1024, True)])
+                                  _train_row("0.44b", "mixed", 8, 1024, True), _train_row("1.1b", "bf16", 4, 1024, True),
+                                  _train_row("1.1b", "bf16", 2, 1024, True)])
 SIZES["tiny"]["train"] = dict(models={"tiny": training.TINY}, steps=2,
                               rows=[_train_row("tiny", "bf16", 2, 32, True), _train_row("tiny", "mixed", 2, 32, False)])
 
