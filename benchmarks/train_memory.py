@@ -5,8 +5,9 @@ temporaries) and the compile's time. XLA:CPU's own analysis is no proxy for this
 barriers before its common-subexpression pass, so a checkpointed layer's recomputation merges with the forward
 there, as `jax.checkpoint`'s does.
 
-The trace runs on the CPU platform with the Pallas kernels chosen as on a TPU (`HF_TPU_KERNELS=pallas`,
-compiled for Mosaic, not interpreted); nothing runs. A model of fewer layers than its real depth compiles faster:
+The trace runs on the CPU platform with every platform-dependent choice of the lowering made as on a TPU
+(`as_on_a_tpu`: the Pallas kernels, compiled for Mosaic, not interpreted; bfloat16 products asked for in bfloat16
+from 8192 rows, `hf_tpu.ops.linalg._product_dtype`); nothing runs. A model of fewer layers than its real depth compiles faster:
 `--layers 2,4` measures two depths and extrapolates each figure to the real one (every figure is a constant plus
 one term per layer).
 
@@ -18,11 +19,11 @@ Run: JAX_PLATFORMS=cpu PYTHONPATH=DIR python -m benchmarks.train_memory --model 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
 
-os.environ.setdefault("HF_TPU_KERNELS", "pallas")
 
 
 def _topology_device(name: str):
@@ -33,6 +34,20 @@ def _topology_device(name: str):
     return topology.devices[0]
 
 
+@contextlib.contextmanager
+def as_on_a_tpu():
+    """The lowering's platform-dependent choices made as on a TPU while the step is traced on the CPU platform:
+    the platform's name is what every such choice reads (`hf_tpu.platform.name`)."""
+    from hf_tpu import platform
+
+    name = platform.name
+    platform.name = lambda: "tpu"
+    try:
+        yield
+    finally:
+        platform.name = name
+
+
 def measure(config: dict, layers: int, batch: int, length: int, recipe: str, checkpointing: bool, device,
             dump: str | None = None) -> dict:
     """XLA's memory analysis (bytes) and the compile's seconds of the first traced step of a `layers`-deep model."""
@@ -40,9 +55,7 @@ def measure(config: dict, layers: int, batch: int, length: int, recipe: str, che
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hf_tpu import direct
-    from hf_tpu.kernels import selection
 
-    selection.interpret = lambda: False  # lowered for Mosaic: the program is compiled for a TPU, never run here
     torch.manual_seed(0)
     llama = LlamaConfig(**dict(config, num_hidden_layers=layers), attn_implementation="sdpa")
     model = LlamaForCausalLM._from_config(llama, dtype=torch.bfloat16 if recipe == "bf16" else torch.float32)
@@ -62,7 +75,8 @@ def measure(config: dict, layers: int, batch: int, length: int, recipe: str, che
 
     ids = torch.randint(0, config["vocab_size"], (batch, length)).to("tpu")
     start = time.perf_counter()
-    lowered = direct.lower(step, (ids,), {}, device=device)
+    with as_on_a_tpu():
+        lowered = direct.lower(step, (ids,), {}, device=device)
     traced = time.perf_counter() - start
     start = time.perf_counter()
     executable = lowered.compile()

@@ -731,7 +731,8 @@ def _trace(name: str, run, inputs: _Inputs, arrays: list) -> _Program:
         failed = True
         try:
             # autograd's engine runs a device's backward on a thread of its own, where this trace is not JAX's
-            with torch.set_grad_enabled(inputs.grad_enabled), torch.autograd.set_multithreading_enabled(False):
+            with torch.set_grad_enabled(inputs.grad_enabled), torch.autograd.set_multithreading_enabled(False), \
+                    remat.saved_values_materialized(set(inputs.buffers)):
                 out = run()
             leaves, treedef = pytree.tree_flatten(out)
             outputs, new_arrays = [], []

@@ -441,6 +441,27 @@ def test_the_barrier_stands_before_each_recomputed_layer():
     assert remat.behind_barrier([x, 1]) == [x, 1]  # outside a trace: as they are
 
 
+def test_a_value_the_forward_saves_passes_a_barrier_and_a_parameter_does_not():
+    """A value autograd saves outside a checkpointed block is kept from the forward behind a barrier: without it the
+    v5e's compiler recomputed a Llama's saved final-norm input in the backward from each layer's residual addends,
+    holding two float32 activations a layer from the forward to the loss's backward (`hf_tpu.remat`). A parameter,
+    and a linear layer's transposed weight, an input of the program, stays out of it (a view behind a barrier
+    would be a copy of the weight)."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 4).to("tpu")
+
+    def step(x):
+        torch.tanh(layer(x)).sum().backward()  # the linear layer saves x and the weight; tanh its result
+        return layer.weight.grad.detach()
+
+    x = torch.randn(2, 4, device="tpu")
+    text = hf_tpu.jit(step).lower(x).as_text()
+    assert text.count("optimization_barrier") == 1  # tanh's result alone
+    traced = hf_tpu.jit(step)(x).cpu()
+    layer.weight.grad = None
+    torch.testing.assert_close(traced, step(x).cpu())
+
+
 def test_gradients_accumulate_in_a_traced_micro_step_without_leaving_the_device():
     """Gradient accumulation: a traced forward and backward sets `.grad` at its first call (an output of the program)
     and adds to it in place at the next (an input it overwrites, donated); the optimizer's step traced apart."""
