@@ -226,7 +226,7 @@ def _trainer_losses(tmp_path, device, **arguments):
 
     AcceleratorState._reset_state(reset_partial_state=True)  # one Accelerate state per process
     torch.manual_seed(2)
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (6, 16))]
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (12, 16))]
     args = TrainingArguments(output_dir=str(tmp_path / device), per_device_train_batch_size=2, max_steps=3,
                              learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no",
                              use_cpu=device == "cpu", seed=0, disable_tqdm=True, **arguments)
@@ -242,6 +242,25 @@ def test_the_trainer_trains_on_tpu_with_the_cpu_losses(tmp_path):
     the CPU while the Trainer sent its inputs to `tpu` (`integrations/accelerate/device.py`)."""
     cpu = _trainer_losses(tmp_path, "cpu")
     tpu = _trainer_losses(tmp_path, "tpu")
+    assert len(tpu) == 3 and ((tpu - cpu).abs() / cpu.abs()).max().item() < 1e-4, (tpu, cpu)
+
+
+@pytest.mark.parametrize("traced", [True, False])
+def test_the_trainer_traces_its_micro_steps_and_its_optimizer_step(tmp_path, monkeypatch, caplog, traced):
+    """The Trainer's `training_step` (forward, loss, backward; the gradients added to in place) is one traced
+    program for every micro-batch, and the optimizer's step another: two programs for the whole run, the CPU's
+    losses. `HF_TPU_TRAINER_TRACE=0` and `HF_TPU_OPTIMIZER_TRACE=0` run both eagerly, as the Trainer runs them."""
+    if not traced:
+        monkeypatch.setenv("HF_TPU_TRAINER_TRACE", "0")
+        monkeypatch.setenv("HF_TPU_OPTIMIZER_TRACE", "0")
+    from hf_tpu import direct
+
+    cpu = _trainer_losses(tmp_path, "cpu", gradient_accumulation_steps=2, max_grad_norm=0.5)
+    direct.reset()
+    programs = hf_tpu.metrics()["compiles_by_mode"].get("COMPILE", 0)
+    tpu = _trainer_losses(tmp_path, "tpu", gradient_accumulation_steps=2, max_grad_norm=0.5)
+    assert hf_tpu.metrics()["compiles_by_mode"].get("COMPILE", 0) - programs == (2 if traced else 0)
+    assert "runs without hf_tpu.jit's trace" not in caplog.text
     assert len(tpu) == 3 and ((tpu - cpu).abs() / cpu.abs()).max().item() < 1e-4, (tpu, cpu)
 
 

@@ -66,6 +66,7 @@ def install(module) -> None:
     if module.__name__ == "transformers.trainer":
         _patch(module.Trainer, "_save_rng_state", trainer._wrap_save_rng_state)
         _patch(module.Trainer, "_load_rng_state", trainer._wrap_load_rng_state)
+        _patch(module.Trainer, "training_step", trainer._wrap_training_step)
         for name, wrap in (("nested_gather", trainer._wrap_nested_gather),
                            ("distributed_broadcast_scalars", trainer._wrap_broadcast_scalars)):
             if not getattr(getattr(module, name), "_hf_tpu", False):  # functions the Trainer imported

@@ -1,5 +1,6 @@
-"""The Trainer on `tpu`: its checkpoints hold the `tpu` random state, its logged loss is gathered across
-processes under Accelerate's data parallelism, and `torch_compile=True` compiles with the `tpu` backend."""
+"""The Trainer on `tpu`: each micro-batch's forward and backward is one traced program, its checkpoints hold the
+`tpu` random state, its logged loss is gathered across processes under Accelerate's data parallelism, and
+`torch_compile=True` compiles with the `tpu` backend."""
 
 from __future__ import annotations
 
@@ -7,6 +8,48 @@ import functools
 import os
 
 import torch
+
+import hf_tpu
+from hf_tpu import settings as _environment
+
+_environment.register(
+    _environment.Setting("HF_TPU_TRAINER_TRACE", "bool", True, "Transformers Trainer: trace each micro-batch's forward "
+                         "and backward into one program with hf_tpu.jit (off: run them eagerly)"),
+)
+
+
+# --- The Trainer's training step: one traced program a micro-batch
+
+
+def _traces_its_steps(trainer) -> bool:
+    """Whether the Trainer's micro-steps run traced: on one tpu chip (data parallelism over a mesh is Accelerate's
+    `MULTI_TPU`, which runs them as it runs them eagerly), unless the Trainer compiles the model
+    (`torch_compile=True`: Dynamo's graphs, what the user asked for) or `HF_TPU_TRAINER_TRACE` is off."""
+    args = trainer.args
+    return (args.device.type == "tpu" and not args.torch_compile and _environment.get("HF_TPU_TRAINER_TRACE")
+            and trainer.accelerator.distributed_type == "NO")
+
+
+def _wrap_training_step(original):
+    @functools.wraps(original)
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """The Trainer's own `training_step` (forward, loss, `accelerator.backward`), traced by `hf_tpu.jit` into one
+        program: a checkpointed layer is recomputed in it, and the gradients accumulate on the device, added in
+        place, never read on the host. Every trainable parameter has a `.grad` before the call (zeros after
+        `zero_grad()`), so the first micro-batch of each accumulation runs the program the others run: one trace
+        and one compile. A step the trace cannot take (a subclass's `compute_loss` that reads a value on the host)
+        runs as the Trainer runs it, with a log line saying why."""
+        if not _traces_its_steps(self):
+            return original(self, model, inputs, num_items_in_batch)
+        traced = self.__dict__.get("_hf_tpu_training_step")
+        if traced is None:
+            traced = self._hf_tpu_training_step = hf_tpu.jit(functools.partial(original, self))
+        for parameter in model.parameters():
+            if parameter.requires_grad and parameter.grad is None:
+                parameter.grad = torch.zeros_like(parameter)
+        return traced(model, inputs, num_items_in_batch)
+
+    return training_step
 
 
 # --- The Trainer's checkpoints: the tpu random state beside the CUDA one
