@@ -18,7 +18,12 @@ One command prints, from one run, side by side:
   the experts a batch routes to, one expert at a time), with the ratio. Each step of the loop routes other
   counts, for which its ops compile again: each call is stopped by `max_time` (`moe_eager_seconds`); where the
   first call makes all its tokens, the step is timed warm, else the ratio, compiles included, is a bound from
-  below.
+  below;
+- `quant`, `quant_prefill` and `quant_big` (run only when `--only` names them, a chip command each;
+  `benchmarks.quant`): the Llama model's decode in bfloat16, int8 weight-only and int4 side by side against the
+  HBM limit of each one's bytes; its prefill with int8 activations and weights against bfloat16's, and its weight
+  products alone in raw JAX in each form; what XLA fused in each quantized program; a 7B and a 9B model loaded in
+  int8 from a bfloat16 checkpoint onto one chip, their peak memory, loading GB/s and decode.
 
 Each group runs in its own process with its own time limit (`--timeout`, `--budget`): torchax and hf-tpu both
 claim PyTorch's PrivateUse1 backend, one process at a time holds a TPU chip, and a group that runs out of time
@@ -37,6 +42,7 @@ Run: python -m benchmarks.chip                              (the 1.1B and MoE mo
      python -m benchmarks.chip --size small --only ttft         (a 512-wide, 8-layer Llama at 128 and 1024 tokens)
      python -m benchmarks.chip --only forward,torchax --dump-hlo DIR   (XLA's optimized HLO of each side)
      python -m benchmarks.chip --only forward,torchax,decode --profile DIR   (device time per XLA op)
+     python -m benchmarks.chip --only quant   (then --only quant_prefill, --only quant_big: quantized models, torchao)
 """
 
 from __future__ import annotations
@@ -92,6 +98,31 @@ SIZES["1b"]["train"] = dict(models={"0.44b": training.LLAMA_044B, "1.1b": _LLAMA
                                   _train_row("1.1b", "bf16", 2, 1024, True)])
 SIZES["tiny"]["train"] = dict(models={"tiny": training.TINY}, steps=2,
                               rows=[_train_row("tiny", "bf16", 2, 32, True), _train_row("tiny", "mixed", 2, 32, False)])
+# `compile`: a Flux-shaped transformer of about 1B parameters (Flux's blocks at hidden 1536: 6 double-stream and 12
+# single-stream blocks of 12 heads of 128), at a 512x512 image (1024 latent tokens) and a 512-token prompt, then a
+# second resolution (768x768: 2304 tokens); and the Llama's training step with 4 of its layers (0.4B parameters)
+SIZES["1b"].update(flux=dict(num_layers=6, num_single_layers=12, attention_head_dim=128, num_attention_heads=12,
+                             joint_attention_dim=4096, pooled_projection_dim=768, in_channels=64,
+                             axes_dims_rope=[16, 56, 56]),
+                   flux_images=[(512, 512), (768, 768)], flux_text=512, train_layers=4)
+SIZES["tiny"].update(flux=dict(num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+                               joint_attention_dim=32, pooled_projection_dim=16, in_channels=4,
+                               axes_dims_rope=[4, 4, 8]),
+                     flux_images=[(32, 32), (48, 48)], flux_text=16, train_layers=1)
+# the quantization groups (`benchmarks.quant`): a 7B Llama-2-shaped model (6.7B parameters, 13.5 GB in bfloat16)
+# and a Qwen3-8B-shaped one of 40 layers (9.0B parameters, 18 GB in bfloat16: more than a v5e holds)
+_LLAMA_7B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                 intermediate_size=11008, vocab_size=32000, max_position_embeddings=4096)
+_QWEN3_9B = dict(hidden_size=4096, num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                 intermediate_size=12288, vocab_size=151936, max_position_embeddings=4096, tie_word_embeddings=False)
+SIZES["1b"].update(quant_steps=32, quant_prefill=(8, 1024), int4_group=128,
+                   quant_big=[("llama-7b", "llama", _LLAMA_7B), ("qwen3-9b", "qwen3", _QWEN3_9B)],
+                   quant_big_write_seconds=180)
+SIZES["tiny"].update(quant_steps=16, quant_prefill=(2, 16), int4_group=32,
+                     quant_big=[("llama-tiny", "llama", dict(SIZES["tiny"]["model"], num_hidden_layers=2)),
+                                ("qwen3-tiny", "qwen3", dict(SIZES["tiny"]["model"], head_dim=16,
+                                                             tie_word_embeddings=False))],
+                     quant_big_write_seconds=60)
 
 # a Llama small enough for the CPU at the lengths that matter on the chip, where the fixed costs of a call
 # show beside real work (`--only ttft`)
@@ -381,6 +412,14 @@ def _grid(spec: dict) -> list:
 
 def _group_limits(spec: dict, rows: _Rows) -> None:
     """The chip's limits in raw JAX, on the device hf-tpu would use (HF_TPU_PLATFORM honoured)."""
+    device = measure_limits(spec, rows)
+    for batch, length in _grid(spec):
+        if rows.fits(f"products {batch}x{length}", spec["model"], batch, length, score_matrix=False):
+            _weight_products(spec, rows, device, batch, length)
+
+
+def measure_limits(spec: dict, rows: _Rows):
+    """The `limits` row (bf16 matmul throughput, HBM read bandwidth, the published peaks); returns the device."""
     from hf_tpu import platform  # noqa: I001  (first: it configures JAX before a backend starts)
     import jax
     import jax.numpy as jnp
@@ -397,10 +436,7 @@ def _group_limits(spec: dict, rows: _Rows) -> None:
     rows.emit("limits", device=kind, platform=device.platform, matmul_tflops=2 * n ** 3 / seconds / 1e12,
               hbm_gbs=spec["hbm_bytes"] / read / 1e9, peak_tflops=PEAK_BF16.get(kind, 0) / 1e12,
               peak_hbm_gbs=PEAK_HBM.get(kind, 0) / 1e9, memory_gb=platform.memory_info(0)[1] / 1e9)
-    del a, x
-    for batch, length in _grid(spec):
-        if rows.fits(f"products {batch}x{length}", spec["model"], batch, length, score_matrix=False):
-            _weight_products(spec, rows, device, batch, length)
+    return device
 
 
 def _weight_products(spec: dict, rows: _Rows, device, batch: int, length: int) -> None:
@@ -605,6 +641,154 @@ def _group_ttft(spec: dict, rows: _Rows) -> None:
             rows.out_of_memory(row, e)
 
 
+def _first_call_phases(fn) -> tuple[float, dict]:
+    """(seconds of the first call of `fn`, where they went as JAX reports its compiles): `python_trace`, the Python
+    traced by `hf_tpu.jit` (the trace of its `trace_*` functions, which holds every op's); `trace`, the JAX trace
+    of the program compiled (Dynamo's graph run on tracers, or the traced jaxpr; each op's nested trace is in the
+    trace around it, never counted twice); `lowering`; `xla`. Whatever else the call took (Dynamo's capture and
+    AOT autograd, the run itself) is the rest."""
+    from benchmarks.common import jax_compile_phases
+
+    phases = jax_compile_phases()
+    before = {name: dict(p) for name, p in phases.items()}
+    first = _first_call(fn)
+    spent = {"python_trace": 0.0, "trace": 0.0, "lowering": 0.0, "xla": 0.0}
+    traces = []
+    for name, p in list(phases.items()):
+        for phase, seconds in p.items():
+            seconds -= before.get(name, {}).get(phase, 0.0)
+            if seconds <= 0:
+                continue
+            if phase == "trace":
+                traces.append((name, seconds))
+            else:
+                spent[phase.lower()] += seconds
+    for name, seconds in traces:  # the outermost traces: hf_tpu.jit's Python trace and the programs compiled
+        if name.startswith("trace_"):
+            spent["python_trace"] += seconds
+        elif name.startswith(("traced_", "_trace", "loop_", "_loop")):
+            spent["trace"] += seconds
+    if not spent["python_trace"] and not spent["trace"] and traces:  # another library's program (torchax's)
+        spent["trace"] = max(seconds for _, seconds in traces)
+    return first, spent
+
+
+def _compile_row(rows: _Rows, side: str, what: str, fn, warm_iters: int = 3, **figures) -> None:
+    """A first call of `fn` and where its time went (`_first_call_phases`), with a warm call's time: the rest of
+    the first call beyond its compiles and a warm call is the capture (Dynamo and AOT autograd, where they ran)."""
+    import hf_tpu
+
+    traced = lambda: hf_tpu.metrics()["compiles_by_mode"].get("COMPILE", 0)  # noqa: E731
+    before = traced()
+    first, spent = _first_call_phases(fn)
+    programs = traced() - before  # 0: the call ran programs compiled already (a bucket served by another's)
+    warm = _median_seconds(fn, warm_iters)
+    compiles = sum(spent.values())
+    rows.emit("compile", side=side, what=what, first_call=first, warm=warm, programs_traced=programs,
+              capture=max(0.0, first - compiles - warm), **spent, **figures)
+
+
+def _train_step(spec: dict):
+    """A function making one training step of the Llama model with `train_layers` of its layers: the forward and
+    backward of `torch.compile(model)`, then AdamW's step through `torch.compile(opt.step)`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**dict(spec["model"], num_hidden_layers=spec["train_layers"]), attn_implementation="sdpa")
+    model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16).to("tpu").train()
+    compiled = torch.compile(model, backend="tpu")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    update = torch.compile(optimizer.step, backend="tpu")
+    ids = _ids(spec["model"]["vocab_size"], 1, spec["lengths"][0]).to("tpu")
+
+    def step():
+        loss = compiled(input_ids=ids, labels=ids).loss
+        loss.backward()
+        update()
+        optimizer.zero_grad()
+        torch.accelerator.synchronize()
+
+    return step
+
+
+def _flux_transformer(spec: dict, device: str):
+    """The Flux-shaped transformer (`spec["flux"]`) in bfloat16 on `device`, and a function of (height, width) giving
+    the inputs a FluxPipeline hands it at that image size: packed latents, the prompt's T5 states and CLIP's pooled
+    one, the timestep and guidance, and the rotary ids of the text and image tokens."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    config = spec["flux"]
+    transformer = FluxTransformer2DModel(patch_size=1, guidance_embeds=True, **config).to(torch.bfloat16).to(device)
+
+    def inputs(height: int, width: int) -> dict:
+        g = torch.Generator().manual_seed(height * 7 + width)
+        tokens = (height // 16) * (width // 16)  # 8x the VAE's downsampling, then 2x2 packing
+        rows, columns = torch.meshgrid(torch.arange(height // 16), torch.arange(width // 16), indexing="ij")
+        image_ids = torch.stack([torch.zeros_like(rows), rows, columns], -1).reshape(tokens, 3).float()
+        tensors = dict(
+            hidden_states=torch.randn(1, tokens, config["in_channels"], generator=g),
+            encoder_hidden_states=torch.randn(1, spec["flux_text"], config["joint_attention_dim"], generator=g),
+            pooled_projections=torch.randn(1, config["pooled_projection_dim"], generator=g),
+            timestep=torch.tensor([0.5]),
+        )
+        tensors = {k: v.to(torch.bfloat16).to(device) for k, v in tensors.items()}  # as the pipeline's latents'
+        tensors["guidance"] = torch.tensor([3.5]).to(device)  # float32, as the pipeline makes it
+        return dict(tensors, img_ids=image_ids.to(device), txt_ids=torch.zeros(spec["flux_text"], 3).to(device),
+                    return_dict=False)
+
+    return transformer, inputs
+
+
+def _group_compile(spec: dict, rows: _Rows) -> None:
+    """First calls and where their time went (`_compile_row`): the Llama's compiled forward at each shape of the grid
+    (each batch at its lengths longest first: a shorter prompt after a longer one is the second shape the design
+    serves), a training step, and a Flux-shaped transformer compiled as a Diffusers user does
+    (`torch.compile(pipe.transformer, backend="tpu")`) at two image sizes. The parent runs it in a fresh disk cache
+    (`compile`), again in a second process with that cache warm (`compile_again`), and with Dynamo for every call
+    (`compile_dynamo`, HF_TPU_COMPILE_DIRECT=0)."""
+    import torch
+
+    import hf_tpu  # noqa: F401
+
+    side = "hf-tpu" + ("" if settings_direct() else " (Dynamo)")
+    model = _llama(spec).to("tpu")
+    compiled = torch.compile(model, backend="tpu")
+    for batch in spec["batches"]:
+        for length in sorted(spec["lengths"], reverse=True):
+            if not rows.fits(f"compile {batch}x{length}", spec["model"], batch, length,
+                             score_matrix=not _flash_attention()):
+                continue
+            forward = _compiled_forward(compiled, _ids(spec["model"]["vocab_size"], batch, length).to("tpu"))
+            _compile_row(rows, side, "forward", forward, batch=batch, length=length)
+    del model, compiled, forward
+    if settings_direct():  # a training step takes Dynamo either way: `compile_dynamo` leaves it to `compile`
+        try:
+            _compile_row(rows, side, "training step", _train_step(spec), batch=1, length=spec["lengths"][0])
+        except torch.OutOfMemoryError as e:
+            rows.out_of_memory("compile training step", e)
+    transformer, inputs = _flux_transformer(spec, "tpu")
+    compiled = torch.compile(transformer, backend="tpu")
+    for height, width in spec["flux_images"]:
+        arguments = inputs(height, width)
+
+        def denoise():
+            with torch.no_grad():
+                out = compiled(**arguments)[0]
+            torch.accelerator.synchronize()
+            return out
+
+        _compile_row(rows, side, "flux transformer", denoise, height=height, width=width)
+
+
+def settings_direct() -> bool:
+    from hf_tpu import settings
+
+    return settings.get("HF_TPU_COMPILE_DIRECT")
+
+
 def _group_torchax(spec: dict, rows: _Rows) -> None:
     try:
         import torchax
@@ -641,9 +825,12 @@ def _group_torchax(spec: dict, rows: _Rows) -> None:
                 jax.block_until_ready(logits.jax())
 
             try:
-                first, xla = _first_call_and_compile(forward)
-                rows.emit("forward", side="torchax", batch=batch, length=length,
-                          seconds=_median_seconds(forward, spec["iters"]), first_call=first, xla_compile=xla)
+                first, spent = _first_call_phases(forward)
+                seconds = _median_seconds(forward, spec["iters"])
+                rows.emit("forward", side="torchax", batch=batch, length=length, seconds=seconds, first_call=first,
+                          xla_compile=spent["xla"])
+                rows.emit("compile", side="torchax", what="forward", batch=batch, length=length, first_call=first,
+                          warm=seconds, capture=max(0.0, first - sum(spent.values()) - seconds), **spent)
                 _profile(rows, forward, side="torchax", batch=batch, length=length)
             except Exception as e:  # noqa: BLE001  (torchax raises JAX's own error for memory)
                 if "RESOURCE_EXHAUSTED" not in str(e):
@@ -719,6 +906,24 @@ def _capped_step_seconds(model, ids, steps: int, seconds: float) -> tuple[float 
     return (step if step > 0 else None), first, None
 
 
+def _group_quant(spec: dict, rows: _Rows) -> None:
+    from benchmarks import quant
+
+    quant.group_quant(spec, rows)
+
+
+def _group_quant_prefill(spec: dict, rows: _Rows) -> None:
+    from benchmarks import quant
+
+    quant.group_quant_prefill(spec, rows)
+
+
+def _group_quant_big(spec: dict, rows: _Rows) -> None:
+    from benchmarks import quant
+
+    quant.group_quant_big(spec, rows)
+
+
 GROUPS = {  # name: (the worker, its default time limit in seconds)
     "limits": (_group_limits, 240),
     "forward": (_group_forward, 420),
@@ -732,10 +937,19 @@ GROUPS = {  # name: (the worker, its default time limit in seconds)
     "train_compile": (None, 540),
     "train_eager": (None, 540),
     "train_torchax": (None, 420),
+    "quant": (_group_quant, 570),
+    "quant_prefill": (_group_quant_prefill, 570),
+    "quant_big": (_group_quant_big, 570),
+    "compile": (_group_compile, 420),
+    "compile_again": (_group_compile, 300),
+    "compile_dynamo": (_group_compile, 540),
 }
+# the compile groups run in one fresh disk cache of the parent's (`compile_again` finds what `compile` left in it),
+# and the environment each sets
+_COMPILE_GROUPS = {"compile": {}, "compile_again": {}, "compile_dynamo": {"HF_TPU_COMPILE_DIRECT": "0"}}
 TRAIN_GROUPS = ("train", "train_compile", "train_eager", "train_torchax")
-# a run without --only: every group but the training ones, which run when named (minutes each on the chip)
-DEFAULT_GROUPS = [name for name in GROUPS if name not in TRAIN_GROUPS]
+# groups a run takes only when `--only` names them: each is most of a chip command's device time on its own
+NAMED_ONLY = ("quant", "quant_prefill", "quant_big", *_COMPILE_GROUPS, *TRAIN_GROUPS)
 
 
 # --- The parent: starts each group's process, relays its figures
@@ -761,6 +975,8 @@ def _worker_command(group: str, args) -> list:
 def _run_group(group: str, args, timeout: float, on_row) -> None:
     """Runs one group's process, handing each figure to `on_row` as it arrives; stops it after `timeout`."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if group in _COMPILE_GROUPS:
+        env.update(_COMPILE_GROUPS[group], HF_TPU_CACHE_DIR=_compile_cache(args))
     if args.profile:
         env["HF_TPU_BENCH_PROFILE"] = args.profile
     if args.dump_hlo:
@@ -797,6 +1013,26 @@ def _run_group(group: str, args, timeout: float, on_row) -> None:
         on_row({"section": "skipped", "group": group, "row": group,
                 "reason": f"its process exited with {proc.returncode} (its error is above)"})
     print(f"[{group}] done in {time.monotonic() - start:.0f} s", flush=True)
+
+
+def _compile_cache(args) -> str:
+    """The disk cache the compile groups share, fresh for this run (a cache left by an earlier run would make a first
+    call a load)."""
+    if getattr(args, "compile_cache", None) is None:
+        import tempfile
+
+        args.compile_cache = tempfile.mkdtemp(prefix="hf_tpu_compile_cache_")
+    return args.compile_cache
+
+
+def _compile_line(row: dict) -> str:
+    shape = (f"{row['batch']}x{row['length']}" if "batch" in row else f"{row['height']}x{row['width']}")
+    parts = ", ".join(f"{name} {row[key]:.2f} s" for name, key in (
+        ("capture", "capture"), ("Python trace", "python_trace"), ("trace", "trace"), ("lowering", "lowering"),
+        ("XLA", "xla")) if row.get(key))
+    traced = f", {row['programs_traced']} programs traced" if "programs_traced" in row else ""
+    return (f"{row['side']} {row['what']} {shape}: first call {row['first_call']:.2f} s ({parts}{traced}); "
+            f"warm {row['warm'] * 1e3:.1f} ms")
 
 
 def describe(row: dict, spec: dict, limits: dict | None = None) -> str:
@@ -846,6 +1082,12 @@ def describe(row: dict, spec: dict, limits: dict | None = None) -> str:
                 f"\n  the longest ops:{ops}")
     if section == "train":
         return training.describe(row, spec, peak)
+    if section == "compile":
+        return f"[{row['group']}] {_compile_line(row)}"
+    if section.startswith("quant"):
+        from benchmarks import quant
+
+        return quant.describe(row, hbm) or json.dumps(row)
     if section == "ttft":
         return (f"[ttft] prompt {row['length']}: generate(1 token) {row['seconds'] * 1e3:.1f} ms, compiled forward "
                 f"{row['forward_seconds'] * 1e3:.1f} ms ({row['seconds'] / row['forward_seconds']:.2f}x)")
@@ -968,6 +1210,21 @@ def report(results: list, spec: dict) -> str:
     trained = training.report(results, spec, peak)
     if trained:
         out.append(trained)
+    compiles = by("compile")
+    if compiles:
+        out.append("first calls, where the time goes (s): capture is Dynamo and AOT autograd; Python trace, "
+                   "hf_tpu.jit's trace of the module's Python; trace, JAX's trace of the program compiled")
+        out.append(_table(["group", "side", "what", "shape", "first call", "capture", "Python trace", "trace",
+                           "lowering", "XLA", "warm ms"],
+                          [[r["group"], r["side"], r["what"],
+                            f"{r['batch']}x{r['length']}" if "batch" in r else f"{r['height']}x{r['width']}",
+                            f"{r['first_call']:.2f}", f"{r['capture']:.2f}", f"{r['python_trace']:.2f}",
+                            f"{r['trace']:.2f}", f"{r['lowering']:.2f}", f"{r['xla']:.2f}", f"{r['warm'] * 1e3:.1f}"]
+                           for r in compiles]) + "\n")
+    if any(r["section"].startswith("quant") for r in results):
+        from benchmarks import quant
+
+        out += quant.report(results, spec, hbm)
     skipped = by("skipped")
     if skipped:
         out.append("skipped:\n" + "\n".join(f"  [{r['group']}] {r['row']}: {r['reason']}" for r in skipped) + "\n")
@@ -1049,8 +1306,8 @@ def _spec(args) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="1b")
-    parser.add_argument("--only", default=",".join(DEFAULT_GROUPS),
-                        help=f"groups, in order: {', '.join(GROUPS)} (default: all but the training groups)")
+    parser.add_argument("--only", default=",".join(g for g in GROUPS if g not in NAMED_ONLY),
+                        help=f"groups, in order: {', '.join(GROUPS)} (by default all but {', '.join(NAMED_ONLY)})")
     parser.add_argument("--batches", help="batch sizes of the grid (e.g. 1,8)")
     parser.add_argument("--lengths", help="prompt lengths of the grid (e.g. 128,1024)")
     parser.add_argument("--timeout", type=float, help="seconds each group may take (default: its own, "

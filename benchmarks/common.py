@@ -10,19 +10,21 @@ import time
 import torch
 
 
-def timeit(fn, warmup: int = 3, iters: int = 20) -> float:
-    """Median seconds per call of `fn` after warm-up (fn must sync what it measures)."""
+def timeit(fn, warmup: int = 3, iters: int = 20, clock=time.perf_counter) -> float:
+    """Median seconds per call of `fn` after warm-up (fn must sync what it measures). `clock`: wall time by default;
+    `time.process_time` counts the CPU time of the process's threads, which other processes sharing the machine
+    change less."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times)
 
 
-def timeit_alternating(fns, warmup: int = 1, iters: int = 20, per_turn: int = 3) -> list:
+def timeit_alternating(fns, warmup: int = 1, iters: int = 20, per_turn: int = 3, clock=time.perf_counter) -> list:
     """Median seconds per call of each function (each must sync what it measures), the functions taking
     turns of `per_turn` timed calls. This machine's speed drifts over seconds; taking turns gives every
     function the same drift, so the ratios hold where separately timed medians can be 1.5x apart. Each
@@ -36,9 +38,9 @@ def timeit_alternating(fns, warmup: int = 1, iters: int = 20, per_turn: int = 3)
         for fn, samples in zip(fns, times):
             fn()
             for _ in range(min(per_turn, iters - len(samples))):
-                start = time.perf_counter()
+                start = clock()
                 fn()
-                samples.append(time.perf_counter() - start)
+                samples.append(clock() - start)
     return [statistics.median(samples) for samples in times]
 
 

@@ -64,16 +64,24 @@ def forward(model, inputs):
 
 
 def cache_bytes_per_chip(model, ids, chips: int) -> tuple:
-    """(the whole static cache, the most any chip frees when `generate()`'s result and cache are dropped)."""
+    """(the whole static cache `generate()` decodes with, the most any chip frees when that cache is dropped). The
+    cache is noted as it is made: a result holds Transformers' own cache, not the adapter's static one."""
     import gc
 
     import torch
+    from transformers import StaticCache
 
-    out = model.generate(ids.to("tpu"), max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
-    whole = sum(layer.keys.nbytes + layer.values.nbytes for layer in out.cache.layers)
+    made, init = [], StaticCache.__init__
+    StaticCache.__init__ = lambda self, *a, **k: made.append(self) or init(self, *a, **k)
+    try:  # a result that holds the cache: its static cache is not kept for a next call (`static_cache_kept`)
+        model.generate(ids.to("tpu"), max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
+    finally:
+        StaticCache.__init__ = init
+    layers = made.pop().layers
+    whole = sum(layer.keys.nbytes + layer.values.nbytes for layer in layers)
     gc.collect()
     holding = [torch.tpu.memory_allocated(i) for i in range(chips)]
-    del out
+    del layers
     gc.collect()
     return whole, max(then - torch.tpu.memory_allocated(i) for i, then in enumerate(holding))
 

@@ -1,10 +1,8 @@
 """hf-tpu: a native `tpu` device for PyTorch, backed by JAX/XLA.
 
 `import hf_tpu` is all a user does: PyTorch's PrivateUse1 backend becomes `tpu`, `torch.tpu` appears,
-and every ATen op on a `tpu` tensor is routed to `hf_tpu.dispatch`. The layers, bottom up: `platform`,
-`dtypes`, `counters`, `dynamo_frames`; `memory/`; `device/current` and `device/rng`; `modes/`; `dispatch/`; `ops/`;
-`device/` (`torch.tpu`, and `device/backend`, which registers it all); `compile`, `loops`,
-`distributed/`.
+and every ATen op on a `tpu` tensor is routed to `hf_tpu.dispatch`. The layers, bottom up, and where new
+work goes: docs/design/architecture.md.
 """
 
 from __future__ import annotations

@@ -20,9 +20,10 @@ import jax.numpy as jnp
 import torch
 
 from . import compile_log, constant_masks, counters, loops, modes, platform
-from .device import current, rng
+from .device_state import current, rng
 from .dispatch import _entry
 from .memory import buffer, donation
+from .modes import device_errors
 
 log = logging.getLogger("hf_tpu.compile")
 _counters = counters.counters
@@ -38,6 +39,7 @@ class _Tracing:
         self.rng_base = rng_base
         self.draws = 0  # random ops traced so far: the i-th takes the i-th offset from rng_base
         self.checks = []  # (tensor, raise_if_bad) of each `modes.check_on_device` in the graph
+        self.index_record = None  # the trace's record of out-of-range indices, once an op checks one (`device_errors`)
         self.replayed = None  # (saved key data, draws since) while `run_with_rng_state` replays an op
         self.latest = None  # the results of the op traced last (`hf_tpu.remat` orders a recomputation after it)
 
@@ -123,27 +125,28 @@ def loop_chunk(step, overwritten_arrays, other_arrays, rng_base, slots, carried,
     """One chunk of a device loop (`hf_tpu.while_loop`): at most `steps` iterations from iteration `count` on.
 
     `step(overwritten, others, key)` is one traced iteration: it returns ([the overwritten inputs' new
-    values, the new carried values, whether to go on], the values it checks); `slots` says where each
-    carried value sits among `others` (None: the step does not read it)."""
+    values, the new carried values, whether to go on], the values it checks, how it checks them: (dtype,
+    raise_if_bad) each); `slots` says where each carried value sits among `others` (None: the step does
+    not read it). `carried` ends with the loop's record of out-of-range indices, which the step does not
+    read: each iteration folds its own into it (`device_errors.fold_loop_step`)."""
     limit = count + steps
 
     def go_on(state):
         return jnp.reshape(state[2], ()).astype(bool) & (state[3] < limit)
 
     def iteration(state):
-        overwritten, carried, _, count = state
+        overwritten, (*carried, record), _, count = state
         others = list(other_arrays)
         for slot, array in zip(slots, carried):
             if slot is not None:
                 others[slot] = array
         # each iteration draws its random numbers from its own keys
-        results, checked = step(list(overwritten), others, rng_base.at[3].add(count))
-        if checked:
-            raise TypeError("a while_loop step cannot check device values (a linalg error, an assert)")
+        results, checked, checks = step(list(overwritten), others, rng_base.at[3].add(count))
+        record = device_errors.fold_loop_step(record, checked, checks)
         k, n = len(overwritten), len(carried)
         if len(results) != k + n + 1 or any(r is None for r in results):
             raise TypeError("a while_loop step must return as many tensors as it carries")
-        return results[:k], results[k:k + n], results[k + n], count + jnp.uint32(1)
+        return results[:k], [*results[k:k + n], record], results[k + n], count + jnp.uint32(1)
 
     state = (list(overwritten_arrays), list(carried), keep_going, count)
     return jax.lax.while_loop(go_on, iteration, state)
@@ -183,6 +186,7 @@ class _CompiledGraph:
         # per (input shapes, non-tensor inputs): each output's (dtype, device) or value, each check's
         # (dtype, raise_if_bad), and how many random ops the graph has (the offsets a call takes)
         self.out_meta = {}
+        self.traced_checks = []  # each check's (dtype, raise_if_bad) of the latest trace: a loop step's (`_loop`)
 
     def _trace(self, overwritten_arrays, other_arrays, values, rng_base):
         count_trace()
@@ -207,10 +211,11 @@ class _CompiledGraph:
         # constant, as AOT autograd's effect token (an empty tensor ordering `_assert_async` and the
         # linalg checks) is
         constant = [isinstance(o, torch.Tensor) and o.is_cpu for o in outputs]
+        self.traced_checks = [(value.dtype, raise_if_bad) for value, raise_if_bad in tracer.checks]
         self.out_meta[_meta_key(arrays, values)] = (
             [(o.dtype, None if k in self.host_outputs else o.device.index)
              if isinstance(o, torch.Tensor) and not constant[k] else o for k, o in enumerate(outputs)],
-            [(value.dtype, raise_if_bad) for value, raise_if_bad in tracer.checks],
+            self.traced_checks,
             tracer.draws,
         )
         # the values the graph checks (a linalg `info`, an assert's condition) are outputs too, checked
@@ -341,7 +346,7 @@ class _CompiledGraph:
         modes.current().sync("a compiled loop runs")
         arrays, values, device_index = self._read_inputs(args)
         overwritten, others = donation.split(arrays, self.overwritten)
-        carried = [buffer.array_of(t) for t in request.carried]
+        carried = [*(buffer.array_of(t) for t in request.carried), device_errors.no_errors(device_index)]
         keep_going = buffer.array_of(request.keep_going)
         if buffer.sharded_arrays_exist:  # a sharded model's loop carries single-chip tokens
             *carried, keep_going = buffer.place_together([*arrays, *carried, keep_going])[len(arrays):]
@@ -364,8 +369,11 @@ class _CompiledGraph:
         except (*UNTRACEABLE, ValueError) as e:
             compile_log.end()
             raise loops.NotLoopable(f"{type(e).__name__}: {e}") from e
-        overwritten, carried, keep_going, _ = state
-        metas, _, _ = self._meta(arrays, values)
+        overwritten, (*carried, record), keep_going, _ = state
+        metas, checks, _ = self._meta(arrays, values)
+        sites = device_errors.loop_sites(checks)
+        if sites is not None:
+            modes.merge_index_record(record, device_index, sites)
         return self._outputs(metas, [*overwritten, *carried, keep_going])
 
     def _keep_interrupted_state(self, args, overwritten_arrays) -> None:
@@ -379,7 +387,7 @@ class _CompiledGraph:
     def _loop(self, overwritten_arrays, other_arrays, values, rng_base, slots, carried, keep_going, count, steps):
         """One chunk of the loop, with this graph as its step."""
         def step(overwritten, others, key):
-            return self._trace(overwritten, others, values, key)
+            return (*self._trace(overwritten, others, values, key), self.traced_checks)
 
         return loop_chunk(step, overwritten_arrays, other_arrays, rng_base, slots, carried, keep_going, count, steps)
 
@@ -550,7 +558,7 @@ def _capturable_on_tpu() -> None:
     from torch._dynamo.variables.optimizer import OptimizerVariable
 
     original = OptimizerVariable._set_capturable
-    if getattr(original, "_hf_tpu", False):
+    if getattr(original, "_hf_tpu_original", None) is not None:
         return
 
     def _set_capturable(self, tx):
@@ -561,7 +569,7 @@ def _capturable_on_tpu() -> None:
                 group["capturable"] = True
         return original(self, tx)
 
-    _set_capturable._hf_tpu = True
+    _set_capturable._hf_tpu_original = original
     OptimizerVariable._set_capturable = _set_capturable
 
 
@@ -573,7 +581,7 @@ def _tpu_generators_as_cpu_ones() -> None:
     from torch._dynamo.variables.builder import VariableBuilder
 
     original = VariableBuilder._wrap
-    if getattr(original, "_hf_tpu", False):
+    if getattr(original, "_hf_tpu_original", None) is not None:
         return
 
     def _wrap(self, value):
@@ -581,7 +589,7 @@ def _tpu_generators_as_cpu_ones() -> None:
             return self.wrap_user_defined(value)
         return original(self, value)
 
-    _wrap._hf_tpu = True
+    _wrap._hf_tpu_original = original
     VariableBuilder._wrap = _wrap
 
 
@@ -599,7 +607,7 @@ def _rng_state_ops_on_tpu() -> None:
     for hop, tpu_kernel, tensors_from in ((rng_prims.run_and_save_rng_state, _run_and_save_rng_state, 1),
                                           (rng_prims.run_with_rng_state, _run_with_rng_state, 2)):
         original = hop.py_kernels[DispatchKey.BackendSelect]
-        if getattr(original, "_hf_tpu", False):
+        if getattr(original, "_hf_tpu_original", None) is not None:
             continue
 
         def backend_select(*args, _original=original, _tpu_kernel=tpu_kernel, _start=tensors_from,
@@ -608,7 +616,7 @@ def _rng_state_ops_on_tpu() -> None:
                 return _tpu_kernel(*args, **kwargs)
             return _original(*args, **kwargs)
 
-        backend_select._hf_tpu = True
+        backend_select._hf_tpu_original = original
         hop.py_kernels[DispatchKey.BackendSelect] = backend_select
         hop._dispatch_cache.clear()
 

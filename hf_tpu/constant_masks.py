@@ -9,6 +9,12 @@ kernel variants per layer and reads the mask from memory on every call, where th
 from block positions. Evaluating such a mask once, when the graph compiles, tells which pattern it is: every
 key visible (the mask is dropped), causal (`is_causal`), or causal within a sliding window (for hf_tpu's own
 op, which takes a window). Anything else is left as it is, so the rewrite never changes a result.
+
+A function traced straight from Python (`hf_tpu.jit`, and `torch.compile` of a module through it) has no graph
+to rewrite: there `KnownValues`, a torch function mode active during the trace, keeps the CPU value of every
+tensor computed from constants alone (factories such as `arange`, and ops on such tensors), computed with
+PyTorch on the host beside the traced op, and hands an attention call whose mask has a known value the pattern
+instead. The program still computes the mask, which nothing then reads and XLA drops.
 """
 
 from __future__ import annotations
@@ -113,7 +119,11 @@ def _pattern(gm: torch.fx.GraphModule, mask: torch.fx.Node, length: int | None) 
     """(is_causal, sliding window or 0) of a constant mask over as many keys as queries (`length` of each, or
     None: read off the mask, whose lengths other than 1 are the attention's), or None where it is not
     constant or not one of these patterns."""
-    value = _evaluate(gm, mask)
+    return _pattern_of(_evaluate(gm, mask), length)
+
+
+def _pattern_of(value: torch.Tensor | None, length: int | None) -> tuple | None:
+    """`_pattern` of a mask's value (None: not known)."""
     if value is None or value.dim() < 2 or value.dim() > 4:
         return None
     if length is None:
@@ -202,9 +212,12 @@ def _constant_op(node: torch.fx.Node) -> bool:
 
 
 def _cpu_device(value):
-    """A `tpu` device or tensor as its CPU counterpart (the evaluation's factory calls name the graph's device)."""
+    """A `tpu` device (or its name) or tensor as its CPU counterpart (the evaluation's factory calls name the
+    graph's device)."""
     if isinstance(value, torch.device) and value.type != "cpu":
         return torch.device("cpu")
+    if isinstance(value, str) and value.split(":")[0] == "tpu":
+        return "cpu"
     if isinstance(value, torch.Tensor) and value.device.type != "cpu":
         return value.cpu()
     return value
@@ -223,3 +236,137 @@ def _bytes(value) -> int:
     if isinstance(value, (list, tuple)):
         return sum(_bytes(v) for v in value)
     return 0
+
+
+# --- In a direct trace: values computed from constants alone, known on the host
+
+
+# factories whose value depends on their arguments alone (random and uninitialized ones are not)
+_FACTORIES = frozenset(("arange", "ones", "zeros", "full", "tensor", "as_tensor", "eye", "linspace", "ones_like",
+                        "zeros_like", "full_like"))
+# parts of the names of functions whose result is not a function of their arguments' values
+_NOT_CONSTANT = ("rand", "empty", "normal", "dropout", "bernoulli", "multinomial", "uniform", "exponential",
+                 "cauchy", "geometric", "poisson", "seed")
+# the most bytes of a value kept on the host (a mask of 8 x 4096 x 4096 booleans takes 128 MiB)
+MOST_KNOWN_BYTES = 256 << 20
+
+
+class KnownValues(torch.overrides.TorchFunctionMode):
+    """While a function is traced: the CPU value of each `tpu` tensor computed from constants alone, and attention
+    calls whose mask has such a value run on its pattern (see the module's docstring).
+
+    A value is kept with the tensor's version counter, which every in-place write to it or to a view of it moves:
+    a value whose tensor was written since is not known, and nothing is known of an inference tensor (made under
+    `torch.inference_mode()`), which keeps no version. Ops on known values are computed again on the host with
+    the same function and the CPU tensors in place of the `tpu` ones; an op that fails there, or that makes a value
+    over `MOST_KNOWN_BYTES`, leaves its result unknown. What is known decides nothing but the attention's pattern."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        self.values = WeakIdKeyDictionary()  # tpu tensor -> (its CPU value, its version then)
+        self.attention = _attention_functions()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        takes_window = self.attention.get(func)
+        if takes_window is not None:
+            rewritten = self._attention_on_pattern(func, takes_window, args, kwargs)
+            if rewritten is not None:
+                func, args, kwargs = rewritten
+        result = func(*args, **kwargs)
+        self._note(func, args, kwargs, result)
+        return result
+
+    def known(self, tensor) -> torch.Tensor | None:
+        """The CPU value of a tensor (a CPU tensor's own), if known and not written since."""
+        if not isinstance(tensor, torch.Tensor):
+            return None
+        if tensor.device.type == "cpu":
+            return tensor
+        entry = self.values.get(tensor)
+        return entry[0] if entry is not None and entry[1] == tensor._version else None  # noted: not an inference one
+
+    def _note(self, func, args, kwargs, result) -> None:
+        """Keeps the CPU value of `func`'s result where each of its tensor arguments has one. Most ops of a trace read
+        a traced tensor: the first unknown argument ends the work, before any tree is walked."""
+        leaves = [result] if isinstance(result, torch.Tensor) else _tensors(result)
+        if not leaves or any(r.device.type != "tpu" for r in leaves):
+            return
+        simple = all(isinstance(a, torch.Tensor) or type(a) in _SCALARS for a in (*args, *kwargs.values()))
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)] if simple \
+            else _tensors((args, kwargs))
+        host = {}
+        for t in tensors:
+            value = self.known(t)
+            if value is None:
+                return
+            host[id(t)] = value
+        name = getattr(func, "__name__", "")
+        if (not tensors and name not in _FACTORIES) or "out" in kwargs or any(part in name for part in _NOT_CONSTANT):
+            return
+        if sum(r.numel() * r.element_size() for r in leaves) > MOST_KNOWN_BYTES:
+            return
+        on_host = lambda a: host[id(a)] if isinstance(a, torch.Tensor) else _cpu_device(a)  # noqa: E731
+        try:
+            with torch.no_grad():
+                value = func(*torch.utils._pytree.tree_map(on_host, args),
+                             **torch.utils._pytree.tree_map(on_host, kwargs))
+        except Exception:  # noqa: BLE001 - whatever the host's op refuses, its result is not known
+            return
+        values = [value] if isinstance(value, torch.Tensor) else _tensors(value)
+        if len(values) == len(leaves) and all(v.device.type == "cpu" for v in values):
+            for tensor, known in zip(leaves, values):
+                # an inference tensor (made under `torch.inference_mode()`) keeps no version: a write would not show
+                if known.shape == tensor.shape and known.dtype == tensor.dtype and not tensor.is_inference():
+                    self.values[tensor] = (known, tensor._version)
+
+    def _attention_on_pattern(self, func, takes_window: bool, args: tuple, kwargs: dict):
+        """(function, args, kwargs) of an attention call with a known constant mask, as the pattern it spells; None
+        where the mask is not known, or not a pattern the call can take. SDPA on a sliding window is hf_tpu's op,
+        which takes one (as SDPA on tpu computes grouped heads: `hf_tpu.ops.attention`)."""
+        names = ("query", "key", "value", "attn_mask")
+        arguments = dict(zip(names, args), **kwargs)
+        if len(args) > len(names) or set(arguments) - set(_ATTENTION_OPTIONS[takes_window]) - set(names):
+            return None
+        mask = self.known(arguments.get("attn_mask"))
+        query, key = arguments["query"], arguments["key"]
+        if mask is None or arguments.get("is_causal") or arguments.get("sliding_window") or \
+                query.shape[-2] != key.shape[-2]:
+            return None
+        pattern = _pattern_of(mask, query.shape[-2])
+        if pattern is None:
+            return None
+        arguments.update(attn_mask=None, is_causal=pattern[0])
+        if not pattern[1]:
+            return func, (), arguments
+        if takes_window:
+            return func, (), dict(arguments, sliding_window=pattern[1])
+        from .ops.attention import _grouped_attention_applies
+
+        if not _grouped_attention_applies(query, key, arguments["value"], None, arguments.get("dropout_p", 0.0), True):
+            return None
+        return (torch.ops.hf_tpu.flash_attention, (query, key, arguments["value"]),
+                dict(attn_mask=None, scale=arguments.get("scale"), is_causal=True, sliding_window=pattern[1]))
+
+
+_SCALARS = frozenset((int, float, bool, type(None), torch.dtype, torch.device, str, torch.Size, torch.memory_format))
+
+
+def _tensors(tree) -> list:
+    return [leaf for leaf in torch.utils._pytree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
+
+
+# the keyword arguments each attention function takes besides query, key, value and mask, by whether it takes a
+# sliding window (hf_tpu's op) or not (SDPA)
+_ATTENTION_OPTIONS = {False: ("dropout_p", "is_causal", "scale", "enable_gqa"),
+                      True: ("scale", "is_causal", "sliding_window", "softcap")}
+
+
+def _attention_functions() -> dict:
+    """Each attention function a traced call may make whose mask may be recognised -> whether it takes a window."""
+    import hf_tpu.ops.attention  # noqa: F401  (defines hf_tpu::flash_attention)
+
+    return {torch.nn.functional.scaled_dot_product_attention: False, torch.ops.hf_tpu.flash_attention: True,
+            torch.ops.hf_tpu.flash_attention.default: True}

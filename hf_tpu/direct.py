@@ -32,35 +32,44 @@ made `capturable` and its learning rates tpu tensors (`_traceable_optimizer`), s
 an input's new value. The state an optimizer makes at its first step (entries added to a dict of the
 state) is an output the call adds; the next call, whose state then holds it, traces its own program.
 
+What the function returns is rebuilt at each call: new tensors from the program's outputs, an input tensor or
+state object as itself, plain values as they were in the trace, and an object the trace made to hold new tensors
+(a model's new `DynamicCache`) as a new object of its type with its attributes rebuilt, as Dynamo rebuilds the
+objects a graph makes.
+
 A call that cannot be traced runs the `fallback` instead (by default the function itself, eagerly), with a
 log line saying why, and every later call with the same key does too: a host read (`.item()`, `bool(t)`),
 an op without a lowering, a tensor outside the inputs written in place, a tensor made in the trace kept
-outside it, an output that is neither a new tensor (one that does not require gradients: its backward
-would need the trace), an input tensor itself, a state object nor a plain value, or a change to Python
-state other than entries added to a dict (an attribute of a state object, a module or an argument's list
-or dict replaced or removed: the trace would not replay it).
-Inside the trace `torch.compiler.is_compiling()` is True (as under non-strict `torch.export`), so code
-written for compilation takes its traceable branches.
+outside it, an output that is none of the above (a tensor that requires gradients: its backward would need the
+trace; a view of an input, an object that holds no new tensor, one with slots or a `__new__` of its own; a
+tensor subclass made in the trace is returned over new tensors), or a change to Python state other than entries
+added to a dict (an attribute of a state object, a module or an argument's list or dict set, replaced or removed:
+the trace would not replay it) made by a second trace too: a first trace that changes only values holding no
+tensor (a setting made at a first call) keeps its change and is made again (see `call`). Inside the trace
+`torch.compiler.is_compiling()` is True (as under non-strict `torch.export`), so code written for compilation
+takes its traceable branches, and a tensor computed from constants alone has its value known on the host, where
+an attention call reads its mask's pattern (`constant_masks.KnownValues`).
 
-Programs are cached per function code and key: the argument tensors' shapes, dtypes, devices and views,
-the values of non-tensor arguments and closure contents (hashable ones: a number, a string, a tuple; an
-object with identity hashing is keyed by identity; an unhashable one makes the call fall back), the state
-tensors' shapes, dtypes, views and whether they require gradients (and have a `.grad`), each module's
-type and `training` flag, a non-module state object's type and its attributes of plain value types
-(numbers, strings, devices, dtypes), the default dtype and autocast's state. Finding those takes a walk
-over every submodule, parameter and buffer; each state object's walk is kept and replayed by later calls
-while everything it read is unchanged (`_KeptWalk`; not one that met a `.grad`, which it would keep
-alive). NOT guarded, as with `jax.jit`: globals the function reads other than modules and optimizers,
-attributes of modules other than `training` and their tensors (a `config` object's fields, a module's
-Python-number attributes, the checkpoint function `gradient_checkpointing_enable()` sets), the objects
-such attributes hold, and the content of a tensor that is not an input (a `tpu` tensor reached only
-through a global or an unlisted object is read as a constant of the program). Change such a thing and the
-next call runs the program traced before it.
+Programs are cached per function code and key: the argument tensors' shapes, dtypes, devices and views, the
+values of non-tensor arguments and closure contents (hashable ones: a number, a string, a tuple; an object
+with identity hashing is keyed by identity, an unhashable dataclass by its fields; another unhashable one
+makes the call fall back), the state tensors' shapes, dtypes, views and whether they require gradients (and
+have a `.grad`), each module's type and `training` flag, a non-module state object's type and its attributes
+of plain value types (numbers, strings, devices, dtypes), the default dtype, autocast's state and the float32
+matmul precision (which the lowerings read). Finding those takes a walk over every submodule, parameter and
+buffer; each state object's walk is kept and replayed by later calls while everything it read is unchanged
+(`_KeptWalk`; not one that met a `.grad`, which it would keep alive). NOT guarded, as with `jax.jit`: globals
+the function reads other than modules and optimizers, attributes of modules other than `training` and their
+tensors (a `config` object's fields, a module's Python-number attributes, the checkpoint function
+`gradient_checkpointing_enable()` sets), the objects such attributes hold, and the content of a tensor that is
+not an input (a `tpu` tensor reached only through a global or an unlisted object is read as a constant of the
+program). Change such a thing and the next call runs the program traced before it.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import enum
 import functools
 import gc
@@ -76,17 +85,20 @@ import jax
 import torch
 from jax.extend import core as jax_core
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from . import _replay, compile_log, disk_cache, loops, modes, remat
+from . import _replay, compile_log, constant_masks, disk_cache, loops, modes, remat
 from .compile import UNTRACEABLE, _Tracing, _Untraceable, count_trace, donatable, finish_call, launching, loop_chunk
-from .device import rng
+from .device_state import rng
 from .memory import buffer, donation
+from .modes import device_errors
 
 log = logging.getLogger("hf_tpu.compile")
 
 # values keyed by value; every other non-tensor argument by its hash (identity, unless its type says otherwise)
 _VALUE_TYPES = (bool, int, float, complex, str, bytes, type(None), torch.device, torch.dtype, torch.Size,
                 torch.memory_format, torch.layout, enum.Enum)
+_PLAIN_TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))  # a tensor of any other type may be a subclass
 _DEPTH = 12  # how deep arguments and state are searched (a deeper structure makes the call fall back)
 _PROGRAMS_PER_SITE = 64  # programs one function code may trace; then new keys fall back, as Dynamo's limit does
 
@@ -195,6 +207,8 @@ class _Inputs:
         return ("seen", index)
 
     def tensor(self, t: torch.Tensor):
+        if type(t) not in _PLAIN_TENSOR_TYPES and is_traceable_wrapper_subclass(t):
+            return self._subclass_tensor(t)
         if t.device.type != "tpu":
             raise _Unkeyable(f"it is given a {t.device.type} tensor (hf_tpu.jit takes tpu tensors)")
         buf = buffer.buffer_of(t)
@@ -223,6 +237,23 @@ class _Inputs:
             if t.grad is not None:
                 grad = self.tensor(t.grad)
         return slot, buffer.view_of(t, buf), True, grad
+
+    def _subclass_tensor(self, t: torch.Tensor):
+        """The key of a tensor subclass that keeps its data in tensors of its own (PyTorch's `__tensor_flatten__`
+        protocol: torchao's quantized weights, an int8 tensor and its scales): those inner tensors are the inputs,
+        and its type, outer shape, strides and dtype and the context of its flattening (a block size, an
+        activation's quantization settings) are keyed. The object itself runs in the trace: its ops reach its inner
+        tensors, whose buffers hold tracers, through its `__torch_dispatch__`. Its attributes are Python state, as a
+        state object's are: the trace must not change them, and a kept walk rereads them."""
+        if id(t) in self.seen:
+            return self._seen_key(t)
+        if t.requires_grad and self.grad_enabled:
+            raise _Unkeyable("an input requires gradients and gradients are enabled (hf_tpu.jit runs without autograd)")
+        self.seen[id(t)] = len(self.objects)
+        self.objects.append(t)
+        names, context = t.__tensor_flatten__()
+        inner = tuple((name, self.tensor(getattr(t, name))) for name in names)
+        return ("subclass", type(t), tuple(t.shape), t.stride(), t.dtype, _frozen(context), inner)
 
     def argument(self, x, depth: int = 0):
         """The key of an argument (or a value a closure holds); its tensors become inputs."""
@@ -254,6 +285,8 @@ class _Inputs:
         try:
             hash(x)
         except TypeError:
+            if dataclasses.is_dataclass(x) and not isinstance(x, type):  # settings (torchao's): keyed by value
+                return ("dataclass", _frozen(x))
             raise _Unkeyable(f"it is given an unhashable {type(x).__name__} that is not declared as state") from None
         return ("object", x)
 
@@ -305,7 +338,7 @@ class _Inputs:
             return self.state_object(x)
         start = self.position()
         for walk in _kept_walks_of(x):
-            if walk.start == start and walk.replay(self, x):
+            if walk.start == start and walk.inputs_type is type(self) and walk.replay(self, x):
                 return walk.key
         self.walk_start, self.reached_back = start[:2], False
         key = self.state_object(x)
@@ -387,6 +420,22 @@ def _make_state(optimizer: torch.optim.Optimizer, group: dict) -> None:
             p.grad = None
 
 
+def _frozen(context):
+    """A tensor subclass's flattening context as a key: lists as tuples, dataclasses (torchao's settings objects) as
+    their type and fields; `_Unkeyable` for anything else that is unhashable."""
+    if isinstance(context, (list, tuple)):
+        return (type(context), tuple(map(_frozen, context)))
+    if isinstance(context, dict):
+        return (dict, tuple((k, _frozen(v)) for k, v in context.items()))
+    if dataclasses.is_dataclass(context) and not isinstance(context, type):
+        return (type(context), tuple((f.name, _frozen(getattr(context, f.name))) for f in dataclasses.fields(context)))
+    try:
+        hash(context)
+    except TypeError:
+        raise _Unkeyable(f"a tensor subclass's flattening holds an unhashable {type(context).__name__}") from None
+    return context
+
+
 def _layouts(tensors: list) -> list:
     """What a tensor's place among the inputs depends on besides its buffer's shape and dtype: its storage and
     offset, shape, strides and dtype (`.data =`, `set_` or `resize_` change them on the same tensor object).
@@ -456,6 +505,7 @@ class _KeptWalk:
         del self.added["objects"][0]  # the root, appended again at a replay
         self.added["leaves"] = [t for t in inputs.leaves if inputs.tensor_index[id(t)] >= tensors_start]
         self.device_index = inputs.device_index
+        self.inputs_type = type(inputs)  # a walk of another kind (`call(inputs_type=)`) keys other things
 
     def keepable(self) -> bool:
         """Whether the walk may be kept: not where it met a gradient (kept, it would keep a step's gradients alive
@@ -541,44 +591,42 @@ def _python_state_changes(snapshot: list) -> list:
     return [entry for entry in snapshot if not _same_contents(entry[0], entry[1])]
 
 
-def _state_additions(snapshot: list, inputs: _Inputs, first_new_address: int, new_arrays: list) -> list:
+def _state_additions(snapshot: list, inputs: _Inputs, first_new_address: int, new_arrays: list, made: dict) -> list:
     """The entries a trace added to the dicts of its Python state, as outputs of the program: (the dict's place
-    in `snapshot`, the key, the value as `_added_value` describes it). An optimizer makes its state at its first
-    step (`opt.state[p]`, a dict of new tensors); the call adds those with the program's arrays. Any other change
-    to the Python state (an entry replaced or removed, a list changed) is untraceable."""
+    in `snapshot`, the key, how `_rebuild` makes the value). An optimizer makes its state at its first step
+    (`opt.state[p]`, a dict of new tensors); the call adds those with the program's arrays. Any other change to the
+    Python state (an entry replaced or removed, a list changed, entries that hold no tensor) is left to `_trace`."""
     additions = []
     for place, (container, before, what) in enumerate(snapshot):
-        if _same_contents(container, before):
-            continue
-        if not isinstance(container, dict) or any(k not in container or not _same(container[k], v)
-                                                  for k, v in before.items()):
-            raise _Untraceable(f"it changes Python state the program cannot replay ({what})")
-        for key, value in container.items():
-            if key not in before:
-                additions.append((place, key, _added_value(value, inputs, first_new_address, new_arrays, what)))
+        if _tensors_added(container, before):
+            additions += [(place, key, _added_value(value, inputs, first_new_address, new_arrays, made, what))
+                          for key, value in container.items() if key not in before]
     return additions
 
 
-def _added_value(value, inputs: _Inputs, first_new_address: int, new_arrays: list, what: str, depth: int = 0):
-    """(kind, contents) of a value a trace added to its state: a tensor as `_output` gives it, a dict, list or tuple
-    of such values, or a plain value."""
+def _tensors_added(container, before) -> bool:
+    """Whether a dict of the Python state changed by entries added to it alone, tensors among them (an optimizer's
+    state); a change that adds no tensor (a hook installed at a first call) is one `_trace` may keep."""
+    return (isinstance(container, dict) and len(container) > len(before)
+            and all(k in container and _same(container[k], v) for k, v in before.items())
+            and any(_holds_tensors(v) for k, v in container.items() if k not in before))
+
+
+def _added_value(value, inputs: _Inputs, first_new_address: int, new_arrays: list, made: dict, what: str,
+                 depth: int = 0):
+    """How a call rebuilds a value a trace added to its state (`_rebuild`): a tensor as `_output` gives it, a dict,
+    list or tuple of such values, or a plain value."""
     if isinstance(value, torch.Tensor):
-        return _output(value, inputs, first_new_address, new_arrays)
-    if type(value) in (dict, list, tuple) and depth < _DEPTH:
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        return (type(value), [(k, _added_value(v, inputs, first_new_address, new_arrays, what, depth + 1))
-                              for k, v in items])
+        return _output(value, inputs, first_new_address, new_arrays, made)
+    kind = type(value)
+    if kind in (dict, list, tuple) and depth < _DEPTH:
+        items = value.items() if kind is dict else enumerate(value)
+        specs = [(k, _added_value(v, inputs, first_new_address, new_arrays, made, what, depth + 1)) for k, v in items]
+        return (kind.__name__, tuple(specs) if kind is dict else tuple(spec for _, spec in specs))
     if isinstance(value, _VALUE_TYPES):
         return ("value", value)
     raise _Untraceable(f"it adds a {type(value).__name__} to its Python state ({what}), which the program cannot "
                        "replay")
-
-
-def _added_new_tensors(value) -> int:
-    kind, contents = value
-    if kind in (dict, list, tuple):
-        return sum(_added_new_tensors(v) for _, v in contents)
-    return kind == "new"
 
 
 def _same_contents(now, before) -> bool:
@@ -591,6 +639,28 @@ def _same_contents(now, before) -> bool:
 
 def _same(a, b) -> bool:
     return a is b or (type(a) is type(b) and isinstance(a, _VALUE_TYPES) and a == b)
+
+
+def _new_values(changes: list):
+    """The values a change to the Python state (`_python_state_changes`) put in place."""
+    for container, before, _ in changes:
+        if isinstance(container, dict):
+            yield from (value for k, value in container.items() if k not in before or not _same(value, before[k]))
+        else:
+            yield from container
+
+
+def _holds_tensors(x, depth: int = 0) -> bool:
+    """Whether `x` is or holds a tensor (searched through containers and plain objects, as state is)."""
+    if isinstance(x, torch.Tensor):
+        return True
+    if depth > _DEPTH or isinstance(x, (torch.nn.Module, *_VALUE_TYPES)):
+        return isinstance(x, torch.nn.Module)
+    if isinstance(x, dict):
+        return any(_holds_tensors(v, depth + 1) for v in x.values())
+    if isinstance(x, (list, tuple, set, frozenset)):
+        return any(_holds_tensors(v, depth + 1) for v in x)
+    return _plain_object(x) and any(_holds_tensors(v, depth + 1) for v in vars(x).values())
 
 
 def _restore(changes: list) -> None:
@@ -608,20 +678,23 @@ def _call_key(inputs: _Inputs, functions, args, kwargs) -> tuple:
     state = tuple(inputs.root(o) for o in tuple(inputs.state))
     arguments = inputs.argument((tuple(_function_parts(f)[1] for f in functions), args, kwargs))
     return (state, arguments, tuple(inputs.buffer_keys), torch.get_default_dtype(),
-            torch.is_autocast_enabled("tpu"), torch.get_autocast_dtype("tpu"))
+            torch.is_autocast_enabled("tpu"), torch.get_autocast_dtype("tpu"), torch.get_float32_matmul_precision())
 
 
 class _Program:
     """One traced call: its jaxpr over (every input buffer's array, the rng key), the buffers it overwrites,
     what it returns, and its jitted forms."""
 
-    def __init__(self, name: str, jaxpr, mutated: tuple, outputs: list, treedef, checks: list, draws: int,
-                 grads: list = (), additions: list = ()):
+    def __init__(self, name: str, jaxpr, mutated: tuple, outputs: list, new_outputs: int, treedef, checks: list,
+                 draws: int, grads: list = (), additions: list = ()):
         self.name = name
         self.jaxpr = jaxpr
         self.mutated = mutated  # slots of the buffers written in place, ascending
-        # per output leaf: ("new", dtype) | ("input", position among the input tensors) | ("state", k) | ("value", v)
+        # per output leaf, how a call rebuilds it (`_output`): ("new", dtype) | ("input", position among the input
+        # tensors) | ("state", k) | ("value", v) | ("same", k) | ("object", k): a tensor subclass among the inputs |
+        # ("subclass", ...): one made in the trace | ("new object", type, attributes): another object made there
         self.outputs = outputs
+        self.new_outputs = new_outputs  # the new tensors among them, each an output array of the program
         self.treedef = treedef
         self.checks = checks
         self.draws = draws
@@ -631,8 +704,6 @@ class _Program:
         # entries the call adds to dicts of its state (an optimizer's state for each parameter, made at its first
         # step): (the dict's place in `_Inputs.snapshot()`, its key, the value as `_added_value` describes it)
         self.additions = additions
-        self.new_outputs = sum(kind == "new" for kind, _ in [*outputs, *(g for _, g in grads if g is not None)])
-        self.new_outputs += sum(_added_new_tensors(value) for _, _, value in additions)
         self.run = jax_core.jaxpr_as_fun(jaxpr)
         call = _named(f"traced_{name}", self.step)
         self.jitted = {True: jax.jit(call, donate_argnums=(0,)), False: jax.jit(call)}
@@ -640,6 +711,7 @@ class _Program:
         self.loop_compiling = None  # the loop's XLA compile started ahead (`while_loop(..., run=False)`)
         # `hf_tpu.jit(..., meanwhile=)`: the device's compile per donation, on a thread of its own
         self.device_compiles = {}
+        self.launched = False  # a call ran it (its XLA compile is done)
         # its key's name in the disk cache's prefetch entries (`disk_cache.expect`), until its first compile
         self.disk_digest = None
 
@@ -650,33 +722,15 @@ class _Program:
         return list(flat[:n]), list(flat[n:])
 
     def results(self, arrays, inputs: _Inputs):
-        new = iter(arrays)
-        leaves = [self._result(kind, value, new, inputs) for kind, value in self.outputs]
+        new, made = iter(arrays), []
+        leaves = [_rebuild(spec, new, inputs, made) for spec in self.outputs]
         for leaf, output in self.grads:  # after the outputs: their arrays follow the outputs'
-            inputs.leaves[leaf].grad = None if output is None else self._result(*output, new, inputs)
+            inputs.leaves[leaf].grad = None if output is None else _rebuild(output, new, inputs, made)
         if self.additions:
             containers = [entry[0] for entry in inputs.snapshot()]
             for place, key, value in self.additions:
-                containers[place][key] = self._added(value, new, inputs)
+                containers[place][key] = _rebuild(value, new, inputs, made)
         return pytree.tree_unflatten(leaves, self.treedef)
-
-    def _added(self, value, new, inputs: _Inputs):
-        kind, contents = value
-        if kind in (dict, list, tuple):
-            items = [(k, self._added(v, new, inputs)) for k, v in contents]
-            return dict(items) if kind is dict else kind(v for _, v in items)
-        return self._result(kind, contents, new, inputs)
-
-    @staticmethod
-    def _result(kind, value, new, inputs: _Inputs):
-        if kind == "new":
-            array = next(new)
-            return buffer.new_tensor(array.shape, value, inputs.device_index, array)
-        if kind == "input":
-            return inputs.tensors[value][0]
-        if kind == "state":
-            return inputs.state[value]
-        return value
 
 
 def _named(name: str, fn):
@@ -708,10 +762,23 @@ def _arguments_text(args, kwargs, state, positional: str = "argument", most: int
     return ", ".join(shown[:most]) + more + (f", with the state of {kinds}" if kinds else "")
 
 
-def _trace(name: str, run, inputs: _Inputs, arrays: list) -> _Program:
-    """Run `run()` once with every input buffer holding a tracer; the program it makes."""
+class _PythonStateChanged(_Untraceable):
+    """A trace changed Python state the program cannot replay, and the changes were kept (`_trace(keep_changes=
+    True)`): `call` traces once more with them made, and undoes them (`changes`) if it falls back."""
+
+    def __init__(self, message: str, changes: list):
+        super().__init__(message)
+        self.changes = changes
+
+
+def _trace(name: str, run, inputs: _Inputs, arrays: list, keep_changes: bool = False) -> _Program:
+    """Run `run()` once with every input buffer holding a tracer; the program it makes. A change to the Python state
+    met (`_python_state_changes`) raises `_Untraceable`, the change undone, or, with `keep_changes` and values that
+    hold no tensor, `_PythonStateChanged` with the change kept."""
     live = buffer.allocator.live
-    before = {address: buf._array for address, buf in list(live.items())}
+    # the arrays every buffer holds now, to find those the trace writes; not a tracer an earlier trace left in a
+    # buffer that something still holds (a frame of its error's traceback)
+    before = {address: buf._array for address, buf in list(live.items()) if not isinstance(buf._array, jax.core.Tracer)}
     # each input buffer's own array, which it holds again after the trace (`arrays` may be copies placed
     # on a sharded model's mesh, for the program only)
     own = [buf._array for buf in inputs.buffers]
@@ -732,19 +799,20 @@ def _trace(name: str, run, inputs: _Inputs, arrays: list) -> _Program:
         try:
             # autograd's engine runs a device's backward on a thread of its own, where this trace is not JAX's
             with torch.set_grad_enabled(inputs.grad_enabled), torch.autograd.set_multithreading_enabled(False), \
-                    remat.saved_values_materialized(set(inputs.buffers)):
+                    remat.saved_values_materialized(set(inputs.buffers)), constant_masks.KnownValues():
                 out = run()
             leaves, treedef = pytree.tree_flatten(out)
-            outputs, new_arrays = [], []
+            outputs, new_arrays, made = [], [], {}
             for leaf in leaves:
-                outputs.append(_output(leaf, inputs, first_new_address, new_arrays))
-            grads = [(k, None if t.grad is None else _output(t.grad, inputs, first_new_address, new_arrays))
+                outputs.append(_output(leaf, inputs, first_new_address, new_arrays, made))
+            grads = [(k, None if t.grad is None else _output(t.grad, inputs, first_new_address, new_arrays, made))
                      for k, (t, before) in enumerate(zip(inputs.leaves, grads_before)) if t.grad is not before]
-            additions = _state_additions(python_state, inputs, first_new_address, new_arrays)
+            additions = _state_additions(python_state, inputs, first_new_address, new_arrays, made)
             finals = [buf._array for buf in inputs.buffers]
             mutated = tuple(i for i, (final, array) in enumerate(zip(finals, input_arrays)) if final is not array)
             _check_nothing_else_written(live, before, inputs_by_id)
-            found.update(mutated=mutated, outputs=outputs, treedef=treedef, grads=grads, additions=additions,
+            found.update(mutated=mutated, outputs=outputs, new_outputs=len(new_arrays), treedef=treedef, grads=grads,
+                         additions=additions,
                          draws=mode.draws,
                          checks=[(value.dtype, raise_if_bad) for value, raise_if_bad in mode.checks])
             failed = False
@@ -756,18 +824,43 @@ def _trace(name: str, run, inputs: _Inputs, arrays: list) -> _Program:
                 buf.array = array
             for t, grad in zip(inputs.leaves, grads_before):
                 t.grad = grad
-            # put back: the entries it added (`_state_additions`) are the program's to add after each call
-            _restore(_python_state_changes(python_state))
+            added, changes = [], []
+            for change in _python_state_changes(python_state):
+                (added if _tensors_added(*change[:2]) else changes).append(change)
+            _restore(added)  # entries added to a dict (`_state_additions`): the program's to add after each call
+            if changes:
+                message = f"it changes Python state the program cannot replay ({changes[0][2]})"
+                if failed or not keep_changes or any(map(_holds_tensors, _new_values(changes))):
+                    _restore(changes)
+                    if not failed:
+                        raise _Untraceable(message)
+                else:
+                    raise _PythonStateChanged(message, changes)
 
     traced.__name__ = traced.__qualname__ = f"trace_{name}"
     jaxpr = jax.jit(traced).trace(arrays, rng.example_key()).jaxpr
     _check_no_tensor_escaped(live, first_new_address)
-    return _Program(name, jaxpr, found["mutated"], found["outputs"], found["treedef"], found["checks"], found["draws"],
-                    found["grads"], found["additions"])
+    return _Program(name, jaxpr, found["mutated"], found["outputs"], found["new_outputs"], found["treedef"],
+                    found["checks"], found["draws"], found["grads"], found["additions"])
 
 
-def _output(leaf, inputs: _Inputs, first_new_address: int, new_arrays: list) -> tuple:
+def _output(leaf, inputs: _Inputs, first_new_address: int, new_arrays: list, made: dict, depth: int = 0) -> tuple:
+    """How a call rebuilds one returned value (`_rebuild`): a new tensor (its array appended to `new_arrays`), an input
+    tensor or state object itself, a plain value, or an object made in the trace that holds new tensors. `made` maps
+    the id of each new tensor and object met so far to its place among them, so that one met twice is rebuilt once."""
+    if id(leaf) in made:
+        return ("same", made[id(leaf)])
     if isinstance(leaf, torch.Tensor):
+        if type(leaf) not in _PLAIN_TENSOR_TYPES and is_traceable_wrapper_subclass(leaf):
+            index = inputs.seen.get(id(leaf))
+            if index is not None and inputs.objects[index] is leaf:  # one among the inputs: that very object
+                return ("object", index)
+            # a new tensor subclass (a weight quantized in the trace): its inner tensors are the outputs, and the
+            # call returns a new object of its type over them, made with its flattening's context
+            names, context = leaf.__tensor_flatten__()
+            inner = [_output(getattr(leaf, name), inputs, first_new_address, new_arrays, made, depth)
+                     for name in names]
+            return ("subclass", (type(leaf), tuple(names), context, leaf.shape, leaf.stride(), inner))
         if id(leaf) in inputs.tensor_index:
             return ("input", inputs.tensor_index[id(leaf)])
         if leaf.requires_grad:
@@ -776,6 +869,7 @@ def _output(leaf, inputs: _Inputs, first_new_address: int, new_arrays: list) -> 
         if leaf.device.type == "tpu":
             buf = buffer.buffer_of(leaf)
             if buf.address >= first_new_address:
+                made[id(leaf)] = len(made)
                 new_arrays.append(buffer.array_of(leaf, buf))
                 return ("new", leaf.dtype)
         raise _Untraceable("it returns a view of an input tensor, or a CPU tensor")
@@ -783,7 +877,87 @@ def _output(leaf, inputs: _Inputs, first_new_address: int, new_arrays: list) -> 
         return ("state", inputs.state_index[id(leaf)])
     if isinstance(leaf, _VALUE_TYPES):
         return ("value", leaf)
-    raise _Untraceable(f"it returns a {type(leaf).__name__}, which may hold tensors of the trace")
+    arrays_before = len(new_arrays)
+    spec = _made_object(leaf, inputs, first_new_address, new_arrays, made, depth)
+    if spec is None or len(new_arrays) == arrays_before:  # holds no new tensor: it may be an object of the caller's
+        raise _Untraceable(f"it returns a {type(leaf).__name__}, which may hold tensors of the trace")
+    return spec
+
+
+def _made_object(x, inputs: _Inputs, first_new_address: int, new_arrays: list, made: dict, depth: int):
+    """The spec of an object the trace made to hold tensors it made (a Transformers `DynamicCache` in a model's
+    output, with its layers): rebuilt at each call as a new object of its type with its attributes, as Dynamo
+    rebuilds the objects a graph makes (`object.__new__`, then the attributes), since the traced one holds tracers.
+    Lists, tuples and dicts in it are rebuilt too; what holds no new tensor (a class, a config) is kept as it is.
+    None for anything else (a container of another type, an object with slots or its own `__new__`)."""
+    if depth > _DEPTH:
+        raise _Untraceable("it returns objects nested too deep")
+    kind = type(x)
+    if kind in (list, tuple, dict):
+        items = x.items() if kind is dict else enumerate(x)
+        specs = [(k, _output_or_kept(v, inputs, first_new_address, new_arrays, made, depth + 1)) for k, v in items]
+        return (kind.__name__, tuple(specs) if kind is dict else tuple(spec for _, spec in specs))
+    if not _plain_object(x) or kind.__new__ is not object.__new__ or _has_slots(kind):
+        return None
+    made[id(x)] = len(made)
+    attributes = tuple((name, _output_or_kept(value, inputs, first_new_address, new_arrays, made, depth + 1))
+                       for name, value in vars(x).items())
+    return ("new object", kind, attributes)
+
+
+def _has_slots(kind: type) -> bool:
+    """Whether instances of `kind` keep attributes outside their `__dict__` (slots of a class in its MRO)."""
+    slots = [getattr(c, "__slots__", ()) for c in kind.__mro__]
+    return any(set([names] if isinstance(names, str) else names) - {"__dict__", "__weakref__"} for names in slots)
+
+
+def _output_or_kept(x, inputs: _Inputs, first_new_address: int, new_arrays: list, made: dict, depth: int) -> tuple:
+    """The spec of a value held by an object or container the trace made: rebuilt where it holds new tensors, else
+    kept as it is (a value that holds a tensor of the trace without being rebuilt is caught after the trace, a
+    tensor made there still holding a tracer: `_check_no_tensor_escaped`)."""
+    if isinstance(x, torch.Tensor) or id(x) in made or id(x) in inputs.state_index or isinstance(x, _VALUE_TYPES):
+        return _output(x, inputs, first_new_address, new_arrays, made, depth)
+    made_before, arrays_before = len(made), len(new_arrays)
+    spec = _made_object(x, inputs, first_new_address, new_arrays, made, depth)
+    if spec is not None and len(new_arrays) > arrays_before:
+        return spec
+    for k in [k for k, index in made.items() if index >= made_before]:  # objects holding no new tensor: kept
+        del made[k]
+    return ("value", x)
+
+
+def _rebuild(spec, new, inputs: _Inputs, made: list):
+    """The value `spec` (`_output`) describes, for one call: `new` yields the call's new arrays, and `made` gathers
+    the new tensors and objects rebuilt so far."""
+    kind = spec[0]
+    if kind == "input":
+        return inputs.tensors[spec[1]][0]
+    if kind == "state":
+        return inputs.state[spec[1]]
+    if kind == "value":
+        return spec[1]
+    if kind == "same":
+        return made[spec[1]]
+    if kind == "list":
+        return [_rebuild(item, new, inputs, made) for item in spec[1]]
+    if kind == "tuple":
+        return tuple(_rebuild(item, new, inputs, made) for item in spec[1])
+    if kind == "dict":
+        return {k: _rebuild(item, new, inputs, made) for k, item in spec[1]}
+    if kind == "new":
+        array = next(new)
+        made.append(buffer.new_tensor(array.shape, spec[1], inputs.device_index, array))
+        return made[-1]
+    if kind == "object":  # a tensor subclass among the inputs: that very object
+        return inputs.objects[spec[1]]
+    if kind == "subclass":  # a tensor subclass made in the trace, over its inner tensors
+        cls, names, context, size, stride, inner = spec[1]
+        tensors = {name: _rebuild(part, new, inputs, made) for name, part in zip(names, inner)}
+        return cls.__tensor_unflatten__(tensors, context, size, stride)
+    obj = object.__new__(spec[1])  # "new object": its attributes rebuilt after it, as `_made_object` met them
+    made.append(obj)
+    vars(obj).update((name, _rebuild(item, new, inputs, made)) for name, item in spec[2])
+    return obj
 
 
 def _check_nothing_else_written(live: dict, before: dict, inputs_by_id: set) -> None:
@@ -859,17 +1033,18 @@ def _state_objects(state) -> tuple:
     return tuple(state) if isinstance(state, (tuple, list)) else (state,)
 
 
-def _prepare(site, functions, args, kwargs, state) -> tuple:
+def _prepare(site, functions, args, kwargs, state, inputs_type=_Inputs) -> tuple:
     """(inputs, key) of a call, or raises `_Unkeyable`."""
-    inputs = _Inputs(_state_objects(state))
+    inputs = inputs_type(_state_objects(state))
     return inputs, _Key((site, _call_key(inputs, functions, args, kwargs)))
 
 
 def _traced_program(key, name: str, run, inputs: _Inputs, arrays: list, description: str, inputs_text,
-                    function: str, disk_digest: str | None):
+                    function: str, disk_digest: str | None, keep_changes: bool = False):
     """The program cached for `key`, traced now if there is none (its first compile then named `disk_digest` in
     the disk cache); raises what a failed trace raised (and every later call with this key gets `_Untraceable` at
-    once)."""
+    once, unless the trace raised `_PythonStateChanged`: `keep_changes`, see `_trace`). Every trace counts towards
+    the site's limit, a failed one too."""
     program = _programs.get(key)
     if program is _NOT_TRACEABLE:
         raise _Untraceable("an earlier call with these inputs could not be traced")
@@ -882,15 +1057,16 @@ def _traced_program(key, name: str, run, inputs: _Inputs, arrays: list, descript
     pending = compile_log.begin(description, "hf_tpu.jit", function, started, captured=True,
                                 capture="Python trace")
     compile_log.describe(description, "hf_tpu.jit", inputs_text)
+    _site_counts[site] = _site_counts.get(site, 0) + 1
     try:
-        program = _trace(name, run, inputs, arrays)
-    except UNTRACEABLE:
+        program = _trace(name, run, inputs, arrays, keep_changes)
+    except UNTRACEABLE as e:
         compile_log.end(pending, finished=False)
-        _programs[key] = _NOT_TRACEABLE
+        if not isinstance(e, _PythonStateChanged):
+            _programs[key] = _NOT_TRACEABLE
         raise
     program.disk_digest = disk_digest
     _programs[key] = program
-    _site_counts[site] = _site_counts.get(site, 0) + 1
     _trace_seconds[site] = time.perf_counter() - started
     _host_seconds.pop(key, None)
     return program
@@ -902,21 +1078,28 @@ def _arrays(inputs: _Inputs) -> list:
     return buffer.place_together(arrays) if buffer.sharded_arrays_exist else arrays
 
 
-def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, meanwhile=None, trace_after: float = 0.0):
+def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, meanwhile=None, trace_after: float = 0.0,
+         inputs_type=_Inputs, changed_before: tuple | None = None):
     """`fn(*args, **kwargs)` as one traced program (see the module's docstring); `fallback(*args, **kwargs)`
     where it cannot be. With `meanwhile`, a call whose program the device has not compiled yet returns
-    `meanwhile(*args, **kwargs)` instead (see `jit`)."""
+    `meanwhile(*args, **kwargs)` instead (see `jit`). `inputs_type` is the class that walks the call's inputs and
+    keys them (`_Inputs`, or a subclass that keys more: `hf_tpu.compiled_modules`).
+
+    A trace that changes Python state (a setting made at a first call: hooks installed, a warning noted) is made
+    again with the change kept: the eager call would have made it, and the function then runs as it would at its
+    next call. A second trace that changes it too falls back, both changes undone (`changed_before`: the first
+    trace's key and changes)."""
     fallback = fn if fallback is None else fallback
     name = _name_of(fn)
     description = f"the direct trace of `{name}`"
     try:
-        inputs, key = _prepare(_function_parts(fn)[0], (fn,), args, kwargs, state)
+        inputs, key = _prepare(_function_parts(fn)[0], (fn,), args, kwargs, state, inputs_type)
     except (_Unkeyable, TypeError) as e:
         _log_fallback(name, e)
-        return fallback(*args, **kwargs)
+        return _fall_back(changed_before, fallback, args, kwargs)
     program = _programs.get(key)
     if program is _NOT_TRACEABLE or inputs.device_index is None:  # untraceable, or no tpu tensor to trace for
-        return fallback(*args, **kwargs)
+        return _fall_back(changed_before, fallback, args, kwargs)
     declined = False  # `meanwhile` returned NotImplemented: asked once per call
     if meanwhile is not None and program is None and not _trace_is_due(key, trace_after):
         started = _clock()
@@ -928,15 +1111,26 @@ def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, meanwhile=None,
     # a key new to this process: its program's load from the disk cache starts now, beside the trace
     disk_digest = _expect_from_disk(key, inputs.device_index) if program is None else None
     arrays = _arrays(inputs)
+    failed, changed = False, None
     try:
         program = _traced_program(key, name, lambda: fn(*args, **kwargs), inputs, arrays, description,
-                                  lambda: _arguments_text(args, kwargs, inputs.state), f"traced_{name}", disk_digest)
+                                  lambda: _arguments_text(args, kwargs, inputs.state), f"traced_{name}", disk_digest,
+                                  keep_changes=changed_before is None)
         _own_arrays(inputs, program.mutated, arrays)
         mutated, others = donation.split(arrays, program.mutated)
         donate, key_data = donatable(mutated), rng.current_key(inputs.device_index)
         compiling = None if meanwhile is None else _device_compile(key, program, donate, mutated, others, key_data)
+    except _PythonStateChanged as e:
+        log.info("hf_tpu: `%s` is traced again with the Python state its trace changed (%s)", name, e)
+        changed = (key, e.changes)
     except UNTRACEABLE as e:
-        return _untraceable(key, name, e, fallback, args, kwargs)
+        failed = _untraceable(key, name, e)
+    # past the error, whose traceback holds the trace's frames and their tracers: neither the next trace nor the
+    # fallback (Dynamo, whose own errors would chain to it) may keep them alive
+    if failed:
+        return _fall_back(changed_before, fallback, args, kwargs)
+    if changed is not None:
+        return call(fn, args, kwargs, state, fallback, meanwhile, trace_after, inputs_type, changed)
     if compiling is not None and not compiling.done():
         result = NotImplemented if declined else meanwhile(*args, **kwargs)
         if result is not NotImplemented:
@@ -946,8 +1140,11 @@ def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, meanwhile=None,
         with launching(inputs.device_index, description), disk_cache.compiling(program.disk_digest):
             new, checked = program.jitted[donate](mutated, others, key_data)
     except UNTRACEABLE as e:
-        return _untraceable(key, name, e, fallback, args, kwargs)
+        failed = _untraceable(key, name, e)
+    if failed:
+        return fallback(*args, **kwargs)
     program.disk_digest = None  # compiled: another donation's program is not the one named
+    program.launched = True
     for slot, array in zip(program.mutated, new):
         inputs.buffers[slot].array = array
     finish_call(inputs.device_index, program.draws, program.checks, checked)
@@ -993,11 +1190,33 @@ def _own_arrays(inputs: _Inputs, slots: tuple, arrays: list) -> None:
             arrays[slot] = copy
 
 
-def _untraceable(key, name: str, error: Exception, fallback, args: tuple, kwargs: dict):
-    """A call whose trace or launch failed: its key marked, and the fallback's result."""
+def ready(fn, args: tuple, kwargs: dict, state=(), inputs_type=_Inputs) -> bool:
+    """Whether `call` of `fn` with these arguments would launch a program compiled already (traces nothing, waits for
+    no compile)."""
+    try:
+        _, key = _prepare(_function_parts(fn)[0], (fn,), args, kwargs, state, inputs_type)
+    except (_Unkeyable, TypeError):
+        return False
+    program = _programs.get(key)
+    return isinstance(program, _Program) and (program.launched or any(
+        f.done() and f.exception() is None for f in program.device_compiles.values()))
+
+
+def _untraceable(key, name: str, error: Exception) -> bool:
+    """A call whose trace or launch failed: its key marked (and True: the call falls back)."""
     compile_log.end()
     _programs[key] = _NOT_TRACEABLE
     _log_fallback(name, error)
+    return True
+
+
+def _fall_back(changed_before: tuple | None, fallback, args: tuple, kwargs: dict):
+    """The fallback's result, after undoing what a first trace changed in the Python state (`call`): the key of that
+    trace is marked, since its change would be made again."""
+    if changed_before is not None:
+        key, changes = changed_before
+        _restore(changes)
+        _programs[key] = _NOT_TRACEABLE
     return fallback(*args, **kwargs)
 
 
@@ -1141,12 +1360,13 @@ def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state
     mutated, others = donation.split(arrays, program.mutated)
     slots = tuple(slot - sum(m < slot for m in program.mutated) for slot in carried_slots)
     keep_going = buffer.array_of(keep_going)
-    carried_arrays = [buffer.array_of(t) for t in carried]
+    # the loop's record of out-of-range indices rides last among the carried values (`loop_chunk`)
+    carried_arrays = [*(buffer.array_of(t) for t in carried), device_errors.no_errors(inputs.device_index)]
     if buffer.sharded_arrays_exist:  # a sharded model's loop carries single-chip tokens
         *carried_arrays, keep_going = buffer.place_together([*arrays, *carried_arrays, keep_going])[len(arrays):]
     compiled_before = program.loop_jitted is not None
     if not compiled_before:
-        chunk = _named(f"loop_{name}", functools.partial(loop_chunk, program.step))
+        chunk = _named(f"loop_{name}", functools.partial(loop_chunk, lambda *a: (*program.step(*a), program.checks)))
         program.loop_jitted = {True: jax.jit(chunk, donate_argnums=(0,), static_argnums=(3,)),
                                False: jax.jit(chunk, static_argnums=(3,))}
     jitted = program.loop_jitted[donatable(mutated)]
@@ -1186,7 +1406,11 @@ def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state
         raise loops.NotLoopable(f"{type(e).__name__}: {e}") from e
     for slot, array in zip(program.mutated, final[0]):
         inputs.buffers[slot].array = array
-    return tuple(buffer.new_tensor(a.shape, t.dtype, inputs.device_index, a) for t, a in zip(carried, final[1]))
+    *final_carried, record = final[1]
+    sites = device_errors.loop_sites(program.checks)
+    if sites is not None:
+        modes.merge_index_record(record, inputs.device_index, sites)
+    return tuple(buffer.new_tensor(a.shape, t.dtype, inputs.device_index, a) for t, a in zip(carried, final_carried))
 
 
 def _wait_for_compile_ahead(program: _Program) -> None:
@@ -1203,12 +1427,12 @@ def _wait_for_compile_ahead(program: _Program) -> None:
 def _check_loopable(program: _Program, carried: tuple, carried_slots: list) -> None:
     if set(carried_slots) & set(program.mutated):
         raise _Untraceable("the step updates a carried tensor in place")
-    if program.checks:
+    if not device_errors.loop_can_fold(program.checks):  # a record of out-of-range indices rides along
         raise _Untraceable("a while_loop step cannot check device values (a linalg error, an assert)")
-    kinds = [kind for kind, _ in program.outputs]
+    kinds = [spec[0] for spec in program.outputs]
     if len(kinds) != len(carried) + 1 or any(kind != "new" for kind in kinds):
         raise _Untraceable("a while_loop step must return as many tensors as it carries")
-    for t, (_, dtype) in zip(carried, program.outputs):
+    for t, (_, dtype) in zip(carried, program.outputs):  # each ("new", dtype)
         if dtype != t.dtype:
             raise _Untraceable("a while_loop step must return tensors of the carried dtypes")
 

@@ -101,8 +101,48 @@ def _wrap_detach_variable(original):
     return detach_variable
 
 
+def _wrap_without_reentrant(original):
+    @functools.wraps(original)
+    def generator(fn, preserve_rng_state, context_fn, *args, **kwargs):
+        """The non-reentrant checkpoint, its recomputation under the torch function modes its forward met."""
+        if modes.current().kind is modes.ModeKind.TRACE:
+            context_fn = _recomputed_under_the_forwards_modes(context_fn)
+        return original(fn, preserve_rng_state, context_fn, *args, **kwargs)
+
+    generator._hf_tpu = True
+    return generator
+
+
+def _recomputed_under_the_forwards_modes(context_fn):
+    """`context_fn` (the checkpoint's: a forward context and a recomputation context), with the torch function
+    modes of the forward entered again around the recomputation. PyTorch takes a mode off its stack while the
+    mode's own function runs, and `hf_tpu.jit`'s trace runs under one (`constant_masks.KnownValues`, which gives
+    attention a causal mask's pattern): a backward started inside the trace (`loss.backward()`) runs without it,
+    and a recomputed attention took the mask's other path, saving other tensors than its forward, which the
+    checkpoint refuses (a C++ abort inside autograd's engine)."""
+    def contexts():
+        forward, recompute = context_fn()
+        return forward, _modes_entered(torch.overrides._get_current_function_mode_stack(), recompute)
+
+    return contexts
+
+
+@contextlib.contextmanager
+def _modes_entered(forward_modes: list, recompute):
+    with contextlib.ExitStack() as stack:
+        current = torch.overrides._get_current_function_mode_stack()
+        for mode in forward_modes:
+            if not any(mode is m for m in current):
+                stack.enter_context(mode)
+        stack.enter_context(recompute)
+        yield
+
+
 def install() -> None:
     """Put the barrier into PyTorch's checkpoint (once)."""
+    if not getattr(torch_checkpoint._checkpoint_without_reentrant_generator, "_hf_tpu", False):
+        torch_checkpoint._checkpoint_without_reentrant_generator = _wrap_without_reentrant(
+            torch_checkpoint._checkpoint_without_reentrant_generator)
     frame = torch_checkpoint._CheckpointFrame
     if not getattr(frame.get_inputs, "_hf_tpu", False):
         frame.get_inputs = _wrap_get_inputs(frame.get_inputs)

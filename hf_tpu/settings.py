@@ -124,11 +124,13 @@ SETTINGS = {s.name: s for s in (
     Setting("HF_TPU_EAGER_MODE", "choice", "DEFER_NEVER", "the execution mode at start", choices=_EAGER_MODES),
     Setting("HF_TPU_CACHE_DIR", "text", None, "compiled programs on disk (default ~/.cache/hf_tpu; empty: off)",
             empty_is_value=True),
-    Setting("HF_TPU_CHECK_INDICES", "bool", False, "check indices on the host and raise CPU's errors "
-            "(always on under DEFER_NEVER_AND_LAUNCH_BLOCKING)"),
+    Setting("HF_TPU_CHECK_INDICES", "bool", False, "raise an out-of-range index at the op's call, a host sync "
+            "per indexing op (always on under DEFER_NEVER_AND_LAUNCH_BLOCKING; off: at the next host read)"),
     Setting("HF_TPU_LOG_COMPILES", "bool", False, "log compilations and where the program forced a sync"),
     Setting("HF_TPU_SLOW_COMPILE_SECONDS", "seconds", 5.0, "log each compile that takes longer than this, and "
             "say what is compiling while it does (0: never)"),
+    Setting("HF_TPU_COMPILE_DIRECT", "bool", True, "torch.compile(module, backend='tpu') traces the module's call "
+            "straight from Python (hf_tpu.jit), with Dynamo for what that trace cannot take (off: Dynamo always)"),
     Setting("HF_TPU_MAX_GRAPH_OPS", "count", 4096, "DEFER_AND_FUSE: the most ops in one deferred graph"),
     Setting("HF_TPU_EARLY_FLUSH", "bool", True, "DEFER_AND_FUSE: cut graphs where a loop's iterations repeat"),
     Setting("HF_TPU_EARLY_FLUSH_MIN_OPS", "count", None, "DEFER_AND_FUSE: the shortest piece an early flush "

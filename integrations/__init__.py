@@ -7,11 +7,12 @@ is imported: at once if it already is, otherwise from a post-import hook, so tha
 imports (or slows down) a Hugging Face library the user does not use. This post-import hook is the one
 hook that lives with the adapters.
 
-One module a library (`transformers/`, a package split by job; `diffusers.py`; `accelerate.py`;
-`sentence_transformers.py`), with
-`attention.py` (`attn_implementation="tpu"`) and `output_capturing.py` (a helper both the Transformers
-and the Diffusers adapters use). Per-architecture patches are in `hf_tpu.model_patches`; the command line
-(`hf-tpu`, the sweep among it) is in `hf_tpu.cli`.
+One module a library (`transformers/` and `accelerate/`, packages split by job; `diffusers.py`;
+`sentence_transformers.py`; `torchao.py`, for torchao's quantized tensors), with `attention.py`
+(`attn_implementation="tpu"`) and `output_capturing.py` (a helper both the Transformers and the Diffusers
+adapters use). Per-architecture patches are in `hf_tpu.model_patches`, below the adapters, with the one way
+every adapter wraps a library's function (`model_patches.wrapping.wrap_once`); the command line (`hf-tpu`, the
+sweep among it) is in `hf_tpu.cli`.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ ADAPTERS = {
     "accelerate.utils.dataclasses": "hf_tpu.integrations.accelerate",
     "sentence_transformers.base.modules.transformer": "hf_tpu.integrations.sentence_transformers",
     "sentence_transformers.base.model": "hf_tpu.integrations.sentence_transformers",
+    "torchao.quantization": "hf_tpu.integrations.torchao",
 }
 
 

@@ -24,19 +24,11 @@ import torch
 
 from hf_tpu import model_patches
 from hf_tpu.model_patches import DENOISERS
+from hf_tpu.model_patches.wrapping import is_tpu, original_of, wrap_once
 
 from .output_capturing import install_output_capturing_hooks
 
-_ORIGINAL = "_hf_tpu_original"
-
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
-
-
-def _is_tpu(device) -> bool:
-    try:
-        return device is not None and torch.device(device).type == "tpu"
-    except (TypeError, RuntimeError):
-        return False
 
 
 # --- Schedulers
@@ -88,7 +80,7 @@ def _wrap_execution_device(original):
     @functools.wraps(original)
     def _execution_device(self):
         device = original(self)
-        if _is_tpu(device):
+        if is_tpu(device):
             prepare_pipeline(self)
         return device
 
@@ -111,11 +103,12 @@ def compile_pipeline(pipe, *, vae_decoder: bool = True, text_encoders: bool = Tr
     Each model's `forward` is compiled, not its `__call__`, so the forward hooks (the timestep upload
     among them) run before it and the compiled graph only ever sees `tpu` tensors. With
     `dynamic=False`, a new resolution or batch size compiles its own graph once; repeating one compiles
-    nothing. `options` is passed to each `torch.compile`: `{"guard_filter_fn":
-    torch.compiler.skip_guard_on_all_nn_modules_unsafe}` drops Dynamo's checks of module attributes
-    before every call (about a tenth of a compiled tiny SD3 image here). Only for models that do not
-    change afterwards and that differ from each other in their tensors' shapes: after
-    `load_lora_weights`, `.train()` or a new hook a model would run its old graph, and two models of one
+    nothing. Each call is traced straight from Python (`hf_tpu.compiled_modules`), Dynamo compiling what that
+    trace cannot take. `options` is passed to each `torch.compile`, for where Dynamo compiles (everywhere with
+    HF_TPU_COMPILE_DIRECT=0): `{"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}` drops
+    Dynamo's checks of module attributes before every call (about a tenth of a compiled tiny SD3 image there),
+    only for models that do not change afterwards and that differ from each other in their tensors' shapes:
+    after `load_lora_weights`, `.train()` or a new hook a model would run its old graph, and two models of one
     class differing only in a non-tensor setting would share one. Returns `pipe`.
     """
     targets = list(_modules(pipe, DENOISERS))
@@ -131,13 +124,11 @@ def compile_pipeline(pipe, *, vae_decoder: bool = True, text_encoders: bool = Tr
                              "compile_pipeline(pipe).")
     prepare_pipeline(pipe)
     for _, module in targets:
-        if getattr(module.forward, _ORIGINAL, None) is None:
+        if original_of(module.forward) is None:
             install_output_capturing_hooks(module)
             # a copy each: torch.compile pops what Dynamo reads (the guard filter) out of the dict it is given
-            compiled = torch.compile(module.forward, backend="tpu", dynamic=dynamic,
-                                     options=None if options is None else dict(options))
-            setattr(compiled, _ORIGINAL, module.forward)
-            module.forward = compiled
+            wrap_once(module, "forward", lambda forward: torch.compile(
+                forward, backend="tpu", dynamic=dynamic, options=None if options is None else dict(options)))
     return pipe
 
 
@@ -156,7 +147,7 @@ def _shards_on_tpu(kwargs) -> bool:
         return False
     device_map = kwargs.get("device_map")
     if device_map is not None:
-        return _is_tpu(device_map)
+        return is_tpu(device_map)
     return torch.accelerator.current_accelerator().type == "tpu" and not (
         torch.distributed.is_available() and torch.distributed.is_initialized())
 
@@ -202,7 +193,6 @@ def _wrap_model_from_pretrained(original):
         model = original.__func__(cls, pretrained_model_name_or_path, *args, **kwargs)
         return distributed.shard_model(model, _plan_styles(model._tp_plan), distributed.mesh(degree, "tp"))
 
-    setattr(from_pretrained, _ORIGINAL, original)
     return classmethod(from_pretrained)
 
 
@@ -241,16 +231,9 @@ def install(module) -> None:
     if module.__name__ == "diffusers.schedulers.scheduling_utils":
         _install_schedulers(module)
     elif module.__name__ == "diffusers.pipelines.pipeline_utils":
-        pipeline = module.DiffusionPipeline
-        getter = pipeline.__dict__["_execution_device"].fget
-        if getattr(getter, _ORIGINAL, None) is None:
-            wrapped = _wrap_execution_device(getter)
-            setattr(wrapped, _ORIGINAL, getter)
-            pipeline._execution_device = property(wrapped)
+        wrap_once(module.DiffusionPipeline, "_execution_device", _wrap_execution_device)
     elif module.__name__ == "diffusers.models.modeling_utils":
-        mixin = module.ModelMixin
-        if getattr(mixin.__dict__["from_pretrained"], _ORIGINAL, None) is None:
-            mixin.from_pretrained = _wrap_model_from_pretrained(mixin.__dict__["from_pretrained"])
+        wrap_once(module.ModelMixin, "from_pretrained", _wrap_model_from_pretrained)
     elif module.__name__ in (_TESTING_UTILS, "diffusers.hooks._common") and _TESTING_UTILS in sys.modules:
         # With DIFFUSERS_TEST_BACKEND=hf_tpu, testing_utils imports hf_tpu before it defines its tables;
         # `diffusers.hooks._common` is the next module it imports, after them.

@@ -24,3 +24,21 @@ def install_output_capturing_hooks(module) -> None:
     if isinstance(module, PreTrainedModel) and not any(
             getattr(m, "_output_capturing_hooks_installed", False) for m in module.modules()):
         maybe_install_capturing_hooks(module)
+
+
+def capturing_hooks_traced() -> None:
+    """Lets `torch.compile(model, backend="tpu")` trace a model holding Transformers' output-capturing hooks
+    (`hf_tpu.compiled_modules`, which sends a module with hooks to Dynamo): each appends to a collector the
+    decorated forward makes and reads within the call, so its effects stay within the call. A model's
+    `generation_config` is left out of the compiled call's key: the forward does not read it."""
+    try:
+        from transformers.utils import output_capturing
+    except ImportError:
+        return
+    from hf_tpu import compiled_modules
+
+    compiled_modules.NOT_READ_BY_FORWARD.add("generation_config")  # `generate()`'s, not the forward's
+    installer = getattr(output_capturing, "install_output_capuring_hook", None)  # sic, Transformers' spelling
+    for code in getattr(getattr(installer, "__code__", None), "co_consts", ()):
+        if getattr(code, "co_name", None) == "output_capturing_hook":
+            compiled_modules.HOOKS_WITHIN_THE_CALL.add(code)

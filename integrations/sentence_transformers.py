@@ -39,6 +39,7 @@ from torch.utils import _pytree as pytree
 
 import hf_tpu
 from hf_tpu import settings as _environment
+from hf_tpu.model_patches.wrapping import wrap_once
 
 log = logging.getLogger("hf_tpu.integrations")
 
@@ -116,7 +117,6 @@ def _wrap_preprocess(original):
         return pad_to_bucket(features, pad_token_id, getattr(tokenizer, "padding_side", "right"),
                              _longest_sequence(self))
 
-    preprocess._hf_tpu = True
     return preprocess
 
 
@@ -180,6 +180,13 @@ HOST_MODEL_BYTES = 1 << 30
 _not_on_the_host: "weakref.WeakSet" = weakref.WeakSet()
 
 
+def _plain_state(model) -> bool:
+    """Whether every parameter and buffer is a plain tensor: not a subclass over tensors of its own (torchao's
+    quantized weights), which has no storage whose address and version the host copies could follow."""
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    return all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+
+
 def _state_bytes(model) -> int:
     tensors = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}.values()
     return sum(t.numel() * t.element_size() for t in tensors)
@@ -209,9 +216,9 @@ def _forward_on_the_host(model, features: dict, kwargs: dict):
     (`_without_bucket_padding`), its results put on the model's device: what a batch runs while the chip
     compiles its bucket's program (`hf_tpu.jit(meanwhile=)`). A first pass then costs what the CPU's own costs,
     plus copying the weights to the host once (none for a model moved to tpu from the CPU: `_wrap_to`).
-    `NotImplemented` (the batch waits for the chip) for a model over `HOST_MODEL_BYTES`, or one the host could
-    not run before."""
-    if model in _not_on_the_host or _state_bytes(model) > HOST_MODEL_BYTES:
+    `NotImplemented` (the batch waits for the chip) for a model over `HOST_MODEL_BYTES`, one the host could not
+    run before, or one with quantized weights (tensor subclasses, whose host copies this does not keep)."""
+    if model in _not_on_the_host or _state_bytes(model) > HOST_MODEL_BYTES or not _plain_state(model):
         return NotImplemented
     device = next(model.parameters()).device
     tensors = {name: value for name, value in features.items() if isinstance(value, torch.Tensor)}
@@ -251,7 +258,6 @@ def _wrap_model_forward(original):
         # a plain dict: the tokenizer's BatchEncoding is unhashable, so it could not key a program
         return _traced_model_forward(self, dict(features), kwargs)
 
-    forward._hf_tpu = True
     return forward
 
 
@@ -265,7 +271,7 @@ def _wrap_to(original):
         or replaced, as a copy read back does."""
         before = _state(self)
         if (any(t.device.type != "cpu" for t in before.values()) or _on_tpu(self)
-                or _state_bytes(self) > HOST_MODEL_BYTES):
+                or _state_bytes(self) > HOST_MODEL_BYTES or not _plain_state(self)):
             return original(self, *args, **kwargs)
         aliases = {id(t): t.detach() for t in before.values()}  # hold the CPU storages past the move; tied: one
         before = {name: aliases[id(t)] for name, t in before.items()}
@@ -275,17 +281,12 @@ def _wrap_to(original):
                                    if name in before and (before[name].shape, before[name].dtype) == (t.shape, t.dtype)}
         return result
 
-    to._hf_tpu = True
     return to
 
 
 def install(module) -> None:
     if module.__name__ == "sentence_transformers.base.model":
-        if not getattr(module.BaseModel.forward, "_hf_tpu", False):
-            module.BaseModel.forward = _wrap_model_forward(module.BaseModel.forward)
-        if not getattr(module.BaseModel.to, "_hf_tpu", False):
-            module.BaseModel.to = _wrap_to(module.BaseModel.to)
+        wrap_once(module.BaseModel, "forward", _wrap_model_forward)
+        wrap_once(module.BaseModel, "to", _wrap_to)
         return
-    transformer = module.Transformer
-    if not getattr(transformer.preprocess, "_hf_tpu", False):
-        transformer.preprocess = _wrap_preprocess(transformer.preprocess)
+    wrap_once(module.Transformer, "preprocess", _wrap_preprocess)

@@ -16,6 +16,8 @@ The adapters call this package only through the interface below, never its modul
 - Diffusers pipelines, every one of them: `patch_scheduler_class(cls)` keeps a scheduler's schedule on the
   host (`diffusers_schedulers.py`), and `patch_pipeline(pipe)` has the `DENOISERS` upload the host-side
   timestep (`diffusers_denoisers.py`): together they remove the denoising loop's host syncs.
+- Every adapter and patch that puts a wrapper in place of a library's function: `wrapping.wrap_once` (once,
+  keeping the original, which `wrapping.original_of` gives back), and `wrapping.is_tpu(device)`.
 """
 
 from __future__ import annotations

@@ -51,7 +51,9 @@ def patch_pipeline(pipe) -> None:
     for module in denoisers(pipe):
         if getattr(module, _TIMESTEP_HOOK, None) is not None:
             continue
-        parameters = list(inspect.signature(module.forward).parameters)
+        # `torch.compile(pipe.transformer)` is an `OptimizedModule`, whose forward takes anything: the signature is
+        # the module's it compiled (the hook, on the `OptimizedModule`, runs before its compiled call)
+        parameters = list(inspect.signature(getattr(module, "_orig_mod", module).forward).parameters)
         if "timestep" not in parameters:
             continue
         module._hf_tpu_timestep_position = parameters.index("timestep")

@@ -13,16 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 
-import torch
-
-_ORIGINAL = "_hf_tpu_original"
-
-
-def _is_tpu(device) -> bool:
-    try:
-        return device is not None and torch.device(device).type == "tpu"
-    except (TypeError, RuntimeError):
-        return False
+from .wrapping import is_tpu, wrap_once
 
 
 def _wrap_set_timesteps(original):
@@ -32,20 +23,16 @@ def _wrap_set_timesteps(original):
     def set_timesteps(self, *args, **kwargs):
         """On `tpu`, the schedule is built on the host: the loop's bookkeeping reads it every step."""
         bound = signature.bind(self, *args, **kwargs)
-        if _is_tpu(bound.arguments.get("device")):
+        if is_tpu(bound.arguments.get("device")):
             bound.arguments["device"] = "cpu"
         return original(*bound.args, **bound.kwargs)
 
-    setattr(set_timesteps, _ORIGINAL, original)
     return set_timesteps
 
 
 def patch_scheduler_class(cls) -> None:
     """Wraps the `set_timesteps` that `cls` defines itself, once; a scheduler whose schedule never goes to a
     device is left as it is."""
-    current = cls.__dict__.get("set_timesteps")
-    if current is None or getattr(current, _ORIGINAL, None) is not None:
-        return
-    if "device" not in inspect.signature(current).parameters:
-        return  # a scheduler whose schedule never goes to a device
-    cls.set_timesteps = _wrap_set_timesteps(current)
+    own = cls.__dict__.get("set_timesteps")
+    if own is not None and "device" in inspect.signature(own).parameters:
+        wrap_once(cls, "set_timesteps", _wrap_set_timesteps)

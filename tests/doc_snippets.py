@@ -103,6 +103,15 @@ class Setup:
         return save_tiny_llama(cls._directory(), small=True, num_hidden_layers=1), torch.tensor([[1, 40, 41, 42, 43]])
 
     @classmethod
+    def new_folder(cls, name: str) -> str:
+        """A new empty folder for what a block saves (a quantized checkpoint)."""
+        import os
+
+        folder = os.path.join(cls._directory(), name)
+        os.makedirs(folder)
+        return folder
+
+    @classmethod
     def stable_diffusion(cls) -> str:
         """The folder of a tiny Stable Diffusion pipeline (16x16 images)."""
         from examples.text_to_image import saved_pipeline

@@ -339,3 +339,120 @@ def test_the_train_memory_arithmetic_of_the_rows():
     assert sum(training.train_memory(models["1.1b"], 8, 1024, "bf16", False).values()) > v5e
     mixed = training.train_memory(models["1.1b"], 8, 1024, "mixed", True)
     assert mixed["parameters"] + mixed["gradients"] + mixed["AdamW moments"] > v5e
+
+
+def test_tiny_quantization_run_reports_each_form_beside_bfloat16(tmp_path):
+    """`--only quant,quant_prefill,quant_big` at the tiny size: the Llama model loaded from its bfloat16 checkpoint
+    in each torchao config, decoding (or skipped below the timing noise), the prefill in bfloat16 and with int8
+    activations, what XLA made of each quantized program, the raw-JAX forms; the two big-model stand-ins written,
+    loaded in int8 and decoding."""
+    out = tmp_path / "figures.json"
+    proc = _chip("--size", "tiny", "--only", "quant,quant_prefill,quant_big", "--batches", "2", "--lengths", "16",
+                 "--json", str(out), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    by_section = {}
+    for figure in json.loads(out.read_text()):
+        by_section.setdefault(figure["section"], []).append(figure)
+    variants = ["bf16", "int8 weight-only", "int4 group 32", "int8 activations+weights"]
+    assert [f["variant"] for f in by_section["quant_load"]] == variants[:3] + ["bf16", variants[3]]
+    loads = {f["variant"]: f["step_bytes"] for f in by_section["quant_load"]}
+    assert loads["int4 group 32"] < loads["int8 weight-only"] < loads["bf16"]
+    skipped = {f["row"] for f in by_section.get("skipped", [])}
+    for variant in variants[:3]:
+        decoded = [f for f in by_section.get("quant_decode", []) if f["variant"] == variant]
+        assert [f["batch"] for f in decoded] == [2] or f"{variant} decode 2x16" in skipped
+    assert [f["variant"] for f in by_section["quant_prefill"]] == ["bf16", "int8 activations+weights"]
+    hlo = {(f["variant"], f["program"]): f for f in by_section["quant_hlo"]}
+    assert hlo[("int8 activations+weights", "traced_forward")]["int8_products"] == 7  # a layer's 7 linear layers
+    assert all(f["products"] > 0 for f in hlo.values())
+    assert [f["form"] for f in by_section["quant_forms"]] == ["bf16", "int8", "int4 two products",
+                                                               "int4 interleaved", "int4 JAX int4 array"]
+    assert [f["model"] for f in by_section["quant_big_load"]] == ["llama-tiny", "qwen3-tiny"]
+    assert all(f["held"] > 0 and f["peak"] >= f["held"] for f in by_section["quant_big_load"])
+    for model in ("llama-tiny", "qwen3-tiny"):
+        assert (any(f["model"] == model for f in by_section.get("quant_big_decode", []))
+                or f"{model} decode" in skipped)
+    assert "quantized decode" in proc.stdout or {f"{v} decode 2x16" for v in variants[:3]} <= skipped
+    assert "big models in int8 on one chip" in proc.stdout and "prefill" in proc.stdout
+
+
+def test_the_hlo_summary_tells_fused_conversions_from_written_weights():
+    """What `quant_hlo` rows count, on HLO as a TPU's XLA prints it: a product converting its int8 weight inside its
+    own fusion, a product of int8 operands, and (as XLA:CPU does) an int8 weight converted to floats on its own."""
+    from benchmarks.quant import hlo_summary
+
+    text = """HloModule jit_loop_body
+%fused_computation.7 (param_0: bf16[1,2048], param_1: s8[8192,2048]) -> f32[1,8192] {
+  %param_1 = s8[8192,2048]{1,0:T(8,128)(4,1)} parameter(1)
+  %convert.3 = bf16[8192,2048]{1,0:T(8,128)(2,1)} convert(%param_1)
+  %param_0 = bf16[1,2048]{1,0} parameter(0)
+  ROOT %convolution.2 = f32[1,8192]{1,0} convolution(%param_0, %convert.3), dim_labels=bf_oi->bf
+}
+%fused_computation.9 (param_0.1: s8[64,2048], param_1.1: s8[2048,2048]) -> s32[64,2048] {
+  %param_0.1 = s8[64,2048]{1,0} parameter(0)
+  %param_1.1 = s8[2048,2048]{1,0} parameter(1)
+  ROOT %convolution.5 = s32[64,2048]{1,0} convolution(s8[64,2048]{1,0} %param_0.1, s8[2048,2048]{1,0} %param_1.1)
+}
+%fused_computation.3 (param_0.8: s8[256,512]) -> f32[512,256] {
+  %param_0.8 = s8[256,512]{1,0} parameter(0)
+  %transpose.4 = s8[512,256]{0,1} transpose(%param_0.8), dimensions={1,0}
+  ROOT %convert.9 = f32[512,256]{1,0} convert(%transpose.4)
+}
+ENTRY %main (p0: bf16[1,2048]) -> f32[1,8192] {
+  %p0 = bf16[1,2048]{1,0} parameter(0)
+  ROOT %fusion.1 = f32[1,8192]{1,0} fusion(%p0), kind=kOutput, calls=%fused_computation.7
+}
+"""
+    assert hlo_summary(text, least_elements=1024) == dict(products=2, int8_products=1, fused_conversions=1,
+                                                          written_dequantized=1, written_bytes=512 * 256 * 4)
+
+
+def test_a_random_checkpoint_is_written_a_layer_a_file_and_stops_at_its_time_limit(tmp_path):
+    import pytest
+
+    from benchmarks.quant import write_random_checkpoint
+
+    config = dict(chip.SIZES["tiny"]["model"], num_hidden_layers=2)
+    written = write_random_checkpoint("llama", config, str(tmp_path), seconds=600)
+    files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert files == ["model-layer-000.safetensors", "model-layer-001.safetensors", "model-other.safetensors"]
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == written and len(index["weight_map"]) == 2 * 9 + 3
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)  # Transformers reads it back whole
+    assert sum(p.numel() * 2 for p in model.parameters()) == written
+    with pytest.raises(TimeoutError, match="took over 0 s"):
+        write_random_checkpoint("llama", config, str(tmp_path / "late"), seconds=0)
+
+
+def test_first_call_phases_split_the_direct_trace_from_dynamos_capture(monkeypatch):
+    """`compile`'s rows: a module compiled with the direct trace spends its first call in the Python trace and
+    XLA, with next to nothing left as capture; through Dynamo (HF_TPU_COMPILE_DIRECT=0), the capture is the rest."""
+    import torch
+
+    import hf_tpu  # noqa: F401
+    from hf_tpu import direct
+
+    rows = []
+    monkeypatch.setattr(chip._Rows, "emit",
+                        lambda self, section, **figures: rows.append(dict(section=section, **figures)))
+    x = torch.randn(4, 8, device="tpu")
+    for direct_trace in ("1", "0"):
+        monkeypatch.setenv("HF_TPU_COMPILE_DIRECT", direct_trace)
+        direct.reset()
+        torch._dynamo.reset()
+        compiled = torch.compile(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()).to("tpu"), backend="tpu")
+
+        def forward():
+            with torch.no_grad():
+                compiled(x).cpu()
+
+        chip._compile_row(chip._Rows("compile", False), "hf-tpu", "forward", forward, batch=4, length=8)
+    traced, captured = rows
+    assert traced["python_trace"] > 0 and traced["xla"] > 0 and traced["trace"] > 0
+    assert captured["python_trace"] == 0 and captured["xla"] > 0 and captured["capture"] > traced["capture"]
+    spec = chip.SIZES["tiny"]
+    line = chip.describe(dict(traced, group="compile"), spec)
+    assert line.startswith("[compile] hf-tpu forward 4x8: first call") and "Python trace" in line
+    assert "first calls, where the time goes" in chip.report([dict(r, group="compile") for r in rows], spec)

@@ -199,6 +199,18 @@ def test_compiled_pipeline_same_image_and_no_compiles_on_second_call(kind, sd_pa
     np.testing.assert_allclose(second, _generate(cpu, seed=1, steps=4), atol=ATOL, rtol=0)
 
 
+def test_a_denoiser_compiled_as_users_compile_it_takes_the_timestep_on_its_chip(sd3_path, sd3):
+    """`pipe.transformer = torch.compile(pipe.transformer, backend="tpu")`: an `OptimizedModule` in the pipeline,
+    whose timestep hook reads the compiled module's signature; its calls are traced directly, without Dynamo."""
+    import torch._dynamo.utils
+
+    tpu = load("sd3", sd3_path).to("tpu")
+    tpu.transformer = torch.compile(tpu.transformer, backend="tpu")
+    torch._dynamo.utils.counters.clear()
+    np.testing.assert_allclose(_generate(tpu, steps=2), _generate(sd3[0], steps=2), atol=ATOL, rtol=0)
+    assert not torch._dynamo.utils.counters["frames"]
+
+
 def test_compiled_pipeline_has_no_graph_breaks(sd3_path):
     """SD3's CLIP encoders are asked for hidden states: Transformers installs its capturing hooks on that
     first call, under a lock Dynamo cannot trace, unless compile_pipeline installed them before."""
@@ -210,8 +222,10 @@ def test_compiled_pipeline_has_no_graph_breaks(sd3_path):
     assert not counters["graph_break"], list(counters["graph_break"])
 
 
-def test_compile_options_reach_torch_compile(sd3_path, sd3):
-    """A guard filter passed in `options` decides each compiled model's guards; the image is unchanged."""
+def test_compile_options_reach_torch_compile(sd3_path, sd3, monkeypatch):
+    """A guard filter passed in `options` decides each compiled model's guards where Dynamo compiles it (here every
+    model, the direct trace turned off); the image is unchanged."""
+    monkeypatch.setenv("HF_TPU_COMPILE_DIRECT", "0")
     filtered = []
 
     def skip_module_guards(entries):

@@ -143,6 +143,25 @@ def test_compiled_sharded_model_matches_unsharded():
     torch.testing.assert_close(logits.cpu(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_sharded_model_finds_an_id_out_of_range_and_single_chip_ops_stay_on_their_chip(compiled):
+    """The record of out-of-range indices stays on its chip: a sharded program's finding joins it there, and a
+    single-chip op after it runs on that chip alone (docs/design/device-checks.md)."""
+    model = tiny_llama()
+    dist.shard_model(model, model.tp_plan, dist.mesh(2, "tp"))
+    run = torch.compile(model, backend="tpu") if compiled else model
+    with torch.no_grad():
+        run(torch.randint(0, CONFIG.vocab_size, (2, 10)).to("tpu")).logits.sum().item()
+        ids = torch.randint(0, CONFIG.vocab_size, (2, 10))
+        ids[1, 3] = CONFIG.vocab_size
+        logits = run(ids.to("tpu")).logits
+    with pytest.raises(IndexError, match=r"index out of range in self \(aten::embedding called at "):
+        logits.sum().item()
+    single = torch.nn.functional.embedding(torch.tensor([1], device="tpu"), torch.randn(4, 2, device="tpu"))
+    assert dist.sharding(single) is None and single.shape == (1, 2)
+    torch._dynamo.reset()
+
+
 def test_load_state_dict_into_a_sharded_model_keeps_the_shards():
     model = tiny_llama()
     state = {name: torch.randn_like(p) for name, p in model.state_dict().items()}
@@ -269,29 +288,40 @@ def test_from_pretrained_tp_plan_auto_shards_over_the_chips_and_generates(llama_
     assert torch.equal(tpu.generate(ids.to("tpu"), max_new_tokens=6, do_sample=False).cpu(), expected)
 
 
-def generate_holding_the_cache(model, ids):
-    """generate()'s sequences, its static cache, and the bytes each chip frees when both are dropped."""
-    out = model.generate(ids.to("tpu"), max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
-    sequences, layers = out.sequences.cpu(), out.cache.layers
+def static_caches_made(monkeypatch) -> list:
+    """The `StaticCache`s made from now on (the one generate() decodes with: a result returns Transformers' own)."""
+    from transformers import StaticCache
+
+    made, init = [], StaticCache.__init__
+    monkeypatch.setattr(StaticCache, "__init__", lambda self, *a, **k: made.append(self) or init(self, *a, **k))
+    return made
+
+
+def generate_holding_the_cache(model, ids, made: list):
+    """generate()'s sequences, the static cache it decoded with (the last of `made`), and the bytes each chip frees
+    when that cache is dropped."""
+    sequences = model.generate(ids.to("tpu"), max_new_tokens=6, do_sample=False).cpu()
+    layers = made.pop().layers
     layouts = [(dist.sharding(layer.keys), dist.sharding(layer.values)) for layer in layers]
     cache_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in layers)
     gc.collect()
     holding = chip_memory()
-    del out, layers
+    del layers
     gc.collect()
     return sequences, layouts, cache_bytes, [then - now for then, now in zip(holding, chip_memory())]
 
 
-def test_generate_shards_the_static_cache_by_heads(llama_checkpoint):
+def test_generate_shards_the_static_cache_by_heads(llama_checkpoint, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     ids = torch.tensor([[3, 14, 15, 92, 65], [7, 1, 8, 2, 8]])
     expected = AutoModelForCausalLM.from_pretrained(llama_checkpoint).generate(ids, max_new_tokens=6, do_sample=False)
     single_chip = AutoModelForCausalLM.from_pretrained(llama_checkpoint, device_map="tpu")
-    assert torch.equal(generate_holding_the_cache(single_chip, ids)[0], expected)
+    made = static_caches_made(monkeypatch)
+    assert torch.equal(generate_holding_the_cache(single_chip, ids, made)[0], expected)
     tpu = AutoModelForCausalLM.from_pretrained(llama_checkpoint, device_map="tpu", tp_plan="auto")
     hf_tpu.reset_metrics()
-    sequences, layouts, cache_bytes, freed = generate_holding_the_cache(tpu, ids)
+    sequences, layouts, cache_bytes, freed = generate_holding_the_cache(tpu, ids, made)
     assert hf_tpu.metrics()["compiles_by_mode"]["COMPILE"] >= 1  # the decoding step is compiled
     assert torch.equal(sequences, expected)
     mesh = dist.sharding(tpu.model.embed_tokens.weight).mesh
@@ -299,12 +329,12 @@ def test_generate_shards_the_static_cache_by_heads(llama_checkpoint):
     # each chip held half of every layer's keys and values (plus a few scalars: lengths, positions)
     assert all(cache_bytes / 2 <= f < cache_bytes / 2 + 1024 for f in freed), (freed, cache_bytes)
     hf_tpu.reset_metrics()
-    again, layouts_again, _, _ = generate_holding_the_cache(tpu, ids)
+    again, layouts_again, _, _ = generate_holding_the_cache(tpu, ids, made)
     assert hf_tpu.metrics()["compiles"] == 0
     assert torch.equal(again, expected) and layouts_again == layouts
 
 
-def test_generate_replicates_a_cache_whose_heads_do_not_split_and_warns():
+def test_generate_replicates_a_cache_whose_heads_do_not_split_and_warns(monkeypatch):
     """`shard_model` accepts a tp degree that divides heads * head_dim but not the key/value heads."""
     config = LlamaConfig(**{**CONFIG.to_dict(), "num_key_value_heads": 1})
     torch.manual_seed(0)
@@ -312,10 +342,11 @@ def test_generate_replicates_a_cache_whose_heads_do_not_split_and_warns():
     ids = torch.tensor([[3, 14, 15, 92, 65]])
     expected = cpu.generate(ids, max_new_tokens=4, do_sample=False)
     tpu = dist.shard_model(cpu, cpu.tp_plan, dist.mesh(2, "tp"))
+    made = static_caches_made(monkeypatch)
     with pytest.warns(UserWarning, match="do not divide its 1 key/value heads"):
-        out = tpu.generate(ids.to("tpu"), max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
-    assert torch.equal(out.sequences.cpu(), expected)
-    assert dist.sharding(out.cache.layers[0].keys).spec[1] is None  # (the partitioner may split head_dim)
+        out = tpu.generate(ids.to("tpu"), max_new_tokens=4, do_sample=False)
+    assert torch.equal(out.cpu(), expected)
+    assert dist.sharding(made[-1].layers[0].keys).spec[1] is None  # (the partitioner may split head_dim)
 
 
 def test_tensor_parallel_load_rejects_bad_sizes_before_loading(llama_checkpoint, tmp_path):

@@ -503,14 +503,13 @@ def test_bool_inputs_the_cpu_rejects_raise_on_tpu(name):
         fn(torch.tensor([True, False], device="tpu")).cpu()
 
 
-@pytest.mark.xfail(strict=True, raises=IndexError, reason=(
-    "with index checks on, an out-of-range index into dim 1 of a tensor of 2 or 3 dims raises RuntimeError "
-    "('INDICES element is out of DATA bounds') on the CPU, IndexError into any other dim; tpu raises IndexError"))
 def test_index_select_out_of_range_along_dim_1_raises_cpus_error_type():
-    with torch.tpu.use_eager_mode("DEFER_NEVER_AND_LAUNCH_BLOCKING"):
-        for device in ("cpu", "tpu"):
-            with pytest.raises(RuntimeError, match="INDICES element is out of DATA bounds"):
-                torch.ones(2, 3, device=device).index_select(1, torch.tensor([7], device=device)).cpu()
+    """CPU's kernel along dim 1 of a tensor of 2 or more dims raises RuntimeError, along any other dim IndexError."""
+    for mode in MODES:
+        with torch.tpu.use_eager_mode(mode):
+            for device in ("cpu", "tpu"):
+                with pytest.raises(RuntimeError, match="INDICES element is out of DATA bounds, id=7 axis_dim=3"):
+                    torch.ones(2, 3, device=device).index_select(1, torch.tensor([7], device=device)).cpu()
 
 
 @pytest.mark.xfail(strict=True, reason=(

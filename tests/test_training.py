@@ -370,7 +370,7 @@ def test_a_configuration_that_sends_accelerate_to_the_cpu_says_so_once(monkeypat
 # --- A training step traced into one program (`hf_tpu.jit`): autograd over the trace's tensors
 
 
-def _traced_training(device, steps, make_opt, checkpointing=None, dropout=0.0, jit=True, schedule=False):
+def _traced_training(device, steps, make_opt, checkpointing=None, dropout=0.0, jit=True, schedule=False, length=8):
     """Losses of `steps` steps (forward, backward, optimizer step) of the tiny Llama, each step traced whole by
     `hf_tpu.jit` where `jit`; and the model's parameters after them. The programs traced before are forgotten:
     a module's attributes other than `training` (which checkpoint function it calls) are not part of their key."""
@@ -398,7 +398,7 @@ def _traced_training(device, steps, make_opt, checkpointing=None, dropout=0.0, j
         return loss.detach()
 
     step = hf_tpu.jit(step) if jit else step
-    data = torch.randint(0, 64, (steps, 2, 8), generator=torch.Generator().manual_seed(1))
+    data = torch.randint(0, 64, (steps, 2, length), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(5)
     losses = []
     for ids in data:
@@ -441,6 +441,20 @@ def test_a_checkpointed_traced_step_recomputes_behind_a_barrier_with_the_forward
     torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-5)
     for a, b in zip(traced_params, eager_params):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_recomputed_attention_meets_the_masks_its_forward_met():
+    """The trace runs under a torch function mode that gives attention a causal mask's pattern; PyTorch takes it off
+    while `loss.backward()` runs, and a non-reentrant checkpoint's recomputed attention took the mask's other path,
+    saving other tensors than its forward: the checkpoint's refusal aborted the process inside autograd's engine."""
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=1e-2, foreach=True)
+
+    eager, eager_params = _traced_training("tpu", 2, adamw, checkpointing=False, jit=False, length=32)
+    traced, traced_params = _traced_training("tpu", 2, adamw, checkpointing=False, length=32)
+    torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-5)
+    for a, b in zip(traced_params, eager_params):  # AdamW's step on float32 noise: a part of the learning rate
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_the_barrier_stands_before_each_recomputed_layer():

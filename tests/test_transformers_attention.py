@@ -3,6 +3,7 @@ through grouped_mm, against the same checkpoints on cpu."""
 
 import pytest
 import torch
+import torch._dynamo.utils
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_tpu
@@ -74,11 +75,12 @@ def test_padded_batch_logits_match_cpu_eager(checkpoint):
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral"])
 def test_compiled_forward_attends_without_a_materialised_mask(model_type, tmp_path_factory, monkeypatch):
-    """Under torch.compile, a forward without a cache builds Transformers' causal (or sliding-window) mask
-    in the graph from constants; the compiled graph runs attention on the pattern instead, with CPU's
-    logits."""
+    """Under torch.compile through Dynamo, a forward without a cache builds Transformers' causal (or
+    sliding-window) mask in the graph from constants; the compiled graph runs attention on the pattern instead,
+    with CPU's logits."""
     from transformers import AutoModelForCausalLM
 
+    monkeypatch.setenv("HF_TPU_COMPILE_DIRECT", "0")
     path = save_tiny(model_type, tmp_path_factory)
     graphs = []
     recognise = hf_tpu.constant_masks.recognise_constant_masks
@@ -97,6 +99,34 @@ def test_compiled_forward_attends_without_a_materialised_mask(model_type, tmp_pa
     for call in calls:  # (query, key, value, attn_mask, scale, is_causal, sliding_window)
         assert call.args[3] is None and call.args[5] is True
         assert call.args[6] == (4 if model_type == "mistral" else 0)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral"])
+def test_a_forward_traced_directly_attends_without_a_materialised_mask(model_type, tmp_path_factory, monkeypatch):
+    """The same forward traced straight from Python (`torch.compile` of the module, through `hf_tpu.jit`): the mask
+    Transformers builds from constants is known on the host while tracing (`constant_masks.KnownValues`), and the
+    attention runs on its pattern, with CPU's logits."""
+    from transformers import AutoModelForCausalLM
+
+    path = save_tiny(model_type, tmp_path_factory)
+    patterns = []
+    on_pattern = hf_tpu.constant_masks.KnownValues._attention_on_pattern
+
+    def noted(self, *args):
+        rewritten = on_pattern(self, *args)
+        patterns.append(None if rewritten is None else (rewritten[2]["is_causal"], rewritten[2].get("sliding_window")))
+        return rewritten
+
+    monkeypatch.setattr(hf_tpu.constant_masks.KnownValues, "_attention_on_pattern", noted)
+    cpu = AutoModelForCausalLM.from_pretrained(path)
+    tpu = AutoModelForCausalLM.from_pretrained(path, device_map="tpu")
+    expected = cpu(PROMPTS, use_cache=False).logits
+    torch._dynamo.utils.counters.clear()
+    with torch.no_grad():
+        actual = torch.compile(tpu, backend="tpu")(PROMPTS.to("tpu"), use_cache=False).logits
+    torch.testing.assert_close(actual.cpu(), expected, atol=1e-4, rtol=1e-4)
+    assert not torch._dynamo.utils.counters["frames"]
+    assert patterns == [(True, 4 if model_type == "mistral" else None)] * tpu.config.num_hidden_layers
 
 
 def assert_generates_cpu_tokens(checkpoint, mode):

@@ -104,17 +104,30 @@ def test_stop_strings_stop_where_cpu_stops(models):
     assert actual.shape[1] <= 8
 
 
-def test_static_cache_by_default_and_no_compiles_on_a_second_call(models):
+def _static_caches_made(monkeypatch) -> list:
+    """The `StaticCache`s made from now on, in order (the one `generate()` decodes with, where it returns another)."""
     from transformers import StaticCache
 
-    _, tpu = models
+    made, init = [], StaticCache.__init__
+    monkeypatch.setattr(StaticCache, "__init__", lambda self, *a, **k: made.append(self) or init(self, *a, **k))
+    return made
+
+
+def test_static_cache_by_default_and_no_compiles_on_a_second_call(models, monkeypatch):
+    """The static cache the adapter decodes with is its own: a result that holds the cache holds Transformers'
+    default, a `DynamicCache` of the tokens cached (`test_a_returned_cache_is_transformers_default_...`)."""
+    from transformers import DynamicCache
+
+    cpu, tpu = models
+    made = _static_caches_made(monkeypatch)
     out = tpu.generate(PROMPT.to("tpu"), max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
-    assert isinstance(out.cache, StaticCache)
-    assert out.cache.layers[0].max_cache_len % adapter.settings.cache_length_multiple == 0
+    assert len(made) == 1 and made[0].layers[0].max_cache_len % adapter.settings.cache_length_multiple == 0
+    assert isinstance(out.cache, DynamicCache)
     hf_tpu.reset_metrics()
     again = tpu.generate(PROMPT.to("tpu"), max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
     assert hf_tpu.metrics()["compiles"] == 0
     assert torch.equal(again.sequences.cpu(), out.sequences.cpu())
+    assert torch.equal(out.sequences.cpu(), cpu.generate(PROMPT, max_new_tokens=8, do_sample=False))
 
 
 def test_one_new_token_shares_the_prefill_of_longer_calls(checkpoint, monkeypatch):
@@ -127,9 +140,10 @@ def test_one_new_token_shares_the_prefill_of_longer_calls(checkpoint, monkeypatc
     monkeypatch.setattr(adapter.settings, "cache_length_multiple", 16)
     length = adapter.settings.prompt_buckets[0]
     prompt = torch.randint(3, 128, (1, length)).to("tpu")
+    made = _static_caches_made(monkeypatch)
     one = tpu.generate(prompt, max_new_tokens=1, do_sample=False, return_dict_in_generate=True)
     six = tpu.generate(prompt, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
-    assert one.cache.layers[0].max_cache_len == six.cache.layers[0].max_cache_len == -(-(length + 1) // 16) * 16
+    assert [cache.layers[0].max_cache_len for cache in made] == [-(-(length + 1) // 16) * 16] * 2
     assert torch.equal(six.sequences[:, :length + 1].cpu(), one.sequences.cpu())
 
 
@@ -274,6 +288,19 @@ def test_tokens_after_the_first_cost_no_host_read_each(models):
         tpu.generate(PROMPT.to("tpu"), max_new_tokens=new_tokens, do_sample=False)
         syncs.append(hf_tpu.metrics()["host_syncs"])
     assert syncs[1] == syncs[2]  # a constant per call, whatever the number of tokens
+
+
+def test_a_token_id_beyond_the_vocabulary_raises_cpus_error_and_the_next_call_generates(models):
+    """The traced prefill looks the prompt up on the device: the id out of range is CPU's IndexError at generate's
+    first read, naming the embedding, and the kept static cache and programs serve the next call."""
+    cpu, tpu = models
+    prompt = torch.tensor([[3, 14, cpu.config.vocab_size, 92, 65]])
+    with pytest.raises(IndexError, match="index out of range in self"):
+        cpu.generate(prompt, max_new_tokens=4, do_sample=False)
+    with pytest.raises(IndexError, match=r"index out of range in self \(aten::embedding called at .*in forward"):
+        tpu.generate(prompt.to("tpu"), max_new_tokens=4, do_sample=False)
+    expected, actual = _both(models, max_new_tokens=4, do_sample=False)
+    assert torch.equal(actual, expected)
 
 
 def test_the_device_loop_generates_what_decoding_token_by_token_generates(models):
@@ -905,6 +932,46 @@ def test_dict_outputs_hold_the_prompt_as_given_and_continue_like_cpu(models):
     assert actual.hidden_states[0][0].shape == expected.hidden_states[0][0].shape
     continued = tpu.generate(actual.sequences, cache=actual.cache, max_new_tokens=3, **kwargs)
     assert torch.equal(continued.sequences.cpu(), cpu.generate(PROMPT, max_new_tokens=6, **kwargs).sequences)
+
+
+def test_a_returned_cache_is_transformers_own_and_continues_past_the_static_length_as_on_cpu(models, monkeypatch):
+    """A result that holds the cache holds what Transformers returns (a `DynamicCache` of the tokens cached), and a
+    continuation handed it back gives the CPU's scores past the length of the static cache the first call decoded
+    with (32 positions here): that static cache, handed back, had its writes past its end clamped onto its last
+    position (CPU's `index_copy_` raises there) and gave other scores, silently. The continuation decodes in a
+    static cache of its own and leaves the given cache holding every token, as Transformers leaves it, whether the
+    result holds it or not."""
+    cpu, tpu = models
+    monkeypatch.setattr(adapter.settings, "cache_length_multiple", 16)
+    kwargs = dict(do_sample=False, eos_token_id=None, return_dict_in_generate=True, output_scores=True)
+    expected = cpu.generate(PROMPT, max_new_tokens=20, **kwargs)
+    first = tpu.generate(PROMPT.to("tpu"), max_new_tokens=20, **kwargs)
+    assert type(first.cache) is type(expected.cache)
+    assert first.cache.get_seq_length() == expected.cache.get_seq_length() == PROMPT.shape[1] + 19
+    given = first.cache
+    expected = cpu.generate(expected.sequences, cache=expected.cache, max_new_tokens=20, **kwargs)
+    continued = tpu.generate(first.sequences, cache=given, max_new_tokens=20, **kwargs)
+    assert continued.cache is given and given.get_seq_length() == expected.cache.get_seq_length()
+    assert torch.equal(continued.sequences.cpu(), expected.sequences)
+    for actual_scores, expected_scores in zip(continued.scores, expected.scores):
+        torch.testing.assert_close(actual_scores.cpu(), expected_scores, rtol=1e-5, atol=1e-5)
+    ids_only = dict(do_sample=False, eos_token_id=None, max_new_tokens=4)
+    again = tpu.generate(continued.sequences, cache=given, **ids_only)
+    assert torch.equal(again.cpu(), cpu.generate(expected.sequences, cache=expected.cache, **ids_only))
+    assert given.get_seq_length() == expected.cache.get_seq_length()
+    for on_tpu, on_cpu in zip(given.layers, expected.cache.layers):
+        torch.testing.assert_close(on_tpu.keys.cpu(), on_cpu.keys, rtol=1e-5, atol=1e-5)
+
+
+def test_a_static_cache_too_short_for_the_call_raises_index_error_as_on_cpu(models):
+    """The CPU raises at the first write past a given static cache's end; on tpu that write's start would be clamped
+    onto the last position, so the call raises before decoding."""
+    from transformers import StaticCache
+
+    for model in models:
+        cache = StaticCache(config=model.config, max_cache_len=8)
+        with pytest.raises(IndexError):
+            model.generate(PROMPT.to(model.device), cache=cache, max_new_tokens=10, do_sample=False, eos_token_id=None)
 
 
 def test_attentions_asked_for_have_the_cpu_shapes(checkpoint):

@@ -16,8 +16,8 @@ import time
 import jax
 import torch
 
-from . import current, rng  # first: the layers below import them
 from .. import modes, platform
+from ..device_state import current, rng
 from ..memory import buffer
 
 

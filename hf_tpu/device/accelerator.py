@@ -78,14 +78,14 @@ def _routed(name, original):
             return route(*args, **kwargs)
         return original(*args, **kwargs)
 
-    wrapper.__hf_tpu_original__ = original
+    wrapper._hf_tpu_original = original  # the marker of a function hf-tpu put in PyTorch's place
     return wrapper
 
 
 def install() -> None:
     for name in _ROUTES:
         original = getattr(torch.accelerator, name, None)
-        if original is None or hasattr(original, "__hf_tpu_original__"):
+        if original is None or hasattr(original, "_hf_tpu_original"):
             continue
         setattr(torch.accelerator, name, _routed(name, original))
     if not issubclass(torch.accelerator.device_index, _DeviceIndex):

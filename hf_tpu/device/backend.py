@@ -10,7 +10,7 @@ from torch.utils.backend_registration import _setup_privateuseone_for_python_bac
 
 from .. import device, dispatch, ops  # noqa: F401  (`ops` fills the lowering registry)
 from ..memory import pinned, storage_apis
-from . import accelerator, autocast, module_to, rng
+from . import accelerator, autocast, generator, module_to
 
 
 class _Hooks(torch._C._acc.PrivateUse1Hooks):
@@ -38,5 +38,5 @@ def register() -> None:
     storage_apis.install()
     pinned.install()
     autocast.install()
-    rng.install()
+    generator.install()
     module_to.install()

@@ -41,7 +41,8 @@ def _swaps_for(module: torch.nn.Module, device) -> list | None:
 @contextlib.contextmanager
 def _swapping(parameters: list):
     """Swap parameters while converting; a swap also exchanges the Python attributes (`__dict__`), and
-    those a user or a library set on a parameter are put back, as an in-place move keeps them."""
+    those a user or a library set on a parameter are put back, as an in-place move keeps them. Those the moved
+    tensor has itself stay: a tensor subclass keeps its data in attributes (torchao's `qdata` and `scale`)."""
     attributes = [(p, dict(p.__dict__)) for p in parameters if p.__dict__]
     _set_swap(True)
     try:
@@ -49,7 +50,8 @@ def _swapping(parameters: list):
     finally:
         _set_swap(False)
         for p, kept in attributes:
-            p.__dict__.update(kept)
+            for name, value in kept.items():
+                p.__dict__.setdefault(name, value)
 
 
 def _keeping_parameters(convert, device_of):

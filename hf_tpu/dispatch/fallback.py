@@ -10,7 +10,7 @@ import warnings
 import torch
 
 from .. import counters, modes, settings
-from ..device import current
+from ..device_state import current
 from .call import call_with, checked_by_assert, flatten_returns, wrapped_numbers
 from .signatures import TENSOR_LIST, Signature
 

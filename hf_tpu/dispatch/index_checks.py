@@ -1,120 +1,254 @@
-"""Out-of-range indices: XLA clamps gathers (index_select fills) and drops scatters silently; PyTorch on CPU
-raises. Class labels of nll_loss (cross_entropy) and bincount's values are indices too.
+"""Out-of-range indices: XLA clamps a gather (index_select fills with NaN) and drops a scatter's write, silently;
+PyTorch on CPU raises. Class labels of nll_loss (cross_entropy), bincount's values and one_hot's classes are
+indices too.
 
-Checking needs the indices on the host (a sync per indexing op), so it is off by default and on under
-`DEFER_NEVER_AND_LAUNCH_BLOCKING` or with `HF_TPU_CHECK_INDICES=1`. Each check raises the exception
-type and message PyTorch's CPU kernel raises for the same call.
+Each checked op's rule looks at the call's shapes and static arguments when its program is built (never at a
+device value) and gives the `IndexCheck` the program computes beside its results, or None where nothing can be
+out of range (an empty index). The program writes what it finds into its device's record of errors, and the
+first error is raised at the next host read, naming the op and where it was called (`modes.device_errors`);
+with HF_TPU_CHECK_INDICES=1 or in launch-blocking mode, at the op's call, with a host sync per op. Either way the
+exception is the type and message PyTorch's CPU kernel raises for the same call (`tests/core/test_index_checks.py`
+compares them), and only values CPU rejects are flagged: negative indices where CPU takes them (`x[-1]`,
+`index_fill`, `take`), ignore_index, empty indices.
 """
 
 from __future__ import annotations
 
+import typing
 
+import jax.numpy as jnp
 import torch
 
-from .. import modes, settings
 
-aten = torch.ops.aten
+class IndexCheck(typing.NamedTuple):
+    """What a checked op's program computes of its indices, and the error that stands for."""
 
-
-def enabled() -> bool:
-    if settings.get("HF_TPU_CHECK_INDICES"):
-        return True
-    return modes.current().kind is modes.ModeKind.DEFER_NEVER_AND_LAUNCH_BLOCKING
-
-
-def _bounds(index: torch.Tensor):
-    if index.numel() == 0:
-        return None
-    both = torch.stack([index.min(), index.max()]).cpu().tolist()
-    return both
+    # the lowering's arguments by name (arrays) -> (whether an index is out of range, the first such value in
+    # PyTorch's order, a detail the message needs: a dim, a position)
+    find: typing.Callable
+    error: typing.Callable  # (value, detail) -> the exception PyTorch's CPU kernel raises
 
 
-def _check_dim(index, size, dim, error, message=None):
-    bounds = _bounds(index)
-    if bounds is None:
-        return
-    for value in bounds:
-        if value >= size or value < -size:
-            raise error(message or f"index {value} is out of bounds for dimension {dim} with size {size}")
+def _first(flat, outside):
+    """(whether any of `outside` is true, the element of `flat` at the first true one, its position): one min-reduction
+    of positions, which XLA computes faster than an argmax."""
+    n = flat.shape[0]
+    first = jnp.min(jnp.where(outside, jnp.arange(n, dtype=jnp.int32 if n < 2**31 else jnp.int64), n))
+    return first < n, flat[jnp.minimum(first, n - 1)], first
 
 
-def _index_select(values):
-    self, dim, index = values[0], values[1], values[2]
-    dim = dim % max(self.dim(), 1)
-    if self.dim() > 1 and self.shape[dim] == 0:
-        return  # a shape error on the CPU, whatever the values: the lowering's check raises it
-    _check_dim(index, self.shape[dim] if self.dim() else 1, dim, IndexError, "index out of range in self")
+def _first_outside(index, low: int, high: int):
+    """(whether an element of `index` lies outside [low, high), the first such in row-major order, its position)."""
+    flat = index.reshape(-1)
+    return _first(flat, (flat < low) | (flat >= high))
+
+
+# The error of an index out of range along one dim: (self, the dim's size, the dim) -> (value, detail) -> exception
+
+
+def _out_of_bounds(error, prefix=""):
+    def make(self, size, dim):
+        return lambda value, _: error(f"{prefix}index {value} is out of bounds for dimension {dim} with size {size}")
+    return make
+
+
+def _out_of_range_in_self(self, size, dim):
+    return lambda value, _: IndexError("index out of range in self")
+
+
+def _index_add_error(self, size, dim):
+    if self.dim() > 1 and dim in (0, self.dim() - 1):  # CPU's kernel adds through scatter_add when alpha is 1
+        scatter_error = _out_of_bounds(RuntimeError)(self, size, dim)
+        return lambda value, alpha_is_one: (scatter_error(value, None) if alpha_is_one
+                                            else IndexError("index out of range in self"))
+    return _out_of_range_in_self(self, size, dim)
+
+
+def _index_select_error(self, size, dim):
+    if dim == 1 and self.dim() > 1:  # CPU's kernel along dim 1 checks with its own message
+        return lambda value, _: RuntimeError(f"INDICES element is out of DATA bounds, id={value} axis_dim={size}")
+    return _out_of_range_in_self(self, size, dim)
+
+
+# per op along one dim: (whether negative indices count from the end, its error)
+_ALONG_DIM = {
+    "gather": (False, _out_of_bounds(RuntimeError)),
+    "scatter": (False, _out_of_bounds(RuntimeError)),
+    "scatter_add": (False, _out_of_bounds(RuntimeError)),
+    "scatter_reduce": (False, _out_of_bounds(RuntimeError)),
+    "index_select": (False, _index_select_error),
+    "index_add": (False, _index_add_error),
+    "index_reduce": (False, _out_of_range_in_self),
+    "index_copy": (False, _out_of_bounds(IndexError, "index_copy_(): ")),
+    "index_fill": (True, _out_of_bounds(IndexError)),
+}
+
+
+def _along_dim(name):
+    negatives, make_error = _ALONG_DIM[name]
+
+    def rule(values):
+        self, dim, index = values[0], values[1], values[2]
+        if index.numel() == 0:
+            return None
+        dim = dim % max(self.dim(), 1)
+        size = self.shape[dim] if self.dim() else 1
+        low = -size if negatives else 0
+
+        def find(args):
+            bad, value, _ = _first_outside(args["index"], low, size)
+            return bad, value, jnp.asarray(args.get("alpha", 1)) == 1  # index_add: which kernel CPU takes
+
+        return IndexCheck(find, make_error(self, size, dim))
+    return rule
 
 
 def _embedding(values):
     weight, indices = values[0], values[1]
-    _check_dim(indices, weight.shape[0], 0, IndexError, "index out of range in self")
+    if indices.numel() == 0:
+        return None
+    rows = weight.shape[0]
+    return IndexCheck(lambda args: _first_outside(args["indices"], 0, rows), _out_of_range_in_self(weight, rows, 0))
 
 
-def _along_dim(values):  # gather, scatter*, index_add, index_copy, index_fill, index_reduce
-    self, dim, index = values[0], values[1], values[2]
-    dim = dim % max(self.dim(), 1)
-    _check_dim(index, self.shape[dim] if self.dim() else 1, dim, RuntimeError)
+def _embedding_bag(values):
+    weight, indices = values[0], values[1]
+    if indices.numel() == 0:
+        return None
+    rows = weight.shape[0]
+    return IndexCheck(
+        lambda args: _first_outside(args["indices"], 0, rows),
+        lambda value, position: RuntimeError(
+            f"Index {position} of input takes value {value} which is not in the valid range [0, {rows})"))
 
 
-def _advanced(values):  # index.Tensor, index_put
+def _is_mask(index) -> bool:
+    return index.dtype in (torch.bool, torch.uint8)
+
+
+def _advanced(values):  # index.Tensor, index_put, _index_put_impl
+    """PyTorch's index kernels check each element of the broadcast indices as they read it, in row-major order and
+    for each element the index tensors in order; the dim its error names counts the index tensors before it (a
+    k-dim mask is k of them), its size is that of the dim of `self` it indexes."""
     self, indices = values[0], values[1]
-    indexed = [dim for dim, index in enumerate(indices) if index is not None]
-    if self.numel() == 0 and all(self.shape[dim] for dim in indexed):
-        return  # PyTorch checks each index as it reads an element: with none to read it checks none
-    for dim, index in enumerate(indices):
-        if index is not None and index.dtype not in (torch.bool, torch.uint8):
-            _check_dim(index, self.shape[dim], dim, IndexError)
+    checked = []  # (position in `indices`, the dim the error names, the size of the dim indexed)
+    indexed = set()  # the dims of `self` an index tensor or a mask covers
+    dim = named = 0
+    for k, index in enumerate(indices):
+        if index is None:
+            dim += 1
+        elif _is_mask(index):
+            indexed.update(range(dim, dim + index.dim()))
+            dim += index.dim()
+            named += index.dim()
+        else:
+            if self.shape[dim] == 0 and index.numel():  # a shape error, raised at once whatever the values
+                raise IndexError("index is out of bounds for dimension with size 0")
+            checked.append((k, named, self.shape[dim]))
+            indexed.add(dim)
+            dim += 1
+            named += 1
+    empty_result = any(n == 0 for d, n in enumerate(self.shape) if d not in indexed)
+    if not checked or empty_result or any(indices[k].numel() == 0 for k, _, _ in checked):
+        return None  # no element is read, so none is checked
+    sizes = {named: size for _, named, size in checked}
+    if any(index is not None and _is_mask(index) for index in indices):
+        # a mask's true elements are known on the device only: each index tensor checked in turn
+        def find(args):
+            found = [_first_outside(args["indices"][k], -size, size) for k, _, size in checked]
+            bad = jnp.stack([bad for bad, _, _ in found])
+            first = jnp.argmax(bad)
+            return (bad.any(), jnp.stack([value.astype(jnp.int64) for _, value, _ in found])[first],
+                    jnp.asarray([named for _, named, _ in checked])[first])
+    else:
+        def find(args):
+            tensors = [args["indices"][k] for k, _, _ in checked]
+            shape = jnp.broadcast_shapes(*(t.shape for t in tensors))
+            flat = jnp.stack([jnp.broadcast_to(t, shape).reshape(-1).astype(jnp.int64) for t in tensors])  # (k, n)
+            limits = jnp.asarray([size for _, _, size in checked], jnp.int64)[:, None]
+            outside = (flat < -limits) | (flat >= limits)
+            bad, _, element = _first(flat[0], outside.any(0))
+            element = jnp.minimum(element, flat.shape[1] - 1)
+            which = jnp.argmax(outside[:, element])  # among the few index tensors
+            return bad, flat[which, element], jnp.asarray([named for _, named, _ in checked])[which]
+    return IndexCheck(find, lambda value, named: IndexError(
+        f"index {value} is out of bounds for dimension {named} with size {sizes[named]}"))
 
 
-def _take(values):
-    self, index = values[0], values[1]
-    bounds = _bounds(index)
-    if bounds is None:
-        return
-    for value in bounds:
-        if value >= self.numel() or value < -self.numel():
-            raise IndexError(f"out of range: tried to access index {value} on a tensor of {self.numel()} elements.")
+def _flat(name):  # take, put: indices into the flattened tensor, negative ones from the end
+    def rule(values):
+        self, index = values[0], values[1]
+        n = self.numel()
+        if index.numel() == 0:
+            return None
+        if n == 0 and name == "take":
+            raise IndexError("take(): tried to take from an empty tensor")
+        return IndexCheck(
+            lambda args: _first_outside(args["index"], -n, n),
+            lambda value, _: IndexError(f"out of range: tried to access index {value} on a tensor of {n} elements."))
+    return rule
 
 
-def _nll_loss(values):  # nll_loss_forward, nll_loss2d_forward: the first target out of range, not ignored
+def _nll_loss(values):  # nll_loss_forward, nll_loss2d_forward: the first target out of range and not ignored
     self, target, ignore_index = values[0], values[1], values[4]
     if target.numel() == 0:
-        return
+        return None
     classes = self.shape[-1] if self.dim() <= 2 else self.shape[1]
-    target = target.cpu().reshape(-1)
-    bad = target[(target != ignore_index) & ((target < 0) | (target >= classes))]
-    if bad.numel():
-        raise IndexError(f"Target {bad[0].item()} is out of bounds.")
+
+    def find(args):
+        flat = args["target"].reshape(-1)
+        return _first(flat, (flat != ignore_index) & ((flat < 0) | (flat >= classes)))
+
+    return IndexCheck(find, lambda value, _: IndexError(f"Target {value} is out of bounds."))
+
+
+def _one_hot(values):
+    """CPU checks that no class is negative, then that none reaches num_classes."""
+    classes = values[1]
+
+    def find(args):
+        flat = args["self"].reshape(-1)
+        bad, value, _ = _first(flat, (flat < 0) | (flat >= classes))
+        return bad, value, (flat < 0).any()
+
+    return IndexCheck(find, lambda value, negative: RuntimeError(
+        "Class values must be non-negative." if negative else "Class values must be smaller than num_classes."))
+
+
+_BINCOUNT = "bincount only supports 1-d non-negative integral inputs."
 
 
 def _bincount(values):
     self = values[0]
-    if self.dim() != 1 or (self.numel() and self.min().item() < 0):
-        raise RuntimeError("bincount only supports 1-d non-negative integral inputs.")
+    if self.dim() != 1:
+        raise RuntimeError(_BINCOUNT)  # a shape error, raised at once
+    if self.numel() == 0:
+        return None
+
+    def find(args):
+        flat = args["self"].reshape(-1)
+        return _first(flat, flat < 0)
+
+    return IndexCheck(find, lambda value, _: RuntimeError(_BINCOUNT))
 
 
-CHECKS = {
-    "index_select": _index_select,
+RULES = {
+    **{name: _along_dim(name) for name in _ALONG_DIM},
     "embedding": _embedding,
-    "gather": _along_dim,
-    "scatter": _along_dim,
-    "scatter_add": _along_dim,
-    "scatter_reduce": _along_dim,
-    "index_add": _along_dim,
-    "index_copy": _along_dim,
-    "index_fill": _along_dim,
-    "index_reduce": _along_dim,
+    "_embedding_bag": _embedding_bag,
+    "_embedding_bag_forward_only": _embedding_bag,
     "index": _advanced,
     "index_put": _advanced,
     "_index_put_impl": _advanced,
-    "take": _take,
+    "take": _flat("take"),
+    "put": _flat("put"),
     "nll_loss_forward": _nll_loss,
     "nll_loss2d_forward": _nll_loss,
     "bincount": _bincount,
+    "one_hot": _one_hot,
 }
 
 
-def check_for(op):
-    """The check for `op` (an indexing op), or None."""
-    return CHECKS.get(op._schema.name.split("::")[1].rstrip("_"))
+def rule_for(op):
+    """The index check rule of `op` (an indexing op): the call's values -> its `IndexCheck` or None; or None."""
+    return RULES.get(op._schema.name.split("::")[1].rstrip("_"))

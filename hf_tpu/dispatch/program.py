@@ -20,8 +20,9 @@ import jax.numpy as jnp
 import torch
 
 from .. import dtypes
-from ..device import rng
+from ..device_state import rng
 from ..memory import buffer, out_of_memory
+from ..modes import device_errors
 from .call import Call, call_with, checked_by_assert, flatten_returns, is_number, is_static_scalar, promotion, to_meta
 from .registry import lowering_function
 from .signatures import GENERATOR, OPT_TENSOR, SCALAR, SCALAR_LIST, TENSOR, TENSOR_LIST
@@ -53,6 +54,7 @@ class Program:
     device_index: int | None
     jitted: object = None
     arrays_only_call: bool = False  # `jitted` takes the arrays as arguments and returns the one result
+    returns_list: bool = False  # ... or with `arrays_only_call`, the list of its several results
     jitted_donating: object = None  # the same program taking the overwritten operands' arrays as donations
     # output shapes depend on the data (nonzero, masked_select, unique): run on concrete arrays,
     # a sync point, and take the specs from the results
@@ -65,6 +67,10 @@ class Program:
     # (jitted, shape, dtype) where strict eager launches the program with its arrays alone and makes
     # its one new tensor: the C entry's whole work for a common call (`_entry.c`)
     direct_launch: tuple | None = None
+    # what it checks of its indices (`index_checks.IndexCheck`), or None. Such a program takes its site's id and its
+    # device's record of errors as its last two arrays, and returns the record, with what it found written in, after
+    # its results (`modes.device_errors`)
+    index_check: object = None
 
     @functools.cached_property
     def content_hash(self) -> int:
@@ -86,8 +92,9 @@ class Program:
     @functools.cached_property
     def result_layouts(self) -> tuple:
         """(shape, jax dtype) of each result array, in order: a deferred op's pending results."""
+        record = ((device_errors.SHAPE, device_errors.DTYPE),) if self.index_check is not None else ()
         return tuple((spec[2], spec[3]) if spec[0] == "mutated" else (spec[0], dtypes.to_jax(spec[1]))
-                     for spec in self.out_specs)
+                     for spec in self.out_specs) + record
 
     @functools.cached_property
     def nested(self):
@@ -174,6 +181,7 @@ def build_program(call: Call) -> Program:
     if low.type_check is not None:
         low.type_check(call.values)
     specs = meta_out_specs(call)
+    check = sig.index_rule(call.values) if sig.index_rule is not None else None
     compute_dtype = promotion(sig, call.values)
     template = _template(call)
     views = [op.view if op.buf is not None else None for op in call.operands]
@@ -217,6 +225,8 @@ def build_program(call: Call) -> Program:
     operand_dtypes = [op.tensor.dtype for op in call.operands]  # not the call: a program outlives its tensors
 
     def fn(arrays, scalars, rng_data):
+        if check is not None:  # the op's site and the device's record of errors (`Program.index_check`)
+            site, record, arrays = arrays[-2], arrays[-1], arrays[:-2]
         rng_key = rng.key_from_data(rng_data) if rng_data is not None else None
         arrays = [jnp.zeros(*blank[i]) if a is None else a for i, a in enumerate(arrays)]
         starts = [None if k is None else scalars[k] for k in start_of]
@@ -242,6 +252,7 @@ def build_program(call: Call) -> Program:
         # in-place variant may order its arguments differently (polygamma_(self, n) / polygamma(n, self))
         args = [by_name[name] for name, kw in lowered_params if not kw and name in by_name]
         kwargs = {name: by_name[name] for name, kw in lowered_params if kw and name in by_name}
+        checked = [] if check is None else [device_errors.fold(record, check.find(by_name), site)]
         try:
             lower = lowering_function(sig.functional or sig.op, low, args, kwargs)
             result = flatten_returns(lower(*args, **kwargs))
@@ -255,7 +266,7 @@ def build_program(call: Call) -> Program:
             for (k, base, dtype), r in zip(written_slots, result):
                 written[base] = buffer.write(written.get(base, arrays[k]), views[k], dtypes.cast(jnp.asarray(r), dtype),
                                              starts[k])
-            return [written[base] for _, base, _ in written_slots]
+            return [written[base] for _, base, _ in written_slots] + checked
         outs = []
         for j, r in enumerate(result):
             if specs is not None and specs[j] is None:  # an undefined result (e.g. a masked-off gradient)
@@ -271,17 +282,17 @@ def build_program(call: Call) -> Program:
                 k = slot_of_arg[target]
                 r = buffer.write(arrays[k], views[k], r, starts[k])
             outs.append(r)
-        return outs
+        return outs + checked
 
     if written_slots is not None:
-        return Program(fn=fn, name=call.sig.name, device_index=call.device_index,
+        return Program(fn=fn, name=call.sig.name, device_index=call.device_index, index_check=check,
                        out_specs=tuple(("mutated", k, *blank[k]) for k, _, _ in written_slots))
     if specs is None:
         try:
-            specs = eval_specs(fn, call)
+            specs = eval_specs(fn, call, check is not None)
         except _DATA_DEPENDENT_ERRORS:
             return Program(fn=fn, name=call.sig.name, out_specs=None, device_index=call.device_index,
-                           data_dependent=True)
+                           data_dependent=True, index_check=check)
     out_specs = []
     for j, spec in enumerate(specs):
         target = returns_mutated[j] if j < len(returns_mutated) else None
@@ -293,7 +304,7 @@ def build_program(call: Call) -> Program:
     program_returns = tuple(spec is not None or returns_mutated[j] is not None for j, spec in enumerate(specs))
     one_new = sig.num_returns == 1 and not sig.returns_list and len(out_specs) == 1 and out_specs[0][0] != "mutated"
     return Program(fn=fn, name=call.sig.name, out_specs=tuple(out_specs), device_index=call.device_index,
-                   defined=program_returns, single_result_spec=out_specs[0] if one_new else None)
+                   defined=program_returns, single_result_spec=out_specs[0] if one_new else None, index_check=check)
 
 
 def _written_slots(call: Call, first_slot: dict):
@@ -355,8 +366,9 @@ def _promotable(v) -> bool:
     return jnp.issubdtype(v.dtype, jnp.number) or v.dtype == jnp.bool_
 
 
-def eval_specs(fn, call):
-    """Trace `fn` on the operands' shapes and dtypes only: no value is read, nothing is flushed."""
+def eval_specs(fn, call, index_checked: bool = False):
+    """Trace `fn` on the operands' shapes and dtypes only: no value is read, nothing is flushed. `index_checked`:
+    `fn` takes and returns a record of errors too (`Program.index_check`), which is not among the specs."""
     arrays = [
         None if op.buf is None or op.buf.array is None
         else jax.ShapeDtypeStruct(op.buf.shape, dtypes.to_jax(op.buf.dtype))
@@ -364,6 +376,11 @@ def eval_specs(fn, call):
     ]
     arrays = [op.view if op.buf is None else a for op, a in zip(call.operands, arrays)]
     scalars = call.scalars
+    if index_checked:
+        arrays = [*arrays, jax.ShapeDtypeStruct((), device_errors.DTYPE),
+                  jax.ShapeDtypeStruct(device_errors.SHAPE, device_errors.DTYPE)]
     key = rng.example_key() if call.rng else None
     shapes = jax.eval_shape(fn, arrays, scalars, key)
+    if index_checked:
+        shapes = shapes[:-1]
     return [(tuple(s.shape), dtypes.to_torch(s.dtype)) for s in shapes]

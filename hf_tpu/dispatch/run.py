@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 
 from .. import counters, dtypes, modes
-from ..device import current, rng
+from ..device_state import current, rng
 from ..memory import buffer
 from ..memory.out_of_memory import check_allocation, check_results
-from . import index_checks
+from ..modes import device_errors
 from .call import Call
 from .fallback import run_unlowered
 from .program import PROGRAMS, build_program, eval_specs, meta_out_specs
@@ -28,8 +28,6 @@ def run_lowered(sig: Signature, values: list, analysed=None):
     """Run an op that has a lowering (directly or through its functional overload)."""
     if sig.check is not None:
         sig.check(values)
-    if sig.index_check is not None and index_checks.enabled():
-        sig.index_check(values)
     call = Call(sig, values, analysed)
     if sig.mutated:
         check_writable(call)
@@ -42,7 +40,7 @@ def run_lowered(sig: Signature, values: list, analysed=None):
         program = build_program(call)
         if not program.data_dependent and mode.kind is modes.ModeKind.DEFER_AND_FUSE:
             # trace once now, so a lowering's error surfaces at the user's op, not at a later flush
-            eval_specs(program.fn, call)
+            eval_specs(program.fn, call, program.index_check is not None)
     _counters["ops_dispatched"] += 1
     device_index = call.device_index
     if device_index is None:  # a factory (zeros, randn, ...): refused at once beyond the device's memory
@@ -53,24 +51,45 @@ def run_lowered(sig: Signature, values: list, analysed=None):
                       buffer.sharded_arrays_exist and any(map(buffer.may_be_sharded, call.arrays)),
                       lambda: f"{sig.name} of {_result_shapes(program)}")
     rng_key = random_key(device_index, _generator_arg(sig, values)) if call.rng else None
+    index_check = program.index_check
     if program.data_dependent:
         modes.host_read(f"{sig.name} has a data-dependent output shape")
-        concrete = [op.buf.value() if op.buf is not None else op.view for op in call.operands]
+        arrays = [op.buf.value() if op.buf is not None else op.view for op in call.operands]
+        if index_check is not None:  # its program reads its site, and reads and writes the device's record of errors
+            arrays = [*arrays, *device_errors.operands(mode, device_index, sig, index_check.error)]
         if buffer.sharded_arrays_exist:
-            concrete = buffer.place_together(concrete)
-        results = program.fn(concrete, call.scalars, rng_key)
+            arrays = buffer.place_together(arrays)
+        results = program.fn(arrays, call.scalars, rng_key)
+        if index_check is not None:  # computed at once, after a sync: checked at the call
+            device_errors.keep(mode, device_index, results[-1])
+            device_errors.report(at_the_call=True)
+            results = results[:-1]
         out_specs = [(tuple(r.shape), dtypes.to_torch(r.dtype)) for r in results]
     else:
         arrays = call.arrays
+        if index_check is not None:
+            arrays = [*arrays, *device_errors.operands(mode, device_index, sig, index_check.error)]
         if buffer.sharded_arrays_exist:  # a sharded tensor (hf_tpu.distributed) may meet single-chip ones
             arrays = buffer.place_together(arrays)
         results = mode.execute(program, call.key, arrays, call.scalars, rng_key, device_index)
+        if index_check is not None:
+            device_errors.keep(mode, device_index, results[-1])
+            results = results[:-1]
         out_specs = program.out_specs
     if new:  # kept once it has run: a lowering that rejects its arguments raises in every mode
         PROGRAMS[call.key] = program
     only = program.single_result_spec
     if only is not None:
-        return allocate(only[0], only[1], device_index, results[0])[0]
+        returned = allocate(only[0], only[1], device_index, results[0])[0]
+    else:
+        returned = _returned(sig, values, call, program, out_specs, results, device_index)
+    if index_check is not None and device_errors.check_at_each_op(mode):
+        modes.host_read(f"{sig.name} checks its indices at its call", at_the_call=True)
+    return returned
+
+
+def _returned(sig: Signature, values: list, call: Call, program, out_specs, results, device_index: int):
+    """What the op returns, its results made tensors (or written into the buffers it overwrites)."""
     outputs = []
     for spec, array in zip(out_specs, results):
         if spec[0] == "mutated":

@@ -59,7 +59,8 @@ class Signature:
     returns_mutated: tuple  # per return: index of the argument it aliases, or None
     lowering: Lowering | None
     handler: object  # a Python function taking the bound call in place of a lowering (`registry.handler`), or None
-    index_check: object  # raises PyTorch's error for out-of-range indices (when checks are on), or None
+    # the call's values -> what its program checks of its indices (`index_checks.IndexCheck`) or None; or None
+    index_rule: object
     check: object  # the lowering's check of argument values (`Lowering.check`), or None
     functional: torch._ops.OpOverload | None  # for in-place/out= overloads: the op that computes
     returns_list: bool  # the op returns Tensor[] (its one return is a list)
@@ -79,7 +80,7 @@ class Signature:
         """A lowered op that writes nothing and checks no argument: strict eager may launch its common
         calls from C (`_entry.c`)."""
         return (self.handler is None and self.lowering is not None and self.check is None
-                and self.index_check is None and not self.mutated)
+                and self.index_rule is None and not self.mutated)
 
     @functools.cached_property
     def entry_fields(self) -> tuple:
@@ -183,7 +184,7 @@ def signature(op) -> Signature:
         returns_mutated=tuple(returns_mutated),
         lowering=low,
         handler=HANDLERS.get(op),
-        index_check=index_checks.check_for(op),
+        index_rule=index_checks.rule_for(op),
         check=low.check if low is not None else None,
         functional=functional,
         returns_list=len(schema.returns) == 1 and str(schema.returns[0].type) == "List[Tensor]",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .mesh import Mesh, mesh as make_mesh
 from .processes import device_count
@@ -76,6 +77,50 @@ def _check_plan(model: torch.nn.Module, plan: dict) -> None:
         )
 
 
+def _inner_layouts(param: torch.Tensor, mesh: Mesh, spec: tuple) -> dict:
+    """The layout of each inner tensor of a tensor subclass (PyTorch's `__tensor_flatten__` protocol: torchao's
+    quantized weights, int data and scales) split over `mesh` as `spec` splits the tensor it stands for. Which
+    inner dim follows the split, if any, is what the subclass's own slicing says: its first piece (`narrow`) is
+    taken, and an inner tensor that shrank along one dim by the number of chips, to the first piece of that dim,
+    is split along it; one that did not shrink is whole on every chip (per-row scales under a split of the
+    rows' inputs). Anything else raises ValueError."""
+    names, _ = param.__tensor_flatten__()
+    spec = tuple(spec) + (None,) * (param.dim() - len(tuple(spec)))
+    split = [d for d, axis in enumerate(spec) if axis is not None]
+    if not split:
+        return {name: () for name in names}
+    (dim,) = split
+    parts = mesh.shape[spec[dim]]
+    first = param.narrow(dim, 0, param.shape[dim] // parts)
+    layouts = {}
+    for name in names:
+        whole, piece = getattr(param, name), getattr(first, name)
+        shrunk = [d for d in range(whole.dim()) if piece.shape[d] != whole.shape[d]]
+        if not shrunk:
+            layouts[name] = ()
+            continue
+        inner_dim = shrunk[0]
+        length = piece.shape[inner_dim]
+        if (len(shrunk) > 1 or length * parts != whole.shape[inner_dim]
+                or not torch.equal(piece.cpu(), whole.narrow(inner_dim, 0, length).cpu())):
+            raise ValueError(f"its {name} ({tuple(whole.shape)}) does not split into {parts} even pieces as the "
+                             f"{type(param).__name__} splits along dim {dim}")
+        layouts[name] = (None,) * inner_dim + (spec[dim],)
+    return layouts
+
+
+def _shard_subclass(param: torch.Tensor, mesh: Mesh, layouts: dict) -> torch.Tensor:
+    """A tensor subclass's inner tensors sharded as `layouts` says, in a new object of its type (a CPU parameter),
+    or in the object itself (a tpu one, which keeps its identity)."""
+    names, context = param.__tensor_flatten__()
+    inner = {name: shard(getattr(param, name).detach(), mesh, layouts[name]) for name in names}
+    if param.device.type == "tpu":
+        for name, sharded in inner.items():
+            setattr(param, name, sharded)
+        return param
+    return type(param).__tensor_unflatten__(inner, context, param.shape, param.stride())
+
+
 def _tp_axis(mesh: Mesh, tp_axis: str | None) -> str:
     if tp_axis is None:
         if len(mesh.axis_names) != 1 and "tp" not in mesh.axis_names:
@@ -97,7 +142,9 @@ def shard_model(model: torch.nn.Module, plan: dict, mesh: Mesh | None = None, tp
     key names something, every split dim divides by the tp size) before any weight moves: a bad plan
     raises ValueError and leaves the model as it was. Parameters already on `tpu` keep their identity
     (an optimizer built before stays valid); CPU parameters are replaced by `tpu` ones, each chip
-    receiving only its shard (so a model too big for one chip never sits whole on one)."""
+    receiving only its shard (so a model too big for one chip never sits whole on one). A parameter that is a
+    tensor subclass over inner tensors (a torchao quantized weight) has those split as its own slicing splits
+    them (`_inner_layouts`)."""
     if mesh is None:
         mesh = make_mesh(device_count(), "tp")
     tp_axis = _tp_axis(mesh, tp_axis)
@@ -113,6 +160,8 @@ def shard_model(model: torch.nn.Module, plan: dict, mesh: Mesh | None = None, tp
             problems.append(f"{name} is on {param.device}: shard_model takes parameters on cpu or tpu")
         try:
             _check_spec(tuple(param.shape), mesh, spec)
+            if is_traceable_wrapper_subclass(param):  # a quantized weight: its inner tensors' layouts
+                spec = _inner_layouts(param, mesh, spec)
         except ValueError as e:
             problems.append(f"{name} ({plan[key]}): {e}")
         layouts[name] = spec
@@ -120,6 +169,11 @@ def shard_model(model: torch.nn.Module, plan: dict, mesh: Mesh | None = None, tp
         raise ValueError("the plan does not fit this model on this mesh:\n  " + "\n  ".join(problems))
     moved = {}  # id of a CPU parameter -> its sharded replacement (tied parameters share one)
     for name, param in model.named_parameters():
+        if is_traceable_wrapper_subclass(param):
+            sharded = _shard_subclass(param, mesh, layouts[name])
+            if sharded is not param:
+                moved[id(param)] = torch.nn.Parameter(sharded, requires_grad=False)
+            continue
         sharded = shard(param.data, mesh, layouts[name])
         if param.device.type == "tpu":
             param.data = sharded

@@ -13,7 +13,7 @@ import re
 
 import torch
 
-from ..device import current
+from ..device_state import current
 from ..dynamo_frames import hide_from_dynamo
 from . import buffer
 

@@ -21,6 +21,7 @@ import torch
 from .. import counters, platform
 from ..memory import buffer, donation
 from ..memory.out_of_memory import raise_out_of_memory  # noqa: F401  (modes.raise_out_of_memory)
+from . import device_errors
 from .deferred import Deferred
 from .kinds import EagerMode, ModeKind
 from .scalars import on_device
@@ -49,14 +50,20 @@ class _Eager:
         if donating:
             program.jitted_donating = jax.jit(traced, donate_argnums=(0,))
             return program.jitted_donating
-        if not scalars and rng is None and len(program.out_specs) == 1:
-            # arrays in, one array out, no pytree for jit's dispatch to walk: 1-1.5 us less per op.
-            # (A program's number of scalars and its use of a key are in its key: fixed per program.)
-            program.jitted = jax.jit(lambda *arrays: traced((), list(arrays), (), None)[0])
+        if not scalars and rng is None:
+            # arrays in as arguments, no pytree for jit's dispatch to walk: 1-1.5 us less per op; one array out
+            # where there is one. (A program's number of scalars and its use of a key are in its key: fixed per
+            # program.)
             program.arrays_only_call = True
-            if program.single_result_spec is not None and not program.overwritten and not program.large_result_bytes:
-                # (a large result is checked against the device's free memory in Python first)
-                program.direct_launch = (program.jitted, *program.single_result_spec)
+            if len(program.result_layouts) == 1:
+                program.jitted = jax.jit(lambda *arrays: traced((), list(arrays), (), None)[0])
+                if program.single_result_spec is not None and not program.overwritten \
+                        and not program.large_result_bytes:
+                    # (a large result is checked against the device's free memory in Python first)
+                    program.direct_launch = (program.jitted, *program.single_result_spec)
+            else:  # several results, or one and the record of errors a checked op returns (`Program.index_check`)
+                program.jitted = jax.jit(lambda *arrays: traced((), list(arrays), (), None))
+                program.returns_list = True
         else:
             program.jitted = jax.jit(lambda arrays, scalars, rng: traced((), arrays, scalars, rng))
         return program.jitted
@@ -76,10 +83,12 @@ class _Eager:
                 out = jitted(*donation.split(arrays, overwritten), scalars, rng)
             elif program.arrays_only_call:
                 if arrays:
-                    out = (jitted(*arrays),)
+                    out = jitted(*arrays)
                 else:
                     with jax.default_device(platform.jax_device(device_index)):
-                        out = (jitted(),)
+                        out = jitted()
+                if not program.returns_list:
+                    out = (out,)
             elif arrays:
                 out = jitted(arrays, scalars, rng)
             else:
@@ -193,13 +202,14 @@ def eager_mode(mode):
         set_eager_mode(previous)
 
 
-def host_read(reason: str) -> None:
+def host_read(reason: str, at_the_call: bool = False) -> None:
     """A value is about to be read on the host: say where (with HF_TPU_LOG_COMPILES=1), compute the
-    pending work, count the sync in `host_syncs`, and report what the device found wrong meanwhile."""
+    pending work, count the sync in `host_syncs`, and report what the device found wrong meanwhile.
+    `at_the_call`: an op checks its own values at its call (`device_errors.check_at_each_op`)."""
     log_sync(reason)
     _current[0].sync(reason)
     _counters["host_syncs"] += 1
-    report_device_checks()
+    report_device_checks(at_the_call)
 
 
 # Checks on device values (`torch.linalg`'s LAPACK `info`, `torch._assert_async`): (value, raise_if_bad).
@@ -211,10 +221,13 @@ def check_on_device(value: torch.Tensor, raise_if_bad) -> None:
     the next host read or `torch.tpu.synchronize()`, as CUDA reports device-side asserts, so the op
     itself never waits for the device. Under launch-blocking mode it runs at once, so the error points
     at the user's line. Inside a `torch.compile` trace the value becomes an output of the compiled
-    program, checked in the same way after each call of it."""
+    program, checked in the same way after each call of it. A traced program's record of out-of-range
+    indices joins its device's record (`device_errors`)."""
     mode = _current[0]
     if mode.kind is ModeKind.TRACE:
         mode.checks.append((value, raise_if_bad))
+    elif isinstance(raise_if_bad, device_errors.TraceSites):
+        merge_index_record(buffer.array_of(value), buffer.buffer_of(value).device_index, raise_if_bad)
     elif mode.kind is ModeKind.DEFER_NEVER_AND_LAUNCH_BLOCKING:
         host_read("a check on a device value")
         raise_if_bad(buffer.host_copy(value))
@@ -222,8 +235,17 @@ def check_on_device(value: torch.Tensor, raise_if_bad) -> None:
         _pending_checks.append((value, raise_if_bad))
 
 
-def report_device_checks() -> None:
+def merge_index_record(found, device_index: int, sites) -> None:
+    """A traced program's record of out-of-range indices (an array, after a call) joins its device's; checked at
+    once where each op checks its indices at its call (`device_errors.check_at_each_op`)."""
+    device_errors.merge(found, device_index, sites)
+    if device_errors.check_at_each_op(_current[0]):
+        host_read("a traced program's index checks")
+
+
+def report_device_checks(at_the_call: bool = False) -> None:
     """Run the pending checks (after a sync: their values are computed); the first failing one raises."""
+    device_errors.report(at_the_call)
     while _pending_checks:
         checks = _pending_checks[:]
         _pending_checks.clear()

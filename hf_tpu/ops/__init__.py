@@ -15,6 +15,7 @@ from . import (  # noqa: F401
     linalg,
     nn,
     optim,
+    quantized,
     random,
     reduce,
     shape,

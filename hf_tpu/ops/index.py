@@ -2,7 +2,7 @@
 depends on the data (nonzero, masked_select, unique, bincount: the core runs them on concrete arrays).
 
 Index tensors are used as they are: XLA clamps (gathers) or drops (scatters) out-of-range indices
-where PyTorch raises an IndexError, so checking them needs a host sync (left to the core).
+where PyTorch raises; the core checks them inside each op's program (`dispatch/index_checks.py`).
 """
 
 from __future__ import annotations
@@ -403,6 +403,34 @@ def put(self, index, source, accumulate=False):
 @lowering(aten.embedding.default)
 def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     return weight[indices]
+
+
+# --- one_hot: PyTorch's composite kernel checks the classes on the host on CPU and leaves them to its scatter_'s
+# device assert elsewhere; here it is an op of its own, whose program checks them as CPU does
+# (`dispatch/index_checks.py`).
+
+
+@handler(aten.one_hot.default)
+def one_hot_call(sig, values):
+    self, num_classes = values
+    if self.dtype != torch.int64:
+        raise RuntimeError("one_hot is only applicable to index tensor of type LongTensor.")
+    if self.numel() == 0:
+        if num_classes <= 0:
+            raise RuntimeError("Can not infer total number of classes from empty tensor.")
+        return torch.empty((*self.shape, num_classes), dtype=torch.int64, device=self.device)
+    if num_classes < 1:  # counted from the values, or none fits: read on the host, as CPU reads them
+        if self.min().item() < 0:
+            raise RuntimeError("Class values must be non-negative.")
+        if num_classes != -1:
+            raise RuntimeError("Class values must be smaller than num_classes.")
+        num_classes = self.max().item() + 1
+    return dispatch.run_lowered(sig, [self, num_classes])
+
+
+@lowering(aten.one_hot.default)
+def one_hot(self, num_classes=-1):
+    return (self[..., None] == jnp.arange(num_classes)).astype(jnp.int64)
 
 
 @lowering(aten.embedding_renorm.default)

@@ -77,10 +77,13 @@ def _product_dtype(dtype, rows: int):
 def dot(a, b, dimension_numbers, epilogue: bool = False):
     """`lax.dot_general` with PyTorch's precision and accumulation; the caller casts the result. `epilogue`: the
     caller adds to the product (addmm's `beta * self`) or casts it to a dtype of its own before it is rounded, so
-    it is asked for in its accumulation dtype on every platform, rounded once as PyTorch's CPU kernels round it."""
+    it is asked for in its accumulation dtype on every platform, rounded once as PyTorch's CPU kernels round it.
+    A precision is a float product's choice: an integer product (int8 x int8 -> int32, the TPU's int8 matrix unit)
+    asks for none."""
     dtype = jnp.result_type(a, b)
     rows = math.prod(n for d, n in enumerate(a.shape) if d not in dimension_numbers[0][0])
-    product = functools.partial(jax.lax.dot_general, precision=matmul_precision(),
+    precision = matmul_precision() if jnp.issubdtype(dtype, jnp.inexact) else None
+    product = functools.partial(jax.lax.dot_general, precision=precision,
                                 preferred_element_type=accumulation_dtype(dtype) if epilogue
                                 else _product_dtype(dtype, rows))
     vector_side = _half_precision_vector_on_cpu(a, b, dimension_numbers)
@@ -802,3 +805,22 @@ def _pdist_backward(grad, self, p, pdist):
     first, second = _pairs(self.shape[0])
     pair_grad = grad[:, None] * _p_distance_grad(self[first] - self[second], pdist, p)
     return jnp.zeros_like(self).at[first].add(pair_grad).at[second].add(-pair_grad)
+
+
+def _install_out_dtype() -> None:
+    """`torch._higher_order_ops.out_dtype(aten.mm, torch.int32, a, b)` with int8 operands on tpu: the product of
+    the int8 matrices counted in int32, through `_int_mm`, whose lowering asks XLA for int32 products of the int8
+    operands (on a TPU, its int8 matrix unit, at twice the bfloat16 unit's rate). PyTorch's own rule off CUDA
+    casts both operands to int32 first, a product of int32 matrices. torchao's int8 activation-and-weight layers
+    call it (`safe_int_mm`) under `torch.compile` and in `hf_tpu.jit`'s trace; other calls keep PyTorch's rule."""
+    from torch._higher_order_ops.out_dtype import out_dtype, out_dtype_fallback
+
+    @out_dtype.py_impl(torch._C.DispatchKey.PrivateUse1)
+    def out_dtype_on_tpu(op, output_dtype, *args):
+        if (op is aten.mm.default and output_dtype == torch.int32 and len(args) == 2
+                and args[0].dtype == args[1].dtype == torch.int8):
+            return torch._int_mm(*args)
+        return out_dtype_fallback(op, output_dtype, *args)
+
+
+_install_out_dtype()

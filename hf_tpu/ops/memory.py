@@ -13,7 +13,7 @@ import jax
 import torch
 
 from .. import dispatch, modes, platform
-from ..device import current
+from ..device_state import current
 from ..dispatch import handler, lowering, reuse_cpu_kernel
 from ..memory import buffer
 from ..memory.out_of_memory import check_allocation

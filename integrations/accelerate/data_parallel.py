@@ -30,6 +30,7 @@ import sys
 import torch
 
 import hf_tpu.distributed as dist
+from hf_tpu.model_patches.wrapping import wrap_once
 
 from .device import add_member
 
@@ -43,9 +44,9 @@ def install(module) -> None:
         add_member(module.DistributedType, MULTI_TPU)
     elif name == "accelerate.state":
         state = module.PartialState
-        _wrap_method(state, "_prepare_backend", _choose_multi_tpu)
-        _wrap_method(state, "set_device", _join_and_pick_chip)
-        _wrap_method(state, "wait_for_everyone", _barrier)
+        wrap_once(state, "_prepare_backend", _choose_multi_tpu)
+        wrap_once(state, "set_device", _join_and_pick_chip)
+        wrap_once(state, "wait_for_everyone", _barrier)
     elif name == "accelerate.accelerator":
         _install_into_the_library(module)
 
@@ -55,37 +56,23 @@ def _install_into_the_library(accelerator_module) -> None:
     if MULTI_TPU not in operations.TORCH_DISTRIBUTED_OPERATION_TYPES:
         # objects and CPU tensors take Accelerate's torch.distributed (gloo) path
         operations.TORCH_DISTRIBUTED_OPERATION_TYPES.append(MULTI_TPU)
-    for function_name, wrapper in (("gather", _gather), ("reduce", _reduce), ("broadcast", _broadcast)):
-        original = getattr(operations, function_name)
-        if not getattr(original, "_hf_tpu", False):
-            replace_everywhere(function_name, original, wrapper(original))
-    random = sys.modules["accelerate.utils.random"]
-    if not getattr(random.synchronize_rng_state, "_hf_tpu", False):
-        replace_everywhere("synchronize_rng_state", random.synchronize_rng_state,
-                           _synchronize_rng_state(random.synchronize_rng_state))
-    data_loader = sys.modules["accelerate.data_loader"]
-    if not getattr(data_loader.send_to_device, "_hf_tpu", False):
-        data_loader.send_to_device = _batches_over_the_mesh(data_loader.send_to_device)
-    _wrap_method(accelerator_module.Accelerator, "prepare_model", _replicate_prepared_model)
-    _wrap_method(accelerator_module.Accelerator, "load_state", _replicate_loaded_models)
+    for function_name, wrap in (("gather", _gather), ("reduce", _reduce), ("broadcast", _broadcast)):
+        wrap_everywhere(operations, function_name, wrap)
+    wrap_everywhere(sys.modules["accelerate.utils.random"], "synchronize_rng_state", _synchronize_rng_state)
+    wrap_once(sys.modules["accelerate.data_loader"], "send_to_device", _batches_over_the_mesh)
+    wrap_once(accelerator_module.Accelerator, "prepare_model", _replicate_prepared_model)
+    wrap_once(accelerator_module.Accelerator, "load_state", _replicate_loaded_models)
 
 
-def replace_everywhere(name: str, original, patched) -> None:
-    """Rebinds `name` from `original` to `patched` in every loaded Accelerate module that imported it."""
-    patched._hf_tpu = True
-    for module_name, module in list(sys.modules.items()):
-        if (module_name == "accelerate" or module_name.startswith("accelerate.")) and \
-                getattr(module, name, None) is original:
-            setattr(module, name, patched)
-
-
-def _wrap_method(cls, name: str, make) -> None:
-    original = getattr(cls, name)
-    if getattr(original, "_hf_tpu", False):
-        return
-    patched = functools.wraps(original)(make(original))
-    patched._hf_tpu = True
-    setattr(cls, name, patched)
+def wrap_everywhere(module, name: str, wrap) -> None:
+    """Wraps the function `module.name` once (`wrap_once`), and rebinds `name` to the wrapper in every loaded
+    Accelerate module that imported the function."""
+    original = getattr(module, name)
+    if wrap_once(module, name, wrap):
+        for other_name, other in list(sys.modules.items()):
+            if (other_name == "accelerate" or other_name.startswith("accelerate.")) and \
+                    getattr(other, name, None) is original:
+                setattr(other, name, getattr(module, name))
 
 
 def _state():
@@ -107,6 +94,7 @@ def _launched_by_torchrun() -> bool:
 
 
 def _choose_multi_tpu(original):
+    @functools.wraps(original)
     def _prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
         from accelerate.utils import DistributedType
 
@@ -121,6 +109,7 @@ def _choose_multi_tpu(original):
 
 
 def _join_and_pick_chip(original):
+    @functools.wraps(original)
     def set_device(self):
         if self.device is not None or self.distributed_type != MULTI_TPU:
             return original(self)
@@ -154,6 +143,7 @@ def _join_jax(num_processes: int, process_index: int) -> None:
 
 
 def _barrier(original):
+    @functools.wraps(original)
     def wait_for_everyone(self):
         if self.distributed_type == MULTI_TPU and self.num_processes > 1:
             torch.distributed.barrier()
@@ -200,6 +190,7 @@ def replicate_model(model: torch.nn.Module) -> None:
 
 
 def _replicate_prepared_model(original):
+    @functools.wraps(original)
     def prepare_model(self, model, *args, **kwargs):
         model = original(self, model, *args, **kwargs)
         if _data_parallel():
@@ -210,6 +201,7 @@ def _replicate_prepared_model(original):
 
 
 def _replicate_loaded_models(original):
+    @functools.wraps(original)
     def load_state(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         if _data_parallel():  # load_state_dict copies into the parameters, which leaves them on one chip
@@ -246,7 +238,6 @@ def _batches_over_the_mesh(original):
             return original(tensor, device, non_blocking=non_blocking, skip_keys=skip_keys)
         return recursively_apply(split_batch, tensor, test_type=is_torch_tensor)
 
-    send_to_device._hf_tpu = True
     return send_to_device
 
 

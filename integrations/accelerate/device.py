@@ -18,6 +18,8 @@ import warnings
 
 import torch
 
+from hf_tpu.model_patches.wrapping import wrap_once
+
 
 def _tpu_is_the_accelerator() -> bool:
     accel = torch.accelerator.current_accelerator()
@@ -26,18 +28,14 @@ def _tpu_is_the_accelerator() -> bool:
 
 def install(module) -> None:
     if module.__name__ == "accelerate.state":
-        _pick_tpu(module.PartialState)
-        _say_when_sent_to_the_cpu(module.PartialState)
+        wrap_once(module.PartialState, "default_device", _pick_tpu)
+        wrap_once(module.PartialState, "__init__", _say_when_sent_to_the_cpu)
     elif module.__name__ == "accelerate.utils.dataclasses":
         add_member(module.DynamoBackend, "TPU")
     elif module.__name__ == "accelerate.accelerator":
         # Accelerator.save_state/load_state call these through the names this module imported
         for name, action in (("save_accelerator_state", _save_tpu_rng), ("load_accelerator_state", _load_tpu_rng)):
-            original = getattr(module, name)
-            if not getattr(original, "_hf_tpu", False):
-                patched = _then_on_the_rng_file(original, action)
-                patched._hf_tpu = True
-                setattr(module, name, patched)
+            wrap_once(module, name, functools.partial(_then_on_the_rng_file, action=action))
 
 
 # the key beside Accelerate's own `torch_cuda_manual_seed`, `torch_xpu_manual_seed`, ...
@@ -81,20 +79,15 @@ def _load_tpu_rng(path) -> None:
         torch.tpu.set_rng_state_all(states[_TPU_RNG_KEY])
 
 
-def _pick_tpu(state) -> None:
-    original = state.default_device
-    if getattr(original.fget, "_hf_tpu", False):
-        return
-
+def _pick_tpu(original):
+    """`PartialState.default_device`'s getter: `tpu:<current>` when tpu is the accelerator."""
+    @functools.wraps(original)
     def default_device(self) -> torch.device:
         if _tpu_is_the_accelerator():
             return torch.device("tpu", torch.accelerator.current_device_index())
-        return original.fget(self)
+        return original(self)
 
-    default_device.__doc__ = original.__doc__
-    patched = property(default_device)
-    patched.fget._hf_tpu = True
-    state.default_device = patched
+    return default_device
 
 
 _CPU_WHILE_TPU = (
@@ -106,13 +99,9 @@ _CPU_WHILE_TPU = (
 _told = []
 
 
-def _say_when_sent_to_the_cpu(state) -> None:
-    """Warns once per process when a configuration puts Accelerate on the CPU while `tpu` is the
-    accelerator."""
-    original = state.__init__
-    if getattr(original, "_hf_tpu", False):
-        return
-
+def _say_when_sent_to_the_cpu(original):
+    """`PartialState.__init__`, warning once per process when a configuration puts Accelerate on the CPU while
+    `tpu` is the accelerator."""
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
@@ -122,8 +111,7 @@ def _say_when_sent_to_the_cpu(state) -> None:
             _told.append(True)
             warnings.warn(_CPU_WHILE_TPU, UserWarning, stacklevel=2)
 
-    __init__._hf_tpu = True
-    state.__init__ = __init__
+    return __init__
 
 
 def add_member(enum, name: str) -> None:

@@ -18,6 +18,7 @@ import sys
 
 import hf_tpu
 from hf_tpu import settings as _environment
+from hf_tpu.model_patches.wrapping import wrap_once
 
 _environment.register(
     _environment.Setting("HF_TPU_OPTIMIZER_TRACE", "bool", True, "Accelerate: run the optimizer's step "
@@ -27,10 +28,7 @@ _environment.register(
 
 def install(module) -> None:
     if module.__name__ == "accelerate.accelerator":  # it imports accelerate.optimizer
-        owner = sys.modules["accelerate.optimizer"].AcceleratedOptimizer
-        if not getattr(owner.step, "_hf_tpu", False):
-            owner.step = _wrap_step(owner.step)
-            owner.step._hf_tpu = True
+        wrap_once(sys.modules["accelerate.optimizer"].AcceleratedOptimizer, "step", _wrap_step)
 
 
 def _optimizer_step(optimizer) -> None:

@@ -17,16 +17,16 @@ import sys
 
 import torch
 
-from .data_parallel import MULTI_TPU, replace_everywhere
+from hf_tpu.model_patches.wrapping import wrap_once
+
+from .data_parallel import MULTI_TPU, wrap_everywhere
 
 
 def install(module) -> None:
     if module.__name__ == "accelerate.accelerator":
-        _allow_fp16(module.Accelerator)
-        modeling = sys.modules["accelerate.utils.modeling"]
-        original = modeling.get_mixed_precision_context_manager
-        if not getattr(original, "_hf_tpu", False):
-            replace_everywhere("get_mixed_precision_context_manager", original, _bfloat16_for_multi_tpu(original))
+        wrap_once(module.Accelerator, "__init__", _allow_fp16)
+        wrap_everywhere(sys.modules["accelerate.utils.modeling"], "get_mixed_precision_context_manager",
+                        _bfloat16_for_multi_tpu)
 
 
 def _bound_for_tpu(arguments: dict) -> bool:
@@ -44,10 +44,7 @@ def _bound_for_tpu(arguments: dict) -> bool:
     return accelerator is not None and accelerator.type == "tpu"
 
 
-def _allow_fp16(accelerator_class) -> None:
-    original = accelerator_class.__init__
-    if getattr(original, "_hf_tpu", False):
-        return
+def _allow_fp16(original):
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -70,8 +67,7 @@ def _allow_fp16(accelerator_class) -> None:
             scaler_kwargs = self.scaler_handler.to_kwargs() if self.scaler_handler is not None else {}
             self.scaler = torch.amp.GradScaler("tpu", **scaler_kwargs)
 
-    __init__._hf_tpu = True
-    accelerator_class.__init__ = __init__
+    return __init__
 
 
 def _bfloat16_for_multi_tpu(original):
@@ -85,5 +81,4 @@ def _bfloat16_for_multi_tpu(original):
             return torch.autocast(device_type=state.device.type, dtype=torch.bfloat16, **kwargs)
         return original(native_amp, autocast_kwargs)
 
-    get_mixed_precision_context_manager._hf_tpu = True
     return get_mixed_precision_context_manager

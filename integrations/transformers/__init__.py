@@ -21,7 +21,10 @@ Installed by `hf_tpu.integrations.activate()` when `transformers.modeling_utils`
   program. The prefill and the device loop below are traced straight from Python with `hf_tpu.jit` (no
   Dynamo), with `torch.compile` where that trace cannot be made. Transformers' compiled call for the decode
   steps (`get_compiled_call`) is made when first called, not when `_sample` asks for it: making it imports
-  Dynamo's backends, and with the device loop, or one token, it is never called.
+  Dynamo's backends, and with the device loop, or one token, it is never called. A `compile_config` the caller
+  gives asks for Transformers' compiled path: decode steps one by one through that call (`torch.compile` with
+  that config), made at once. A result that holds the cache holds Transformers' own (a `DynamicCache`), and a
+  `DynamicCache` handed back is decoded in a static cache and given its tokens back.
 - continuous batching (`generate_batch`): the paged KV cache is sized from the tpu's memory
   (`continuous_batching`), not from the host's RAM.
 - greedy search and sampling with a static cache: after Transformers' own prefill and first token, the
@@ -37,9 +40,11 @@ prefill and the loop's step with `torch.compile`) change these defaults; they ar
 
 from __future__ import annotations
 
+from hf_tpu.model_patches.wrapping import wrap_once
+
 from .. import attention
-from ..output_capturing import install_output_capturing_hooks
-from . import cache, continuous_batching, from_pretrained, generation, trainer
+from ..output_capturing import capturing_hooks_traced, install_output_capturing_hooks
+from . import cache, compiled_buckets, continuous_batching, from_pretrained, generation, trainer
 from .generation import bucketed_length
 from .loading import check_before_loading, prepare_model
 from .settings import DEFAULT_PROMPT_BUCKETS, Settings, configure, settings
@@ -48,58 +53,48 @@ __all__ = ["DEFAULT_PROMPT_BUCKETS", "Settings", "bucketed_length", "check_befor
            "install", "install_output_capturing_hooks", "prepare_model", "settings"]
 
 
-def _patch(owner, name: str, wrap) -> None:
-    """Wrap `owner.name` once (installing twice, e.g. after a reload, keeps one wrapper)."""
-    current = owner.__dict__[name]
-    if getattr(current, "_hf_tpu_original", None) is not None:
-        return
-    wrapped = wrap(current)
-    wrapped._hf_tpu_original = current
-    setattr(owner, name, wrapped)
-
-
 def install(module) -> None:
     """Patch the Transformers module that was just imported (`hf_tpu.integrations.ADAPTERS`)."""
     if module.__name__ == "transformers.training_args":
-        _patch(module.TrainingArguments, "__post_init__", trainer._wrap_training_args_post_init)
+        wrap_once(module.TrainingArguments, "__post_init__", trainer._wrap_training_args_post_init)
         return
     if module.__name__ == "transformers.trainer":
-        _patch(module.Trainer, "_save_rng_state", trainer._wrap_save_rng_state)
-        _patch(module.Trainer, "_load_rng_state", trainer._wrap_load_rng_state)
-        _patch(module.Trainer, "training_step", trainer._wrap_training_step)
-        for name, wrap in (("nested_gather", trainer._wrap_nested_gather),
-                           ("distributed_broadcast_scalars", trainer._wrap_broadcast_scalars)):
-            if not getattr(getattr(module, name), "_hf_tpu", False):  # functions the Trainer imported
-                setattr(module, name, wrap(getattr(module, name)))
-                getattr(module, name)._hf_tpu = True
+        wrap_once(module.Trainer, "_save_rng_state", trainer._wrap_save_rng_state)
+        wrap_once(module.Trainer, "_load_rng_state", trainer._wrap_load_rng_state)
+        wrap_once(module.Trainer, "training_step", trainer._wrap_training_step)
+        # functions the Trainer module imported
+        wrap_once(module, "nested_gather", trainer._wrap_nested_gather)
+        wrap_once(module, "distributed_broadcast_scalars", trainer._wrap_broadcast_scalars)
         return
     if module.__name__ == "transformers.generation.continuous_batching.cache":
-        _patch(module.PagedAttentionCache, "__init__", continuous_batching._wrap_paged_cache_init)
-        _patch(module, "get_device_and_memory_breakdown", continuous_batching._wrap_memory_breakdown)
+        wrap_once(module.PagedAttentionCache, "__init__", continuous_batching._wrap_paged_cache_init)
+        wrap_once(module, "get_device_and_memory_breakdown", continuous_batching._wrap_memory_breakdown)
         return
     if module.__name__ == "transformers.generation.continuous_batching.initialization":
-        _patch(module, "resolve_max_memory_percent", continuous_batching._wrap_resolve_max_memory_percent)
+        wrap_once(module, "resolve_max_memory_percent", continuous_batching._wrap_resolve_max_memory_percent)
         return
     if module.__name__ == "transformers.integrations.sdpa_attention":
-        _patch(module, "use_gqa_in_sdpa", attention._wrap_use_gqa_in_sdpa)
+        wrap_once(module, "use_gqa_in_sdpa", attention._wrap_use_gqa_in_sdpa)
         return
     if module.__name__ == "transformers.modeling_utils":
-        _patch(module.PreTrainedModel, "from_pretrained", from_pretrained.wrap)
-        _patch(module.PreTrainedModel, "get_compiled_call", generation._wrap_get_compiled_call)
+        wrap_once(module.PreTrainedModel, "from_pretrained", from_pretrained.wrap)
+        wrap_once(module.PreTrainedModel, "get_compiled_call", generation._wrap_get_compiled_call)
         attention.register()
+        capturing_hooks_traced()
+        compiled_buckets.install()
     elif module.__name__ == "transformers.models.auto.auto_factory":
-        _patch(module._BaseAutoModelClass, "from_pretrained", from_pretrained.wrap)
+        wrap_once(module._BaseAutoModelClass, "from_pretrained", from_pretrained.wrap)
     elif module.__name__ == "transformers.generation.utils":
         mixin = module.GenerationMixin
-        _patch(mixin, "generate", generation._wrap_generate)
-        _patch(mixin, "_sample", generation._wrap_sample)
-        _patch(mixin, "_prefill", generation._wrap_prefill)
-        _patch(mixin, "_valid_auto_compile_criteria", generation._wrap_valid_auto_compile_criteria)
-        _patch(mixin, "_prepare_generation_config", cache._wrap_prepare_generation_config)
-        _patch(mixin, "_prepare_cache_for_generation", cache._wrap_prepare_cache_for_generation)
-        _patch(mixin, "_prepare_static_cache", cache._wrap_prepare_static_cache)
+        wrap_once(mixin, "generate", generation._wrap_generate)
+        wrap_once(mixin, "_sample", generation._wrap_sample)
+        wrap_once(mixin, "_prefill", generation._wrap_prefill)
+        wrap_once(mixin, "_valid_auto_compile_criteria", generation._wrap_valid_auto_compile_criteria)
+        wrap_once(mixin, "_prepare_generation_config", cache._wrap_prepare_generation_config)
+        wrap_once(mixin, "_prepare_cache_for_generation", cache._wrap_prepare_cache_for_generation)
+        wrap_once(mixin, "_prepare_static_cache", cache._wrap_prepare_static_cache)
         from transformers.cache_utils import Cache, StaticLayer  # imported by generation.utils already
 
-        _patch(StaticLayer, "lazy_initialization", cache._wrap_static_layer_allocation)
-        _patch(StaticLayer, "update", cache._wrap_static_layer_update)
-        _patch(Cache, "early_initialization", cache._wrap_early_initialization)
+        wrap_once(StaticLayer, "lazy_initialization", cache._wrap_static_layer_allocation)
+        wrap_once(StaticLayer, "update", cache._wrap_static_layer_update)
+        wrap_once(Cache, "early_initialization", cache._wrap_early_initialization)

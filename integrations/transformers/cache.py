@@ -6,6 +6,7 @@ the chips as the attention projections are."""
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import dataclasses
 import functools
@@ -24,22 +25,23 @@ _ADAPTER_CHOSE_STATIC_CACHE = "_hf_tpu_default_static_cache"
 def _wrap_prepare_generation_config(original):
     @functools.wraps(original)
     def _prepare_generation_config(self, generation_config=None, **kwargs):
+        """On tpu, whether `generate()` makes the adapter's static cache is decided with the config, and noted on
+        it (`_ADAPTER_CHOSE_STATIC_CACHE`) rather than set as its `cache_implementation`, which stays the caller's:
+        model code reads that field and changes what it does for a static cache the caller asked for (Whisper's
+        long-form `generate` pads the previous segments' text to a fixed length: a logits processor then saw
+        other ids than on the CPU, and a batch conditioned on previous text got other tokens). The cache is made
+        as Transformers makes a static one (`_prepare_cache_for_generation`)."""
         if not _on_tpu(self):
             return original(self, generation_config, **kwargs)
         generation_config, model_kwargs = _resolved_configs(self).resolve(self, original, generation_config, kwargs)
-        if (
-            settings.static_cache
-            and generation_config.cache_implementation is None
-            and model_kwargs.get("cache") is None
+        chooses_static_cache = (
+            model_kwargs.get("cache") is None
             and model_kwargs.get("past_key_values") is None
-            and generation_config.use_cache is not False
-            and not generation_config.output_attentions  # their key length would be the static cache's
-            and self._supports_default_dynamic_cache()
-            and getattr(self, "_can_compile_fullgraph", False)
-            and not _static_cache_has_sliding_layers(self.config)
-        ):
-            generation_config.cache_implementation = "static"
-            setattr(generation_config, _ADAPTER_CHOSE_STATIC_CACHE, True)
+            and _static_cache_suits(self, generation_config)
+        )
+        # decided anew for every config resolved: one resolved before (a model's own `generate`, Whisper's, hands
+        # its resolved config to Transformers' `generate`) keeps the attribute
+        setattr(generation_config, _ADAPTER_CHOSE_STATIC_CACHE, chooses_static_cache)
         compile_config = generation_config.compile_config
         if compile_config is not None and compile_config.backend == "inductor":
             generation_config.compile_config = _tpu_compile_config(compile_config)
@@ -142,6 +144,19 @@ def _copied_config(config, containers: tuple | None = None):
     return copied
 
 
+def _static_cache_suits(model, generation_config) -> bool:
+    """Whether the adapter decodes with a static cache where the caller chose no cache implementation."""
+    return (
+        settings.static_cache
+        and generation_config.cache_implementation is None
+        and generation_config.use_cache is not False
+        and not generation_config.output_attentions  # their key length would be the static cache's
+        and model._supports_default_dynamic_cache()
+        and getattr(model, "_can_compile_fullgraph", False)
+        and not _static_cache_has_sliding_layers(model.config)
+    )
+
+
 # model -> its `_ResolvedConfigs`
 _resolved_by_model: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -230,18 +245,161 @@ def _wrap_prepare_cache_for_generation(original):
         prompt padded to a bucket (a multiple) then fills the cache exactly when one token is asked for, and
         that call got a cache, and so a prefill program, of its own, where counting the last token too gives
         it the cache of calls asking for up to a multiple more (a first call of one token, then one of nine,
-        compiled the 1.1B model's prefill twice on a TPU: 18 and 14 s)."""
-        if _on_tpu(self) and getattr(generation_config, _ADAPTER_CHOSE_STATIC_CACHE, False):
+        compiled the 1.1B model's prefill twice on a TPU: 18 and 14 s).
+
+        A `DynamicCache` the caller hands back (one a result held) is decoded in a static cache as well, with
+        its tokens written in first, and gets the tokens cached back when the call ends (`given_caches_written_back`):
+        decoding it as it is would run every op eagerly, a new program for every length, each token."""
+        given = model_kwargs.get("cache")
+        if _on_tpu(self) and given is not None:
+            _check_static_layers_hold(given, max_cache_length)
+        takes_over = _on_tpu(self) and _takes_over(self, generation_config, given, batch_size)
+        if takes_over:
+            del model_kwargs["cache"]
+        adapter_chose = _on_tpu(self) and (takes_over or getattr(generation_config, _ADAPTER_CHOSE_STATIC_CACHE, False))
+        if adapter_chose:
             multiple = settings.cache_length_multiple
             if multiple > 1:  # 1: the exact length Transformers gives
                 max_cache_length = -(-(max_cache_length + 1) // multiple) * multiple
-        result = original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length,
-                          *args, **kwargs)
+        with _static_cache_implementation(generation_config, adapter_chose):
+            result = original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length,
+                              *args, **kwargs)
+        if adapter_chose and model_kwargs.get("cache") is not None:
+            setattr(model_kwargs["cache"], ADAPTERS_CACHE, True)
         if _on_tpu(self):
             _shard_static_cache_like_the_model(self, model_kwargs.get("cache"))
+        if takes_over:
+            static = model_kwargs["cache"]
+            for index, layer in enumerate(given.layers):  # the tokens cached so far, at the cache's start
+                static.update(layer.keys, layer.values, index)
+            _taken_over.get().append((static, given))
+            setattr(static, _GIVEN, given)
         return result
 
     return _prepare_cache_for_generation
+
+
+@contextlib.contextmanager
+def _static_cache_implementation(generation_config, applies: bool):
+    """While Transformers makes the cache: `cache_implementation="static"` where the adapter chose the static cache,
+    and the caller's value again after."""
+    if not applies:
+        yield
+        return
+    callers = generation_config.cache_implementation
+    generation_config.cache_implementation = "static"
+    try:
+        yield
+    finally:
+        generation_config.cache_implementation = callers
+
+
+# set on a cache `generate()` made because the adapter chose the static cache (not one the caller asked for or gave)
+ADAPTERS_CACHE = "_hf_tpu_adapters_cache"
+
+
+def _check_static_layers_hold(cache, positions: int) -> None:
+    """A static cache the caller gave holds the positions the call writes (`positions`: the prompt and the new
+    tokens but the last), or `IndexError`, as the CPU raises at its first write past the end (`index_copy_`). On
+    tpu the write's start is clamped, as XLA clamps a dynamic-update-slice, and every token past the end would
+    overwrite the last position, silently; the check is made before decoding, where the lengths are host numbers
+    (a call that would stop early at an end-of-sequence token raises too)."""
+    from transformers.cache_utils import StaticLayer
+
+    lengths = [layer.max_cache_len for layer in getattr(cache, "self_attention_cache", cache).layers
+               if type(layer) is StaticLayer]
+    if lengths and min(lengths) < positions:
+        raise IndexError(f"the StaticCache given to generate() holds {min(lengths)} positions and this call writes "
+                         f"{positions} (the prompt and max_new_tokens, less one); give a StaticCache with "
+                         f"max_cache_len >= {positions}, or ask for fewer new tokens")
+
+
+# the (static cache, `DynamicCache` the caller gave) pairs of the `generate()` calls running, innermost last
+_taken_over: contextvars.ContextVar = contextvars.ContextVar("hf_tpu_caches_taken_over", default=None)
+# set on a static cache made for a `DynamicCache` the caller gave: that cache
+_GIVEN = "_hf_tpu_given_cache"
+
+
+def _takes_over(model, generation_config, given, batch_size: int) -> bool:
+    """Whether a cache the caller gave is decoded in the adapter's static cache: a plain `DynamicCache` of a
+    decoder-only model (no sliding-window or offloaded layers) holding tokens on tpu, one row per prompt (no
+    beams or extra sequences, which Transformers would lay out anew), inside a `generate()` call of the adapter
+    (`given_caches_written_back`, which gives the tokens back)."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    return (
+        _taken_over.get() is not None
+        and type(given) is DynamicCache
+        and not getattr(given, "offloading", False)
+        and not model.config.is_encoder_decoder
+        and generation_config.num_beams == 1 and generation_config.num_return_sequences == 1
+        and not generation_config.is_assistant  # an assistant's cache is cropped back between its calls
+        and bool(given.layers)
+        and all(type(layer) is DynamicLayer and layer.is_initialized and layer.keys.device.type == "tpu"
+                and layer.keys.shape[0] == batch_size for layer in given.layers)
+        and _static_cache_suits(model, generation_config)
+    )
+
+
+@contextlib.contextmanager
+def given_caches_written_back(model):
+    """Around a `generate()` call on tpu: each `DynamicCache` the caller gave and the adapter decoded in a static
+    cache (`_prepare_cache_for_generation`) holds, when the call returns, what the static cache holds, as
+    Transformers' own decoding leaves it; a call that raised leaves it as it was."""
+    taken = []
+    token = _taken_over.set(taken)
+    try:
+        yield
+    finally:
+        _taken_over.reset(token)
+    text_config = model.config.get_text_config(decoder=True)
+    for static, given in taken:
+        given.layers = _dynamic_cache(static, text_config).layers
+
+
+def returned_as_transformers_returns_it(model, output):
+    """`generate()`'s result with the cache it holds (a `return_dict_in_generate` output's `cache`) as Transformers
+    would have returned it, where the adapter chose the static cache: a `DynamicCache` (inside an
+    `EncoderDecoderCache` for an encoder-decoder model) of the tokens cached, not the static cache, whose keys
+    and values are as long as the cache and whose length is a count on the device. The caller hands that cache
+    back to continue, and model code reads its tensors: the static cache's padding made Whisper's `generate()`
+    return a cache 128 positions long, and a continuation given it back fed no token (the cache counted the
+    whole prompt as cached); a decoder-only continuation past the static cache's length wrote its last slot
+    over and over (the write's start is clamped on tpu, where CPU's `index_copy_` raises) and gave other logits
+    than the CPU's, silently. A cache the caller asked for or gave is returned as it is."""
+    cache = output.get("cache") if hasattr(output, "keys") else None
+    if cache is None or not getattr(cache, ADAPTERS_CACHE, False):
+        return output
+    if hasattr(cache, _GIVEN):  # the cache the caller gave, holding the tokens now (`given_caches_written_back`)
+        output["cache"] = getattr(cache, _GIVEN)
+        return output
+    from transformers.cache_utils import EncoderDecoderCache
+
+    text_config = model.config.get_text_config(decoder=True)
+    if isinstance(cache, EncoderDecoderCache):
+        output["cache"] = EncoderDecoderCache(_dynamic_cache(cache.self_attention_cache, text_config),
+                                              _dynamic_cache(cache.cross_attention_cache, text_config))
+    else:
+        output["cache"] = _dynamic_cache(cache, text_config)
+    return output
+
+
+def _dynamic_cache(cache, text_config):
+    """A `DynamicCache` holding what each layer of a static cache holds up to its count (one read of the counts),
+    built as Transformers builds its default cache (from the config's layer types). A layer never written (no
+    token reached it) stays empty."""
+    from transformers.cache_utils import DynamicCache
+
+    written = [layer for layer in cache.layers if layer.is_initialized]
+    lengths = iter(torch.stack([layer.cumulative_length for layer in written]).tolist() if written else ())
+    data = []
+    for layer in cache.layers:
+        if layer.is_initialized:
+            length = next(lengths)
+            data.append((layer.keys[:, :, :length], layer.values[:, :, :length]))
+        else:
+            data.append((None, None))
+    return DynamicCache(data, config=text_config)
 
 
 # --- The static cache kept from one `generate()` to the next

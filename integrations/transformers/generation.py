@@ -16,8 +16,8 @@ import torch
 import hf_tpu
 from hf_tpu import model_patches
 
-from .cache import (ALLOCATED_WHOLE, PLAIN_VALUES, allocated_ahead, plain_key, spare_static_cache,
-                    static_cache_kept, zero_static_cache)
+from .cache import (ALLOCATED_WHOLE, PLAIN_VALUES, allocated_ahead, given_caches_written_back, plain_key,
+                    returned_as_transformers_returns_it, spare_static_cache, static_cache_kept, zero_static_cache)
 from .loading import _on_tpu, prepare_model
 from .settings import settings
 
@@ -134,44 +134,54 @@ def _wrap_generate(original):
         """On tpu, the token bookkeeping of the loop (the growing ids, logits processors, stopping
         criteria, sampling) runs on the host, as Transformers allows for an accelerator (its
         `prepare_inputs_for_generation` moves each step's inputs to the model): a step then costs one
-        compiled forward, not dozens of small device ops whose shapes grow with every token."""
+        compiled forward, not dozens of small device ops whose shapes grow with every token. A result that
+        holds the cache the adapter chose holds the cache Transformers would have returned instead
+        (`cache.returned_as_transformers_returns_it`), and a `DynamicCache` the caller gave holds the tokens
+        cached afterwards (`cache.given_caches_written_back`)."""
         if not _on_tpu(self):
             return original(self, inputs, generation_config, *args, **kwargs)
-        prepare_model(self)
-        _signatures_read_once(self)
-        input_ids = inputs if inputs is not None else kwargs.get("input_ids")
-        if args or not isinstance(input_ids, torch.Tensor) or input_ids.device.type != "tpu":
-            return original(self, inputs, generation_config, *args, **kwargs)
-        resolved_kwargs = dict(kwargs)
-        resolved, model_kwargs = self._prepare_generation_config(generation_config, **resolved_kwargs)
-        if not _is_plain_prompt(self, input_ids, model_kwargs) or not _loop_runs_on_the_host(resolved, kwargs):
-            return original(self, inputs, generation_config, *args, **kwargs)
-        kwargs.pop("input_ids", None)
-        mask = kwargs.pop("attention_mask", None)
-        host_ids = input_ids.cpu()
-        host_mask = mask.cpu() if mask is not None else None
-        padding = 0
-        if settings.prompt_buckets and model_patches.pads_prompts(self) and _padding_keeps_the_result(
-                resolved, kwargs, model_kwargs):
-            padding = bucketed_length(host_ids.shape[1]) - host_ids.shape[1]
-            longest = _longest_sequence(self.config.get_text_config(decoder=True))
-            if longest is not None and host_ids.shape[1] + padding + resolved.max_new_tokens > longest:
-                padding = 0
-        if padding:
-            if host_mask is None:
-                host_mask = _prompt_mask(host_ids, resolved)
-            host_ids, host_mask = _left_pad(host_ids, host_mask, padding)
-        reuses_the_cache = _prefill_reuses_the_cache(resolved, host_ids.shape[1])
-        plain = plain_key(kwargs) if reuses_the_cache and settings.static_cache and generation_config is None else None
-        kind = None if plain is None else (plain, tuple(host_ids.shape), host_mask is None)
-        # the launch ahead first: the contexts after it set functions of their own on the model for the call
-        with _prefill_launched_ahead(self, kind, host_ids), _step_inputs_on_the_model(self), \
-                _config_resolved_once(self, resolved, model_kwargs, resolved_kwargs), \
-                static_cache_kept(self, keep=reuses_the_cache):
-            output = original(self, host_ids, generation_config, attention_mask=host_mask, **kwargs)
-        return _to_device(_strip_padding(output, padding), input_ids.device)
+        with given_caches_written_back(self):
+            output = _generate(original, self, inputs, generation_config, *args, **kwargs)
+        return returned_as_transformers_returns_it(self, output)
 
     return generate
+
+
+def _generate(original, self, inputs, generation_config, *args, **kwargs):
+    """`generate()` on tpu, the host-side bookkeeping where it applies (see `_wrap_generate`)."""
+    prepare_model(self)
+    _signatures_read_once(self)
+    input_ids = inputs if inputs is not None else kwargs.get("input_ids")
+    if args or not isinstance(input_ids, torch.Tensor) or input_ids.device.type != "tpu":
+        return original(self, inputs, generation_config, *args, **kwargs)
+    resolved_kwargs = dict(kwargs)
+    resolved, model_kwargs = self._prepare_generation_config(generation_config, **resolved_kwargs)
+    if not _is_plain_prompt(self, input_ids, model_kwargs) or not _loop_runs_on_the_host(resolved, kwargs):
+        return original(self, inputs, generation_config, *args, **kwargs)
+    kwargs.pop("input_ids", None)
+    mask = kwargs.pop("attention_mask", None)
+    host_ids = input_ids.cpu()
+    host_mask = mask.cpu() if mask is not None else None
+    padding = 0
+    if settings.prompt_buckets and model_patches.pads_prompts(self) and _padding_keeps_the_result(
+            resolved, kwargs, model_kwargs):
+        padding = bucketed_length(host_ids.shape[1]) - host_ids.shape[1]
+        longest = _longest_sequence(self.config.get_text_config(decoder=True))
+        if longest is not None and host_ids.shape[1] + padding + resolved.max_new_tokens > longest:
+            padding = 0
+    if padding:
+        if host_mask is None:
+            host_mask = _prompt_mask(host_ids, resolved)
+        host_ids, host_mask = _left_pad(host_ids, host_mask, padding)
+    reuses_the_cache = _prefill_reuses_the_cache(resolved, host_ids.shape[1])
+    plain = plain_key(kwargs) if reuses_the_cache and settings.static_cache and generation_config is None else None
+    kind = None if plain is None else (plain, tuple(host_ids.shape), host_mask is None)
+    # the launch ahead first: the contexts after it set functions of their own on the model for the call
+    with _prefill_launched_ahead(self, kind, host_ids), _step_inputs_on_the_model(self), \
+            _config_resolved_once(self, resolved, model_kwargs, resolved_kwargs), \
+            static_cache_kept(self, keep=reuses_the_cache):
+        output = original(self, host_ids, generation_config, attention_mask=host_mask, **kwargs)
+    return _to_device(_strip_padding(output, padding), input_ids.device)
 
 
 # what Transformers' `generate()` reads the signature of at each call: the model's `forward` (four times), its input
@@ -297,7 +307,8 @@ def _decodes_on_device(model, logits_processor, stopping_criteria, generation_co
                        model_kwargs) -> bool:
     """Greedy search or sampling of a decoder-only model with Transformers' own input preparation, a static
     cache that Transformers would decode with a compiled forward, and nothing that needs the host per token
-    (a streamer, returned scores, a processor or stopping criterion that reads the growing ids)."""
+    (a streamer, returned scores, a processor or stopping criterion that reads the growing ids). Not where
+    the caller gave a `compile_config`: that asks for Transformers' compiled decode steps (`_traces_directly`)."""
     from transformers.cache_utils import StaticLayer
     from transformers.generation import GenerationMixin
     from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
@@ -306,6 +317,7 @@ def _decodes_on_device(model, logits_processor, stopping_criteria, generation_co
     return (
         settings.device_loop
         and _on_tpu(model)
+        and generation_config.compile_config is None  # one given asks for Transformers' compiled decode steps
         and not model.config.is_encoder_decoder
         and type(model).prepare_inputs_for_generation is GenerationMixin.prepare_inputs_for_generation
         and type(model)._update_model_kwargs_for_generation is GenerationMixin._update_model_kwargs_for_generation
@@ -382,12 +394,15 @@ def _runs_the_per_expert_loop(model) -> bool:
 def _wrap_get_compiled_call(original):
     @functools.wraps(original)
     def get_compiled_call(self, compile_config):
-        """On tpu, the compiled call is made when it is first called, not when it is asked for. Transformers'
-        `_sample` asks for it before the prefill, for the decode steps, also where none follows (a call of one
-        token) or where hf-tpu runs them as one device loop; making it is `torch.compile`, whose first use in a
-        process imports Dynamo's backends and AOT autograd (1.2 s in a fresh process on the development CPU, a
-        second process's first `generate()` of one token 1.47 -> 1.33 s)."""
-        if not _on_tpu(self):
+        """On tpu, the compiled call for Transformers' default compile config is made when it is first called,
+        not when it is asked for. Transformers' `_sample` asks for it before the prefill, for the decode steps,
+        also where none follows (a call of one token) or where hf-tpu runs them as one device loop; making it is
+        `torch.compile`, whose first use in a process imports Dynamo's backends and AOT autograd (1.2 s in a
+        fresh process on the development CPU, a second process's first `generate()` of one token 1.47 ->
+        1.33 s). A `compile_config` the caller gave asks for Transformers' compiled path (`_traces_directly`):
+        the call is made at once, as Transformers makes it, and the decode steps run it, so that the model holds
+        it as `_compiled_call` afterwards, as Transformers' API has it."""
+        if not _on_tpu(self) or compile_config is not None:
             return original(self, compile_config)
         return functools.partial(_call_compiled, original, self, compile_config)
 
@@ -551,12 +566,16 @@ def _prefill_forward(model, inputs: dict):
 def _traces_directly(compile_config) -> bool:
     """Whether the prefill and the decode loop are traced straight from Python (`hf_tpu.jit`,
     `hf_tpu.while_loop(state=...)`) rather than compiled with `torch.compile`: unless turned off
-    (`configure(direct_trace=False)`), for Transformers' default compile config on tpu and any other with the
-    `tpu` backend and static shapes, whose other settings (`fullgraph`, `mode`, `options`) change nothing the
-    trace makes. A config asking for dynamic shapes or another backend gets `torch.compile` with that config,
-    as in Transformers."""
-    return settings.direct_trace and (compile_config is None or (
-        compile_config.backend == "tpu" and not compile_config.dynamic))
+    (`configure(direct_trace=False)`), where the caller gave no `compile_config` (Transformers' default for tpu
+    then applies, `backend="tpu"`, static shapes, which the trace makes the same program of).
+
+    A `compile_config` the caller gave, per call or on the model's generation config, asks for Transformers'
+    compiled path, and gets it with the `tpu` backend (in place of Inductor, `cache._tpu_compile_config`): the
+    decode steps run one by one through `model.get_compiled_call(compile_config)` (`torch.compile` of the
+    model's call with that config, kept as `model._compiled_call`, as Transformers keeps it), with no device
+    loop (`_decodes_on_device`), and the prefill is `torch.compile`d with that config too. Its settings
+    (`fullgraph`, `dynamic`, `options`) then apply as the caller set them."""
+    return settings.direct_trace and compile_config is None
 
 
 def _prefill_state(model, inputs: dict) -> tuple:
@@ -575,8 +594,9 @@ def _compiled_prefill(model, compile_config):
     Not guarded, as in Transformers' compiled decode: the model's config (its attention implementation, say)
     and the Python attributes of its modules; changing them between calls needs a new model object. What the
     traced program does key is listed in `hf_tpu.direct`."""
+    traced = _traces_directly(compile_config)
     compile_config = compile_config or model._default_compile_config()
-    key = (compile_config, _traces_directly(compile_config))
+    key = (compile_config, traced)
     cached = model.__dict__.get(_COMPILED_PREFILL)
     if cached is None or cached[0] != key:
         compiled = functools.partial(_compiled_forward, functools.cache(

@@ -241,41 +241,6 @@ def test_a_uint8_index_is_a_mask_as_on_cpu():
         differential(lambda d: torch.arange(6, device=d).view(3, 2)[torch.tensor([1, 0, 1], dtype=torch.uint8, device=d)])
 
 
-_OUT_OF_RANGE = [
-    ("index_select", lambda x, d: x.index_select(0, torch.tensor([5], device=d)), IndexError),
-    ("gather", lambda x, d: x.gather(0, torch.tensor([[5, 0, 0]], device=d)), RuntimeError),
-    ("embedding", lambda x, d: torch.nn.functional.embedding(torch.tensor([9], device=d), x), IndexError),
-    ("getitem", lambda x, d: x[torch.tensor([7], device=d)], IndexError),
-    ("index_put_", lambda x, d: x.index_put_((torch.tensor([7], device=d),), torch.tensor(1.0, device=d)), IndexError),
-    ("scatter", lambda x, d: x.scatter(0, torch.tensor([[5, 0, 0]], device=d), 1.0), RuntimeError),
-    ("index_add", lambda x, d: x.index_add(0, torch.tensor([5], device=d), torch.ones(1, 3, device=d)), RuntimeError),
-    ("take", lambda x, d: x.take(torch.tensor([9], device=d)), IndexError),
-]
-
-
-@pytest.mark.parametrize("name, fn, error", _OUT_OF_RANGE, ids=[c[0] for c in _OUT_OF_RANGE])
-@pytest.mark.parametrize("how", ["env", "launch_blocking"])
-def test_out_of_range_indices_raise_like_cpu_when_checking(name, fn, error, how, monkeypatch):
-    x = torch.arange(6.0).reshape(2, 3)
-    with pytest.raises(error) as cpu_error:
-        fn(x, "cpu")
-    if how == "env":
-        monkeypatch.setenv("HF_TPU_CHECK_INDICES", "1")
-        context = torch.tpu.use_eager_mode(torch.tpu.eager_mode)
-    else:
-        context = torch.tpu.use_eager_mode("DEFER_NEVER_AND_LAUNCH_BLOCKING")
-    with context, pytest.raises(error) as tpu_error:
-        fn(x.to("tpu"), "tpu")
-    assert str(tpu_error.value).split(":")[0] == str(cpu_error.value).split(":")[0]
-
-
-def test_out_of_range_indices_are_not_checked_by_default():
-    """By default no host sync per indexing op: an out-of-range gather returns XLA's fill value."""
-    x = torch.arange(6.0, device="tpu")
-    out = x.index_select(0, torch.tensor([9], device="tpu"))
-    assert out.shape == (1,) and torch.isnan(out).all().item()
-
-
 _DEVICE_CHECKS = [
     ("linalg.solve", lambda d: torch.linalg.solve(torch.zeros(3, 3, device=d), torch.ones(3, device=d)),
      torch.linalg.LinAlgError),

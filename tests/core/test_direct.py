@@ -229,6 +229,55 @@ def test_inside_the_trace_torch_compiler_is_compiling():
     assert _traced() == 1 and not torch.compiler.is_compiling()
 
 
+class Pair:
+    """An object a traced function makes to hold tensors it makes (as a model returns a new `DynamicCache`)."""
+
+    def __init__(self, first, second, note=None):
+        self.first, self.second, self.note = first, second, note
+
+
+def test_objects_made_in_the_trace_are_rebuilt_at_each_call(model, fallbacks):
+    shared_note = object()
+
+    def f(x):
+        y = model(x)
+        pair = Pair(y, [y * 2, {"z": y + 1}], shared_note)
+        return {"pair": pair, "again": pair, "y": y, "x": x}
+
+    traced = hf_tpu.jit(f)
+    with torch.no_grad():
+        results = [traced(torch.full((2, 4), float(k), device="tpu")) for k in range(3)]
+        for k, out in enumerate(results):
+            expected = f(torch.full((2, 4), float(k), device="tpu"))
+            pair = out["pair"]
+            assert type(pair) is Pair and out["again"] is pair and pair.note is shared_note
+            assert pair.first is out["y"]  # one tensor met twice is one tensor
+            torch.testing.assert_close(pair.first.cpu(), expected["y"].cpu())
+            torch.testing.assert_close(pair.second[0].cpu(), expected["pair"].second[0].cpu())
+            torch.testing.assert_close(pair.second[1]["z"].cpu(), expected["pair"].second[1]["z"].cpu())
+    assert results[0]["pair"] is not results[1]["pair"] and _traced() == 1 and not fallbacks()
+
+
+def test_an_object_returned_that_holds_no_new_tensor_falls_back(fallbacks):
+    kept = Pair(None, None)
+    traced = hf_tpu.jit(lambda x: (x + 1, kept))
+    out = traced(torch.zeros(2, device="tpu"))
+    assert out[1] is kept and len(fallbacks()) == 1 and "returns a Pair" in fallbacks()[0]
+
+
+def test_the_float32_matmul_precision_is_keyed():
+    x = torch.randn(8, 8, device="tpu")
+    traced = hf_tpu.jit(lambda a: a @ a)
+    before = torch.get_float32_matmul_precision()
+    try:
+        for precision in ("highest", "medium", "highest"):
+            torch.set_float32_matmul_precision(precision)
+            traced(x)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert _traced() == 2
+
+
 def test_a_host_read_falls_back_to_the_eager_function_with_its_result(fallbacks):
     def clipped(x):
         return x * 2 if x.sum().item() > 0 else -x  # a branch on a device value
@@ -238,6 +287,50 @@ def test_a_host_read_falls_back_to_the_eager_function_with_its_result(fallbacks)
         x = torch.full((3,), float(sign), device="tpu")
         assert torch.equal(traced(x).cpu(), clipped(x).cpu())
     assert len(fallbacks()) == 1 and "_Untraceable" in fallbacks()[0]  # later calls know without tracing
+
+
+def test_a_tracer_an_earlier_failed_trace_left_behind_is_not_taken_for_a_write(fallbacks):
+    kept = []
+
+    def leaky(x):
+        y = x + 1
+        kept.append(y)  # kept past the trace, which then fails: `kept` holds a tensor with a stale tracer
+        return y * (y.sum().item() > 0)
+
+    hf_tpu.jit(leaky)(torch.ones(2, device="tpu"))
+    torch.testing.assert_close(hf_tpu.jit(lambda x: x * 3)(torch.ones(2, device="tpu")).cpu(), torch.full((2,), 3.0))
+    assert len(fallbacks()) == 1 and "_Untraceable" in fallbacks()[0]
+
+
+def test_the_fallback_runs_with_no_error_of_the_trace_in_flight():
+    import sys
+
+    def fallback(x):  # Dynamo's errors would chain to one, and keep its traceback's tracers alive
+        return torch.full((1,), float(sys.exc_info()[0] is None), device="tpu")
+
+    traced = hf_tpu.jit(lambda x: x + x.sum().item(), fallback=fallback)
+    assert traced(torch.ones(2, device="tpu")).item() == 1.0
+
+
+def test_a_python_state_change_made_once_is_traced_again_with_it_made(model, fallbacks):
+    class Lazy:
+        def __init__(self):
+            self.ready = False
+            self.scale = torch.full((4,), 2.0, device="tpu")
+
+    lazy = Lazy()
+
+    def f(x):
+        if not lazy.ready:  # a setting made at the first call (as Transformers installs hooks)
+            lazy.ready = True
+        return model(x) * lazy.scale
+
+    traced = hf_tpu.jit(f, state=(model, lazy))
+    x = torch.randn(2, 4, device="tpu")
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(traced(x).cpu(), (model(x) * 2).cpu())
+    assert lazy.ready and _traced() == 2 and not fallbacks()  # the first trace, then the one with the change made
 
 
 def test_a_fallback_given_runs_instead():

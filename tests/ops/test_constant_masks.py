@@ -9,6 +9,7 @@ from torch.fx.operator_schemas import normalize_function
 
 import hf_tpu
 import hf_tpu.constant_masks
+import hf_tpu.direct
 from hf_tpu.constant_masks import recognise_constant_masks
 from tests.util import assert_same, to_cpu
 
@@ -158,3 +159,61 @@ def test_under_dynamic_shapes_the_mask_is_recognised_for_each_length(monkeypatch
     for gm in specialized:
         call, = attention_calls(gm)
         assert call.kwargs.get("attn_mask") is None and call.args[4] is True  # (q, k, v, dropout_p, is_causal)
+
+
+# --- in a function traced directly (`hf_tpu.jit`): masks known on the host while tracing
+
+
+@pytest.fixture
+def traced_patterns(monkeypatch):
+    """The pattern each attention call of a direct trace ran on (None: its mask), noted as the trace makes it."""
+    patterns = []
+    on_pattern = hf_tpu.constant_masks.KnownValues._attention_on_pattern
+
+    def noted(self, *args):
+        rewritten = on_pattern(self, *args)
+        patterns.append(None if rewritten is None else
+                        {name: rewritten[2][name] for name in ("attn_mask", "is_causal", "sliding_window")
+                         if name in rewritten[2]})
+        return rewritten
+
+    monkeypatch.setattr(hf_tpu.constant_masks.KnownValues, "_attention_on_pattern", noted)
+    hf_tpu.direct.reset()
+    return patterns
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["sdpa", "grouped"])
+@pytest.mark.parametrize("case", CASES)
+def test_in_a_direct_trace_a_constant_mask_becomes_its_pattern(case, grouped, traced_patterns):
+    make_mask, rewritten = CASES[case]
+    q, k, v = qkv(4 if grouped else 2, 2)
+    attend = attention_with(make_mask, grouped)
+    expected = attend(q, k, v)
+    out = hf_tpu.jit(attend)(q.to("tpu"), k.to("tpu"), v.to("tpu"))
+    # SDPA on a sliding window runs hf_tpu's op, which takes one
+    assert traced_patterns == [rewritten]
+    assert_same(to_cpu(out), expected)
+
+
+def test_in_a_direct_trace_a_mask_written_or_made_from_an_input_is_left_alone(traced_patterns):
+    def attend(q, k, v, lengths):
+        written = causal_bool(q.device)
+        written[-1, 0] = True  # written after it was made: not causal any more
+        first = F.scaled_dot_product_attention(q, k, v, attn_mask=written)
+        visible = torch.arange(LENGTH, device=q.device)[None, :] < lengths[:, None]
+        return first + F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None, None, :])
+
+    q, k, v = qkv()
+    lengths = torch.tensor([LENGTH, LENGTH - 2])
+    out = hf_tpu.jit(attend)(q.to("tpu"), k.to("tpu"), v.to("tpu"), lengths.to("tpu"))
+    assert traced_patterns == [None, None]
+    assert_same(to_cpu(out), attend(q, k, v, lengths))
+
+
+def test_in_a_direct_trace_under_inference_mode_masks_are_left_alone(traced_patterns):
+    """An inference tensor keeps no version counter, so a write to it would not show: its value is not kept."""
+    q, k, v = qkv()
+    with torch.inference_mode():
+        out = hf_tpu.jit(attention_with(causal_bool))(q.to("tpu"), k.to("tpu"), v.to("tpu"))
+    assert traced_patterns == [None]
+    assert_same(to_cpu(out), attention_with(causal_bool)(q, k, v))

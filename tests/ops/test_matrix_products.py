@@ -102,3 +102,36 @@ def test_a_product_with_an_epilogue_is_rounded_once_on_a_tpu_too(monkeypatch):
     assert asked_for(linalg.addmm, bias, a, b) == [jnp.float32]
     assert asked_for(lambda a, b: linalg.mm_out_dtype(a, b, torch.float32), a, b) == [jnp.float32]
     assert asked_for(linalg.addmv, bias, b.T, a[0]) == [jnp.float32]
+
+
+def _equations(jaxpr):
+    """Every equation of a jaxpr, those of the jaxprs nested in it (a jitted lowering's) included."""
+    for equation in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        yield equation
+        for value in equation.params.values():
+            if hasattr(value, "eqns") or hasattr(getattr(value, "jaxpr", None), "eqns"):
+                yield from _equations(value)
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+def test_out_dtype_int32_of_int8_matrices_is_an_int8_product(traced):
+    """`out_dtype(mm, int32, a, b)` of int8 matrices (torchao's int8 layers) gives the exact int32 product, from a
+    dot of the int8 operands asked for in int32 (the TPU's int8 matrix unit), not of int32 copies of them."""
+    import hf_tpu
+    from hf_tpu import direct
+    from torch._higher_order_ops.out_dtype import out_dtype
+
+    torch.manual_seed(0)
+    a = torch.randint(-128, 128, (5, 64), dtype=torch.int8)
+    b = torch.randint(-128, 128, (64, 8), dtype=torch.int8)
+    product = lambda a, b: out_dtype(torch.ops.aten.mm.default, torch.int32, a, b)  # noqa: E731
+    direct.reset()
+    run = hf_tpu.jit(product) if traced else product
+    actual = run(a.to("tpu"), b.to("tpu"))
+    assert actual.dtype == torch.int32 and torch.equal(actual.cpu(), a.int() @ b.int())
+    if traced:
+        (program,) = direct._programs.values()
+        dots = [e for e in _equations(program.jaxpr) if e.primitive.name == "dot_general"]
+        assert [str(v.aval.dtype) for e in dots for v in e.invars] == ["int8", "int8"]
+        assert [e.params["preferred_element_type"] for e in dots] == [jnp.int32]
+        assert [e.params["precision"] for e in dots] == [None]  # a float product's setting, not an integer one's

@@ -18,8 +18,6 @@ import numpy as np
 import torch
 
 from .. import platform
-from ..dynamo_frames import hide_from_dynamo
-from . import current
 
 DEFAULT_SEED = 67280421310721  # PyTorch's default seed on every device
 _MASK32 = (1 << 32) - 1
@@ -125,12 +123,8 @@ def key_from_data(data):
     return key
 
 
-# --- `torch.Generator("tpu")`
-#
-# PyTorch makes a PrivateUse1 generator through C++ hooks a Python backend cannot register, so
-# `torch.Generator` becomes a class that makes `tpu` ones itself: PyTorch's CPU generator underneath,
-# reporting `device` as `tpu:N` (Diffusers then draws latents on `tpu`, as for a CUDA generator). Other
-# devices get PyTorch's own generator. See docs/design/tpu-generator.md.
+# --- `tpu` generators: a host random stream whose `device` reads `tpu:N` (`torch.Generator("tpu")` makes
+# them, hf_tpu/device/generator.py). See docs/design/tpu-generator.md.
 
 
 _stream_device = torch._C.Generator.device.__get__  # the device of a generator's C++ implementation
@@ -154,31 +148,3 @@ class TpuGenerator(torch._C.Generator):
     def __reduce__(self):  # copies and pickles stay tpu generators, with the same state
         _, _, state = super().__reduce__()
         return TpuGenerator, (self._device,), state
-
-
-class _AnyGenerator(type(torch._C.Generator)):  # PyTorch's metaclass for opaque objects
-    def __instancecheck__(cls, obj) -> bool:
-        return isinstance(obj, torch._C.Generator)
-
-    def __subclasscheck__(cls, subclass) -> bool:
-        return issubclass(subclass, torch._C.Generator)
-
-
-class Generator(torch._C.Generator, metaclass=_AnyGenerator):
-    """`torch.Generator(device="cpu")`, which also makes generators for `tpu`."""
-
-    def __new__(cls, device="cpu"):
-        device = torch.device(device)
-        if device.type == "tpu":
-            return TpuGenerator(torch.device("tpu", current.current_index_for(device)))
-        if cls is Generator:
-            return torch._C.Generator(device)
-        return super().__new__(cls, device)  # a user's subclass of torch.Generator
-
-
-def install() -> None:
-    if torch.Generator is torch._C.Generator:
-        torch.Generator = Generator
-    # run as PyTorch's own do under torch.compile, not traced by Dynamo as functions of their own
-    hide_from_dynamo(Generator.__new__.__code__, _AnyGenerator.__instancecheck__.__code__,
-                     _AnyGenerator.__subclasscheck__.__code__)
