@@ -377,10 +377,15 @@ def _traceable_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """An optimizer of tpu parameters made to step inside a program, as Dynamo makes one it compiles: its step
     counts on the device (`capturable`, where it has the option: else each step reads them on the host) and its
     learning rates tpu tensors where it takes them (capturable or fused), so a schedule's new rate is a new value
-    of an input, not a new program (a schedule fills the tensor in place)."""
+    of an input, not a new program (a schedule fills the tensor in place). A group without parameters (the Trainer's
+    group of parameters without weight decay, under LoRA) gets a tensor rate too: a schedule sets its rate at every
+    step, and a float rate is keyed by its value."""
+    device = next((p.device for group in optimizer.param_groups for p in group.get("params", [])), None)
+    if device is None or device.type != "tpu":
+        return
     for group in optimizer.param_groups:
         params = group.get("params", [])
-        if not params or any(p.device.type != "tpu" for p in params):
+        if any(p.device.type != "tpu" for p in params):
             continue
         if group.get("capturable") is False and not group.get("fused"):
             group["capturable"] = True
@@ -389,7 +394,7 @@ def _traceable_optimizer(optimizer: torch.optim.Optimizer) -> None:
                 if isinstance(step, torch.Tensor) and step.device.type != "tpu":
                     optimizer.state[p]["step"] = step.to(p.device)
         if type(group.get("lr")) is float and (group.get("capturable") or group.get("fused")):
-            group["lr"] = torch.tensor(group["lr"], dtype=torch.float32, device=params[0].device)
+            group["lr"] = torch.tensor(group["lr"], dtype=torch.float32, device=device)
         _make_state(optimizer, group)
     if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
         # a learning-rate schedule's mark that the optimizer has stepped, which the first step sets: set before

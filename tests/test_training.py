@@ -220,21 +220,26 @@ def test_autocast_bfloat16():
     assert model[0].weight.grad.dtype == torch.float32
 
 
-def _trainer_losses(tmp_path, device, **arguments):
+def _trainer_losses(tmp_path, device, wrap=None, model_too=False, **arguments):
+    """The logged losses of 3 Trainer steps of the tiny Llama (made into another model by `wrap`), and the model
+    where `model_too`."""
     from accelerate.state import AcceleratorState
     from transformers import Trainer, TrainingArguments
 
     AcceleratorState._reset_state(reset_partial_state=True)  # one Accelerate state per process
     torch.manual_seed(2)
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (12, 16))]
-    args = TrainingArguments(output_dir=str(tmp_path / device), per_device_train_batch_size=2, max_steps=3,
-                             learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no",
-                             use_cpu=device == "cpu", seed=0, disable_tqdm=True, **arguments)
-    trainer = Trainer(model=_tiny_llama(), args=args, train_dataset=data)
+    args = TrainingArguments(**dict(dict(
+        output_dir=str(tmp_path / device), per_device_train_batch_size=2, max_steps=3, learning_rate=1e-3,
+        logging_steps=1, report_to=[], save_strategy="no", use_cpu=device == "cpu", seed=0, disable_tqdm=True),
+        **arguments))
+    model = _tiny_llama() if wrap is None else wrap(_tiny_llama())
+    trainer = Trainer(model=model, args=args, train_dataset=data)
     assert trainer.accelerator.device.type == device
     trainer.train()
     assert trainer.model.device.type == device
-    return torch.tensor([entry["loss"] for entry in trainer.state.log_history if "loss" in entry])
+    losses = torch.tensor([entry["loss"] for entry in trainer.state.log_history if "loss" in entry])
+    return (losses, trainer.model) if model_too else losses
 
 
 def test_the_trainer_trains_on_tpu_with_the_cpu_losses(tmp_path):
@@ -262,6 +267,35 @@ def test_the_trainer_traces_its_micro_steps_and_its_optimizer_step(tmp_path, mon
     assert hf_tpu.metrics()["compiles_by_mode"].get("COMPILE", 0) - programs == (2 if traced else 0)
     assert "runs without hf_tpu.jit's trace" not in caplog.text
     assert len(tpu) == 3 and ((tpu - cpu).abs() / cpu.abs()).max().item() < 1e-4, (tpu, cpu)
+
+
+def test_the_trainer_trains_lora_adapters_in_traced_steps_with_the_cpu_losses(tmp_path):
+    """PEFT LoRA through the Trainer: the frozen weights are inputs that take no gradient, the adapters' gradients
+    and AdamW's step are the two programs of every step (the optimizer's empty group of parameters without weight
+    decay has a tensor rate, else each scheduled rate keyed a program of its own), the CPU's losses; only the
+    adapters change, and they save and load back."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from hf_tpu import direct
+
+    def lora(model):
+        return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+
+    arguments = dict(gradient_accumulation_steps=2, learning_rate=1e-2)
+    cpu = _trainer_losses(tmp_path, "cpu", wrap=lora, **arguments)
+    direct.reset()
+    programs = hf_tpu.metrics()["compiles_by_mode"].get("COMPILE", 0)
+    tpu, model = _trainer_losses(tmp_path, "tpu", wrap=lora, model_too=True, **arguments)
+    assert hf_tpu.metrics()["compiles_by_mode"]["COMPILE"] - programs == 2
+    assert len(tpu) == 3 and ((tpu - cpu).abs() / cpu.abs()).max().item() < 1e-4, (tpu, cpu)
+    untouched = _tiny_llama().state_dict()
+    for name, weight in model.base_model.model.state_dict().items():
+        if "lora_" not in name:
+            assert torch.equal(weight.cpu(), untouched[name.replace(".base_layer", "")]), name
+    model.save_pretrained(tmp_path / "adapter")
+    loaded = PeftModel.from_pretrained(_tiny_llama(), tmp_path / "adapter")
+    trained = {k: v.cpu() for k, v in model.state_dict().items() if "lora_" in k}
+    assert trained and all(torch.equal(loaded.state_dict()[k], v) for k, v in trained.items())
 
 
 def test_the_trainer_compiles_for_tpu_with_the_cpu_losses(tmp_path):
