@@ -309,6 +309,8 @@ class _Inputs:
             return (type(x), tuple((self._dict_key(k), self.state_object(v, depth + 1)) for k, v in x.items()))
         if not _plain_object(x):
             return (type(x), x) if isinstance(x, _VALUE_TYPES) else None
+        if isinstance(x, torch.optim.Optimizer):  # one another object holds (Accelerate's AcceleratedOptimizer)
+            _traceable_optimizer(x)
         self.seen[id(x)] = len(self.objects)
         self.objects.append(x)
         items = []
@@ -1093,7 +1095,12 @@ def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, meanwhile=None,
     A trace that changes Python state (a setting made at a first call: hooks installed, a warning noted) is made
     again with the change kept: the eager call would have made it, and the function then runs as it would at its
     next call. A second trace that changes it too falls back, both changes undone (`changed_before`: the first
-    trace's key and changes)."""
+    trace's key and changes).
+
+    Called inside another trace (a jitted training step calling a library's jitted optimizer step), `fn` runs as
+    part of that trace's program, as a `jax.jit` function called inside another is."""
+    if modes.current().kind is modes.ModeKind.TRACE:
+        return fn(*args, **kwargs)
     fallback = fn if fallback is None else fallback
     name = _name_of(fn)
     description = f"the direct trace of `{name}`"

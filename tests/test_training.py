@@ -329,6 +329,57 @@ def test_an_accelerator_prepares_for_tpu():
         AcceleratorState._reset_state(reset_partial_state=True)
 
 
+def _accelerate_losses(device, traced_step):
+    """The losses of an Accelerate loop over the tiny Llama (clipping, AdamW, a schedule stepped outside the step);
+    with `traced_step`, the user's step is traced whole by `hf_tpu.jit`."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        accelerator = Accelerator(cpu=device == "cpu")
+        torch.manual_seed(2)
+        loader = torch.utils.data.DataLoader(torch.randint(0, 128, (8, 16)), batch_size=2)
+        model = _tiny_llama()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + step))
+        model, opt, loader, schedule = accelerator.prepare(model, opt, loader, schedule)
+
+        def step(ids):
+            loss = model(input_ids=ids, labels=ids).loss
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+
+        step = hf_tpu.jit(step) if traced_step else step
+        losses = []
+        for ids in loader:
+            losses.append(step(ids).item())
+            schedule.step()
+        return torch.tensor(losses)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.mark.parametrize("traced_step", [False, True])
+def test_an_accelerate_loop_steps_its_optimizer_in_one_program_with_the_cpu_losses(caplog, traced_step):
+    """A plain Accelerate loop: `optimizer.step()` (AcceleratedOptimizer's) is one traced program; the user's whole
+    step traced by `hf_tpu.jit` is one program with the optimizer's step inside it (a jitted function called inside
+    a trace is part of its program, and the optimizer the AcceleratedOptimizer holds gets its state before the
+    first trace): one program either way, the CPU's losses."""
+    from hf_tpu import direct
+
+    cpu = _accelerate_losses("cpu", traced_step=False)
+    direct.reset()
+    programs = hf_tpu.metrics()["compiles_by_mode"].get("COMPILE", 0)
+    tpu = _accelerate_losses("tpu", traced_step)
+    assert hf_tpu.metrics()["compiles_by_mode"]["COMPILE"] - programs == 1
+    assert "runs without hf_tpu.jit's trace" not in caplog.text
+    torch.testing.assert_close(tpu, cpu, rtol=1e-4, atol=1e-4)
+
+
 def test_an_accelerator_checkpoint_restores_the_tpu_random_state(tmp_path):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
