@@ -258,15 +258,35 @@ def test_the_trainer_traces_its_micro_steps_and_its_optimizer_step(tmp_path, mon
     if not traced:
         monkeypatch.setenv("HF_TPU_TRAINER_TRACE", "0")
         monkeypatch.setenv("HF_TPU_OPTIMIZER_TRACE", "0")
+    import logging
+
     from hf_tpu import direct
 
+    caplog.set_level(logging.INFO, logger="hf_tpu.integrations")
     cpu = _trainer_losses(tmp_path, "cpu", gradient_accumulation_steps=2, max_grad_norm=0.5)
     direct.reset()
     programs = hf_tpu.metrics()["compiles_by_mode"].get("COMPILE", 0)
     tpu = _trainer_losses(tmp_path, "tpu", gradient_accumulation_steps=2, max_grad_norm=0.5)
     assert hf_tpu.metrics()["compiles_by_mode"].get("COMPILE", 0) - programs == (2 if traced else 0)
     assert "runs without hf_tpu.jit's trace" not in caplog.text
+    told = "the Trainer's training_step runs eagerly on tpu, not as one traced program: HF_TPU_TRAINER_TRACE is off"
+    assert caplog.text.count(told) == (0 if traced else 1)
     assert len(tpu) == 3 and ((tpu - cpu).abs() / cpu.abs()).max().item() < 1e-4, (tpu, cpu)
+
+
+def test_the_trainers_mixed_precision_checkpointed_recipe_traces_with_the_cpu_losses(tmp_path):
+    """`bf16=True` (autocast inside the traced step), `gradient_checkpointing=True` (the recomputation in the same
+    program) and accumulation: still a micro step's program and the optimizer's, the CPU's losses within
+    bfloat16 autocast's rounding of other orders of the same sums."""
+    from hf_tpu import direct
+
+    arguments = dict(bf16=True, gradient_checkpointing=True, gradient_accumulation_steps=2)
+    cpu = _trainer_losses(tmp_path, "cpu", **arguments)
+    direct.reset()
+    programs = hf_tpu.metrics()["compiles_by_mode"].get("COMPILE", 0)
+    tpu = _trainer_losses(tmp_path, "tpu", **arguments)
+    assert hf_tpu.metrics()["compiles_by_mode"]["COMPILE"] - programs == 2
+    assert len(tpu) == 3 and ((tpu - cpu).abs() / cpu.abs()).max().item() < 1e-3, (tpu, cpu)
 
 
 def test_the_trainer_trains_lora_adapters_in_traced_steps_with_the_cpu_losses(tmp_path):

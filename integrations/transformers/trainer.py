@@ -5,12 +5,15 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
 
 import hf_tpu
 from hf_tpu import settings as _environment
+
+log = logging.getLogger("hf_tpu.integrations")
 
 _environment.register(
     _environment.Setting("HF_TPU_TRAINER_TRACE", "bool", True, "Transformers Trainer: trace each micro-batch's forward "
@@ -21,13 +24,17 @@ _environment.register(
 # --- The Trainer's training step: one traced program a micro-batch
 
 
-def _traces_its_steps(trainer) -> bool:
-    """Whether the Trainer's micro-steps run traced: on one tpu chip (data parallelism over a mesh is Accelerate's
-    `MULTI_TPU`, which runs them as it runs them eagerly), unless the Trainer compiles the model
-    (`torch_compile=True`: Dynamo's graphs, what the user asked for) or `HF_TPU_TRAINER_TRACE` is off."""
-    args = trainer.args
-    return (args.device.type == "tpu" and not args.torch_compile and _environment.get("HF_TPU_TRAINER_TRACE")
-            and trainer.accelerator.distributed_type == "NO")
+def _untraced_because(trainer) -> str | None:
+    """Why the Trainer's micro-steps on tpu run eagerly (None: they run traced): the Trainer compiles the model
+    (`torch_compile=True`: Dynamo's graphs, what the user asked for), `HF_TPU_TRAINER_TRACE` is off, or Accelerate's
+    `MULTI_TPU` data parallelism over processes, whose traced step is not tested yet."""
+    if trainer.args.torch_compile:
+        return "torch_compile=True compiles the model with Dynamo instead"
+    if not _environment.get("HF_TPU_TRAINER_TRACE"):
+        return "HF_TPU_TRAINER_TRACE is off"
+    if trainer.accelerator.distributed_type != "NO":
+        return f"Accelerate's {trainer.accelerator.distributed_type} runs each process's steps eagerly"
+    return None
 
 
 def _wrap_training_step(original):
@@ -39,7 +46,13 @@ def _wrap_training_step(original):
         `zero_grad()`), so the first micro-batch of each accumulation runs the program the others run: one trace
         and one compile. A step the trace cannot take (a subclass's `compute_loss` that reads a value on the host)
         runs as the Trainer runs it, with a log line saying why."""
-        if not _traces_its_steps(self):
+        if self.args.device.type != "tpu":
+            return original(self, model, inputs, num_items_in_batch)
+        reason = _untraced_because(self)
+        if reason is not None:
+            if self.__dict__.get("_hf_tpu_untraced") != reason:
+                self._hf_tpu_untraced = reason
+                log.info("hf_tpu: the Trainer's training_step runs eagerly on tpu, not as one traced program: %s", reason)
             return original(self, model, inputs, num_items_in_batch)
         traced = self.__dict__.get("_hf_tpu_training_step")
         if traced is None:
