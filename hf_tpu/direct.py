@@ -1188,15 +1188,18 @@ def lower(fn, args: tuple, kwargs: dict, state=(), device=None):
 
 def _own_arrays(inputs: _Inputs, slots: tuple, arrays: list) -> None:
     """Each array the program overwrites (at `slots` of `arrays`) made its buffer's alone, so the program can take it
-    (donated: XLA writes the new value in its memory). Small equal values share one uploaded array (the norms'
-    weights of a model, all ones), and a whole-tensor `copy_` shares its source's: such an array is copied for
-    the buffer that the program overwrites, once, and the program's result is its own from then on. One shared
-    array would make the call run a program that donates nothing: compiled a second time beside the donating
-    one, and holding every parameter and moment twice."""
+    (donated: XLA writes the new value in its memory), and committed to its device, as the program's results that
+    replace it are. Small equal values share one uploaded array (the norms' weights of a model, all ones), and a
+    whole-tensor `copy_` shares its source's: such an array is copied for the buffer that the program overwrites,
+    once, and the program's result is its own from then on. One shared array would make the call run a program
+    that donates nothing: compiled a second time beside the donating one, and holding every parameter and moment
+    twice. An array a factory made (`torch.zeros`: an optimizer's moments and step counts) is not committed to its
+    device, and JAX keys a jitted function by that: the second call, over the first call's committed results,
+    lowered and compiled the whole step again."""
     for slot in slots:
         array = arrays[slot]
-        if buffer.allocator.holders(array) > 1:
-            copy = jax.device_put(array, may_alias=False)
+        if buffer.allocator.holders(array) > 1 or not array.committed:
+            copy = jax.device_put(array, array.sharding, may_alias=False)
             if inputs.buffers[slot]._array is array:
                 inputs.buffers[slot].array = copy
             arrays[slot] = copy

@@ -659,6 +659,29 @@ def test_an_optimizer_that_makes_its_state_in_its_step_adds_it_from_the_first_tr
     assert hf_tpu.metrics()["compiles_by_mode"]["COMPILE"] == 2
 
 
+def test_the_second_traced_step_runs_the_first_steps_compiled_program():
+    """AdamW's moments and step counts, made by `torch.zeros` before the first trace, were arrays not committed to
+    their device; the first step's results that replace them are, and JAX keys a jitted function by that: the
+    second step lowered and compiled the whole program again (as long as the first step's compile)."""
+    from hf_tpu import direct
+
+    direct.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).to("tpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(x):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step = hf_tpu.jit(step)
+    for _ in range(3):
+        step(torch.randn(4, 8, device="tpu"))
+    (program,) = [p for p in direct._programs.values() if isinstance(p, direct._Program)]
+    assert program.jitted[True]._cache_size() == 1
+
+
 def test_parameters_sharing_an_uploaded_value_are_donated_to_the_traced_step():
     """Equal small values are uploaded once and shared (two norms' weights, all ones): a traced step that overwrites
     them donated nothing, holding every parameter and moment twice, until each got an array of its own."""
