@@ -937,6 +937,7 @@ GROUPS = {  # name: (the worker, its default time limit in seconds)
     "train_compile": (None, 540),
     "train_eager": (None, 540),
     "train_torchax": (None, 420),
+    "train_trainer": (None, 540),
     "quant": (_group_quant, 570),
     "quant_prefill": (_group_quant_prefill, 570),
     "quant_big": (_group_quant_big, 570),
@@ -947,7 +948,7 @@ GROUPS = {  # name: (the worker, its default time limit in seconds)
 # the compile groups run in one fresh disk cache of the parent's (`compile_again` finds what `compile` left in it),
 # and the environment each sets
 _COMPILE_GROUPS = {"compile": {}, "compile_again": {}, "compile_dynamo": {"HF_TPU_COMPILE_DIRECT": "0"}}
-TRAIN_GROUPS = ("train", "train_compile", "train_eager", "train_torchax")
+TRAIN_GROUPS = ("train", "train_compile", "train_eager", "train_torchax", "train_trainer")
 # groups a run takes only when `--only` names them: each is most of a chip command's device time on its own
 NAMED_ONLY = ("quant", "quant_prefill", "quant_big", *_COMPILE_GROUPS, *TRAIN_GROUPS)
 

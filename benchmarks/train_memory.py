@@ -103,7 +103,14 @@ def main(argv=None) -> None:
     parser.add_argument("--topology", default="v5e:1x1")
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--dump", help="write each compiled program's optimized HLO into this folder")
+    parser.add_argument("--without-saved-barrier", action="store_true",
+                        help="the values the forward saves for the backward not passed through an optimization "
+                             "barrier (hf_tpu.remat.saved_values_materialized), to see what the barrier saves")
     args = parser.parse_args(argv)
+    if args.without_saved_barrier:
+        from hf_tpu import remat
+
+        remat.saved_values_materialized = lambda input_buffers: contextlib.nullcontext()
     config = chip.SIZES["1b"]["train"]["models"][args.model]
     device = _topology_device(args.topology)
     depths = [int(n) for n in args.layers.split(",")]

@@ -15,7 +15,9 @@ one that runs out of memory leaves the next a clean chip):
 - `train_eager`: the same Python step in defer-and-fuse and in strict eager;
 - `train_torchax`: torchax's functional call of the same model under `jax.value_and_grad`, optax's `adamw` of the
   same hyperparameters, one `jax.jit` with parameters and moments donated; checkpointed rows wrap each decoder
-  layer in `jax.checkpoint` (`torchax.interop.gradient_checkpoint`).
+  layer in `jax.checkpoint` (`torchax.interop.gradient_checkpoint`);
+- `train_trainer`: Transformers' `Trainer` as a user runs it (`bf16=True` for the mixed recipe,
+  `gradient_checkpointing=True` for a checkpointed row): its traced micro step and optimizer step.
 
 Each row prints tokens/s, MFU (3 x the forward's FLOPs: 6 x parameters x tokens plus attention, a checkpointed
 row's recomputation not counted), the first step's time and where it went (the Python trace, JAX's trace and
@@ -140,6 +142,13 @@ def _time_steps(step, steps: int) -> dict:
         start = time.perf_counter()
         losses.append(step())
         times.append(time.perf_counter() - start)
+    return dict(first_step=first, second_step=second, step_seconds=statistics.median(times),
+                first_split=_compile_split(compiled), losses=losses[:3] + losses[-1:])
+
+
+def _compile_split(compiled: dict) -> dict:
+    """Compile seconds by phase (`jax_compile_phases`' figures since a point): hf_tpu.jit's Python trace, JAX's
+    trace and lowering, XLA."""
     split = {"XLA": 0.0, "JAX trace and lowering": 0.0, "Python trace": 0.0}
     for name, p in compiled.items():
         if name.startswith("trace_"):  # hf_tpu.jit's run of the Python function on tracers
@@ -147,8 +156,7 @@ def _time_steps(step, steps: int) -> dict:
         else:
             split["XLA"] += p.get("XLA", 0.0)
             split["JAX trace and lowering"] += p.get("trace", 0.0) + p.get("lowering", 0.0)
-    return dict(first_step=first, second_step=second, step_seconds=statistics.median(times), first_split=split,
-                losses=losses[:3] + losses[-1:])
+    return split
 
 
 def _hf_tpu_row(spec: dict, rows, row: dict, mode: str) -> None:
@@ -265,9 +273,60 @@ def _torchax_row(spec: dict, rows, row: dict) -> None:
     rows.emit("train", side="torchax", mode="jit", **row, **figures, **device, memory_analysis=analysis, fallbacks=0)
 
 
+def _trainer_row(spec: dict, rows, row: dict) -> None:
+    """The row trained by Transformers' `Trainer` as a user runs it (`bf16=True` for the mixed recipe,
+    `gradient_checkpointing`, AdamW, clipping at 1.0, a linear schedule, a loss logged every step): its steps are
+    traced programs on one chip (`integrations/transformers/trainer.py`). A step's time is from one logged loss to
+    the next (logging reads the loss on the host); the first step's from the start of training."""
+    import tempfile
+
+    import torch
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    import hf_tpu
+    from benchmarks.chip import _ids, _llama
+    from benchmarks.common import jax_compile_phases
+
+    config = spec["train"]["models"][row["model"]]
+    model = _llama(dict(spec, model=config))
+    mixed = row["recipe"] == "mixed"
+    if mixed:
+        model = model.float()
+    steps = 2 + spec["train"]["steps"]
+    data = [{"input_ids": ids, "labels": ids}
+            for ids in _ids(config["vocab_size"], row["batch"] * steps, row["length"])]
+    marks = []
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            marks.append(time.perf_counter())
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                marks.append(time.perf_counter())
+
+    phases = jax_compile_phases()
+    before = {name: dict(p) for name, p in phases.items()}
+    with tempfile.TemporaryDirectory() as folder:
+        args = TrainingArguments(folder, per_device_train_batch_size=row["batch"], max_steps=steps,
+                                 learning_rate=LEARNING_RATE, weight_decay=WEIGHT_DECAY, bf16=mixed,
+                                 gradient_checkpointing=row["checkpointing"], logging_steps=1, report_to=[],
+                                 save_strategy="no", disable_tqdm=True, dataloader_pin_memory=False)
+        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[Clock()])
+        trainer.train()
+    compiled = {name: {k: v - before.get(name, {}).get(k, 0.0) for k, v in p.items()} for name, p in phases.items()}
+    times = [b - a for a, b in zip(marks, marks[1:])]
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    metrics = hf_tpu.metrics()
+    rows.emit("train", side="hf-tpu", mode="Trainer", **row, first_step=times[0], second_step=times[1],
+              step_seconds=statistics.median(times[2:]), first_split=_compile_split(compiled),
+              losses=losses[:3] + losses[-1:], **_device_figures(), memory_analysis=None,
+              fallbacks=sum(metrics["cpu_fallbacks"].values()))
+
+
 # the ways each training group runs a row
 MODES = {"train": ("jit",), "train_compile": ("compile",), "train_eager": ("DEFER_AND_FUSE", "DEFER_NEVER"),
-         "train_torchax": ("torchax",)}
+         "train_torchax": ("torchax",), "train_trainer": ("Trainer",)}
 
 
 def run_row(spec: dict, rows, group: str, index: int, mode: str) -> None:
@@ -282,6 +341,8 @@ def run_row(spec: dict, rows, group: str, index: int, mode: str) -> None:
     try:
         if mode == "torchax":
             _torchax_row(spec, rows, row)
+        elif mode == "Trainer":
+            _trainer_row(spec, rows, row)
         else:
             _hf_tpu_row(spec, rows, row, mode)
     except torch.OutOfMemoryError as e:

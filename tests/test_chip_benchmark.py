@@ -305,6 +305,20 @@ def test_the_train_group_times_a_traced_step_and_reports_its_memory(tmp_path):
     assert "training step (forward, backward, AdamW)" in proc.stdout
 
 
+def test_the_trainer_group_times_the_trainers_traced_steps(tmp_path):
+    """`--only train_trainer` at the tiny size, its first row: Transformers' Trainer trains the row's model in a
+    process of its own, timed from one logged loss to the next, its first step split by compile phase."""
+    out = tmp_path / "figures.json"
+    proc = _chip("--size", "tiny", "--only", "train_trainer", "--train-rows", "0", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = [f for f in json.loads(out.read_text()) if f["section"] == "train"]
+    assert (row["side"], row["mode"], row["recipe"], row["checkpointing"]) == ("hf-tpu", "Trainer", "bf16", True)
+    assert row["step_seconds"] > 0 and row["first_step"] > row["step_seconds"] and row["fallbacks"] == 0
+    assert row["first_split"]["XLA"] > 0 and row["first_split"]["Python trace"] > 0  # its steps were traced
+    assert len(row["losses"]) == 4
+    assert any(line.startswith("[train_trainer] hf-tpu Trainer tiny bf16 2x32") for line in proc.stdout.splitlines())
+
+
 def test_the_train_report_puts_each_way_beside_torchax():
     from benchmarks import training
 
