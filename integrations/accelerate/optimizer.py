@@ -32,8 +32,8 @@ def install(module) -> None:
 
 
 def _optimizer_step(optimizer) -> None:
-    """The optimizer class's own step (not an instance's wrapper of it: a learning-rate scheduler's, which records
-    the call on the optimizer, `_traced_step` records it)."""
+    """The optimizer class's own step, not an instance's wrapper of it: a learning-rate scheduler's wrapper records
+    the call on the optimizer, Python state a program cannot replay, and `step` below records it instead."""
     type(optimizer).step(optimizer)
 
 
