@@ -60,6 +60,8 @@ import sys
 import threading
 import time
 
+from benchmarks import training
+
 _LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                  intermediate_size=8192, vocab_size=32000, max_position_embeddings=8192)
 # Qwen3-30B-A3B's routing (128 experts, 8 a token, experts of 768) and attention (32 query and 4 key/value heads
@@ -84,6 +86,18 @@ SIZES = {
                  batches=[1, 2], lengths=[16, 32], eager=(1, 16), decode_steps=32, moe_batch=2, moe_prompt=16,
                  moe_steps=8, moe_eager_seconds=None, matmul=256, hbm_bytes=16 << 20, iters=3),
 }
+# the training groups' models and rows (`benchmarks.training`): a row is a model, a recipe, a batch x length, and
+# whether the decoder layers are checkpointed
+def _train_row(model: str, recipe: str, batch: int, length: int, checkpointing: bool) -> dict:
+    return dict(model=model, recipe=recipe, batch=batch, length=length, checkpointing=checkpointing)
+
+
+SIZES["1b"]["train"] = dict(models={"0.44b": training.LLAMA_044B, "1.1b": _LLAMA_1B}, steps=5,
+                            rows=[_train_row("1.1b", "bf16", 8, 1024, True), _train_row("0.44b", "bf16", 8, 1024, True),
+                                  _train_row("0.44b", "mixed", 8, 1024, True), _train_row("1.1b", "bf16", 4, 1024, True),
+                                  _train_row("1.1b", "bf16", 2, 1024, True)])
+SIZES["tiny"]["train"] = dict(models={"tiny": training.TINY}, steps=2,
+                              rows=[_train_row("tiny", "bf16", 2, 32, True), _train_row("tiny", "mixed", 2, 32, False)])
 # `compile`: a Flux-shaped transformer of about 1B parameters (Flux's blocks at hidden 1536: 6 double-stream and 12
 # single-stream blocks of 12 heads of 128), at a 512x512 image (1024 latent tokens) and a 512-token prompt, then a
 # second resolution (768x768: 2304 tokens); and the Llama's training step with 4 of its layers (0.4B parameters)
@@ -116,6 +130,8 @@ SIZES["small"] = dict(SIZES["tiny"], model=dict(hidden_size=512, num_hidden_laye
                                                 num_key_value_heads=4, intermediate_size=1408, vocab_size=32000,
                                                 max_position_embeddings=4096),
                       lengths=[128, 1024], iters=15)
+SIZES["small"]["train"] = dict(models={"small": SIZES["small"]["model"]}, steps=3,
+                               rows=[_train_row("small", "bf16", 2, 256, True)])
 
 # published bf16 peak FLOP/s and HBM bytes/s by JAX device kind
 PEAK_BF16 = {"TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v4": 275e12, "TPU v5p": 459e12, "TPU v6 lite": 918e12}
@@ -919,6 +935,12 @@ GROUPS = {  # name: (the worker, its default time limit in seconds)
     "ttft": (_group_ttft, 420),
     "eager": (_group_eager, 300),
     "moe": (_group_moe, 540),
+    # each row in a process of its own (`benchmarks.training.run_group`)
+    "train": (None, 480),
+    "train_compile": (None, 540),
+    "train_eager": (None, 540),
+    "train_torchax": (None, 420),
+    "train_trainer": (None, 540),
     "quant": (_group_quant, 570),
     "quant_prefill": (_group_quant_prefill, 570),
     "quant_big": (_group_quant_big, 570),
@@ -929,22 +951,28 @@ GROUPS = {  # name: (the worker, its default time limit in seconds)
 # the compile groups run in one fresh disk cache of the parent's (`compile_again` finds what `compile` left in it),
 # and the environment each sets
 _COMPILE_GROUPS = {"compile": {}, "compile_again": {}, "compile_dynamo": {"HF_TPU_COMPILE_DIRECT": "0"}}
+TRAIN_GROUPS = ("train", "train_compile", "train_eager", "train_torchax", "train_trainer")
 # groups a run takes only when `--only` names them: each is most of a chip command's device time on its own
-NAMED_ONLY = ("quant", "quant_prefill", "quant_big", *_COMPILE_GROUPS)
+NAMED_ONLY = ("quant", "quant_prefill", "quant_big", *_COMPILE_GROUPS, *TRAIN_GROUPS)
 
 
 # --- The parent: starts each group's process, relays its figures
 
 
 def _worker(args, spec: dict) -> None:
-    GROUPS[args.worker][0](spec, _Rows(args.worker, check_memory=not args.no_memory_check))
+    rows = _Rows(args.worker, check_memory=not args.no_memory_check)
+    if args.worker in TRAIN_GROUPS:
+        if args.train_row is None:
+            return training.run_group(spec, rows, args.worker)
+        return training.run_row(spec, rows, args.worker, args.train_row, args.train_mode)
+    GROUPS[args.worker][0](spec, rows)
 
 
 def _worker_command(group: str, args) -> list:
     command = [sys.executable, "-m", "benchmarks.chip", "--worker", group, "--size", args.size]
-    for option in ("batches", "lengths"):
+    for option in ("batches", "lengths", "train_rows"):
         if getattr(args, option):
-            command += [f"--{option}", getattr(args, option)]
+            command += [f"--{option.replace('_', '-')}", getattr(args, option)]
     return command + (["--no-memory-check"] if args.no_memory_check else [])
 
 
@@ -1056,6 +1084,8 @@ def describe(row: dict, spec: dict, limits: dict | None = None) -> str:
                 f"{row['launches']:.0f} op launches a call, {row['program_us'] / 1e3:.2f} ms in its programs, "
                 f"{row['wall_us'] / 1e3:.2f} ms a call traced; programs:{programs}\n  by kind:{kinds}"
                 f"\n  the longest ops:{ops}")
+    if section == "train":
+        return training.describe(row, spec, peak)
     if section == "compile":
         return f"[{row['group']}] {_compile_line(row)}"
     if section.startswith("quant"):
@@ -1181,6 +1211,9 @@ def report(results: list, spec: dict) -> str:
                        f"{moe['eager']['step_seconds'] / moe['grouped_mm']['step_seconds']:.1f}x the per-expert loop "
                        f"(eager{', stopped by max_time, every step compiling' if capped else ''})")
         out.append("")
+    trained = training.report(results, spec, peak)
+    if trained:
+        out.append(trained)
     compiles = by("compile")
     if compiles:
         out.append("first calls, where the time goes (s): capture is Dynamo and AOT autograd; Python trace, "
@@ -1264,6 +1297,10 @@ def plot(results: list, spec: dict, path: str) -> None:
 
 def _spec(args) -> dict:
     spec = dict(SIZES[args.size], name=args.size)
+    if getattr(args, "train_rows", None):
+        rows = spec["train"]["rows"]
+        spec["train"] = dict(spec["train"], rows=[rows[int(k)] for k in args.train_rows.split(",")],
+                             chosen=args.train_rows)
     for option in ("batches", "lengths"):
         if getattr(args, option):
             spec[option] = [int(n) for n in getattr(args, option).split(",")]
@@ -1289,6 +1326,11 @@ def main(argv=None) -> None:
     parser.add_argument("--profile", help="trace 3 calls of each forward row (one generate() of each decode row) under "
                         "this folder (jax.profiler) and report the device time per XLA op")
     parser.add_argument("--worker", choices=sorted(GROUPS), help=argparse.SUPPRESS)
+    parser.add_argument("--train-rows", help="the training groups' rows to run, by index (default: all: "
+                        + "; ".join(f"{k} {training.row_name(r)}" for k, r in enumerate(SIZES["1b"]["train"]["rows"]))
+                        + " at --size 1b)")
+    parser.add_argument("--train-row", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--train-mode", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     unknown = set(args.only.split(",")) - set(GROUPS)
     if unknown:

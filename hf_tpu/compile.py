@@ -41,6 +41,7 @@ class _Tracing:
         self.checks = []  # (tensor, raise_if_bad) of each `modes.check_on_device` in the graph
         self.index_record = None  # the trace's record of out-of-range indices, once an op checks one (`device_errors`)
         self.replayed = None  # (saved key data, draws since) while `run_with_rng_state` replays an op
+        self.latest = None  # the results of the op traced last (`hf_tpu.remat` orders a recomputation after it)
 
     def random_key(self, generator):
         if generator is not None:
@@ -57,8 +58,23 @@ class _Tracing:
         """The key the next random op will take (`run_and_save_rng_state` saves it)."""
         return rng.offset_key(self.rng_base, self.draws)
 
+    def rng_state(self, index: int) -> torch.Tensor:
+        """`torch.tpu.get_rng_state()` inside the trace: the device's state as the next random op of the program
+        will find it (the call's state, as many offsets on as the trace has drawn)."""
+        return rng.get_state(index, ahead=self.draws)
+
+    def set_rng_state(self, state: torch.Tensor, index: int) -> None:
+        """`torch.tpu.set_rng_state(state)` inside the trace, to a state `rng_state` gave: the program's next random
+        op draws from it (`torch.utils.checkpoint` replays a forward's draws this way)."""
+        seed, offset = rng.state_values(state)
+        call_seed, call_offset = rng.state_values(rng.get_state(index))
+        if seed != call_seed or offset < call_offset:
+            raise _Untraceable("it sets the tpu random state to one the traced call did not reach")
+        self.draws = offset - call_offset
+
     def execute(self, program, key, arrays, scalars, rng, device_index):
-        return program.nested(arrays, scalars, rng)
+        self.latest = program.nested(arrays, scalars, rng)
+        return self.latest
 
     def sync(self, reason: str) -> None:
         raise _Untraceable(reason)

@@ -8,15 +8,29 @@ same dispatch and lowering table as eager execution and `torch.compile`'s graphs
 becomes one `jax.jit` program. The function's inputs are every `tpu` tensor it is given or declared to use:
 
 - its arguments (nested in tuples, lists and dicts) and the tensors its closure holds;
-- the tensors of its *state*: objects the caller names (`state=`), and every module among the arguments.
-  A module's state is its parameters, buffers and tensor attributes (of every submodule); another object's
-  is the tensors among its attributes, found through lists, tuples, dicts and the objects held there (a
-  static KV cache: its layers' `keys`, `values`, `cumulative_length`).
+- the tensors of its *state*: objects the caller names (`state=`), and every module and optimizer among the
+  arguments, the closure and the globals the function's code names. A module's state is its parameters,
+  buffers and tensor attributes (of every submodule); another object's is the tensors among its attributes,
+  found through lists, tuples, dicts and the objects held there (a static KV cache: its layers' `keys`,
+  `values`, `cumulative_length`; an optimizer: its moments and step counts per parameter);
+- the `.grad` of each input that is a leaf requiring gradients (a parameter).
 
 The unit of input is the buffer (a storage): views of one buffer are one input, read through their view
 inside the program. A buffer the function writes in place (a KV cache's `index_copy_`) is an output of the
 program too: its array is donated (XLA writes the update in place) and the buffer holds the new array
 after the call, so every view of it sees the update, as after the eager call.
+
+Autograd runs inside the trace as it would outside it (with gradients enabled or not, as at the call): a
+whole training step, `loss.backward()` and `optimizer.step()` included, becomes one program. PyTorch's
+engine runs the backward on the calling thread there (`set_multithreading_enabled(False)`: JAX's trace
+is the thread's). A gradient the call sets (`.grad` of a parameter that had none) is an output the call
+sets on the parameter; one it adds to in place is an input the program overwrites (donated); one it sets
+to None (`zero_grad()`) is None after the call. A checkpointed block (`torch.utils.checkpoint`, a model's
+`gradient_checkpointing_enable()`) recomputes its forward in the program's backward behind an
+optimization barrier (`hf_tpu.remat`). An optimizer among the state steps on the device: its step counts
+made `capturable` and its learning rates tpu tensors (`_traceable_optimizer`), so a schedule's new rate is
+an input's new value. The state an optimizer makes at its first step (entries added to a dict of the
+state) is an output the call adds; the next call, whose state then holds it, traces its own program.
 
 What the function returns is rebuilt at each call: new tensors from the program's outputs, an input tensor or
 state object as itself, plain values as they were in the trace, and an object the trace made to hold new tensors
@@ -26,28 +40,30 @@ objects a graph makes.
 A call that cannot be traced runs the `fallback` instead (by default the function itself, eagerly), with a
 log line saying why, and every later call with the same key does too: a host read (`.item()`, `bool(t)`),
 an op without a lowering, a tensor outside the inputs written in place, a tensor made in the trace kept
-outside it, an output that is none of the above (a view of an input, an object that holds no new tensor, one
-with slots or a `__new__` of its own; a tensor subclass made in the trace is returned over new tensors), or a
-change to Python state (an attribute of a state object, a module or an argument's list or dict set, added or
-removed: the trace would not replay it) made by a second trace too: a first trace that changes only values
-holding no tensor (a setting made at a first call) keeps its change and is made again (see `call`). Autograd is
-off inside the trace (`torch.no_grad()`); a call made with gradients enabled and an input that requires them
-falls back. Inside the trace `torch.compiler.is_compiling()` is True (as under non-strict `torch.export`), so
-code written for compilation takes its traceable branches, and a tensor computed from constants alone has its
-value known on the host, where an attention call reads its mask's pattern (`constant_masks.KnownValues`).
+outside it, an output that is none of the above (a tensor that requires gradients: its backward would need the
+trace; a view of an input, an object that holds no new tensor, one with slots or a `__new__` of its own; a
+tensor subclass made in the trace is returned over new tensors), or a change to Python state other than entries
+added to a dict (an attribute of a state object, a module or an argument's list or dict set, replaced or removed:
+the trace would not replay it) made by a second trace too: a first trace that changes only values holding no
+tensor (a setting made at a first call) keeps its change and is made again (see `call`). Inside the trace
+`torch.compiler.is_compiling()` is True (as under non-strict `torch.export`), so code written for compilation
+takes its traceable branches, and a tensor computed from constants alone has its value known on the host, where
+an attention call reads its mask's pattern (`constant_masks.KnownValues`).
 
 Programs are cached per function code and key: the argument tensors' shapes, dtypes, devices and views, the
 values of non-tensor arguments and closure contents (hashable ones: a number, a string, a tuple; an object
 with identity hashing is keyed by identity, an unhashable dataclass by its fields; another unhashable one
-makes the call fall back), the state tensors' shapes, dtypes and views, each module's type and `training`
-flag, a non-module state object's type and its attributes of plain value types (numbers, strings, devices,
-dtypes), the default dtype, autocast's state and the float32 matmul precision (which the lowerings read).
-Finding those takes a walk over every submodule, parameter and buffer; each state object's walk is kept and
-replayed by later calls while everything it read is unchanged (`_KeptWalk`). NOT guarded, as with `jax.jit`:
-globals the function reads, attributes of modules other than `training` and their tensors (a `config` object's
-fields, a module's Python-number attributes), the objects such attributes hold, and the content of a tensor
-that is not an input (a `tpu` tensor reached only through a global or an unlisted object is read as a constant
-of the program). Change such a thing and the next call runs the program traced before it.
+makes the call fall back), the state tensors' shapes, dtypes, views and whether they require gradients (and
+have a `.grad`), each module's type and `training` flag, a non-module state object's type and its attributes
+of plain value types (numbers, strings, devices, dtypes), the default dtype, autocast's state and the float32
+matmul precision (which the lowerings read). Finding those takes a walk over every submodule, parameter and
+buffer; each state object's walk is kept and replayed by later calls while everything it read is unchanged
+(`_KeptWalk`; not one that met a `.grad`, which it would keep alive). NOT guarded, as with `jax.jit`: globals
+the function reads other than modules and optimizers, attributes of modules other than `training` and their
+tensors (a `config` object's fields, a module's Python-number attributes, the checkpoint function
+`gradient_checkpointing_enable()` sets), the objects such attributes hold, and the content of a tensor that is
+not an input (a `tpu` tensor reached only through a global or an unlisted object is read as a constant of the
+program). Change such a thing and the next call runs the program traced before it.
 """
 
 from __future__ import annotations
@@ -57,6 +73,7 @@ import dataclasses
 import enum
 import functools
 import gc
+import inspect
 import itertools
 import logging
 import operator
@@ -70,7 +87,7 @@ from jax.extend import core as jax_core
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from . import _replay, compile_log, constant_masks, disk_cache, loops, modes
+from . import _replay, compile_log, constant_masks, disk_cache, loops, modes, remat
 from .compile import UNTRACEABLE, _Tracing, _Untraceable, count_trace, donatable, finish_call, launching, loop_chunk
 from .device_state import rng
 from .memory import buffer, donation, placement, tensor_views
@@ -128,8 +145,30 @@ def _function_parts(fn) -> tuple:
                 cells.append(cell.cell_contents)
             except ValueError:  # a cell not filled yet
                 cells.append(None)
-        return fn.__code__, (tuple(cells), fn.__defaults__, fn.__kwdefaults__)
+        return fn.__code__, (tuple(cells), fn.__defaults__, fn.__kwdefaults__, _global_state(fn))
     return type(fn), (fn,)  # a callable object (a module): an argument of its own
+
+
+def _global_state(fn: types.FunctionType) -> tuple:
+    """The modules and optimizers among the globals `fn`'s code names (a training step written at a script's top
+    level reads its model and optimizer there): state, as if closed over."""
+    found = []
+    namespace = fn.__globals__
+    for name in _global_names(fn.__code__):
+        value = namespace.get(name)
+        if isinstance(value, (torch.nn.Module, torch.optim.Optimizer)):
+            found.append(value)
+    return tuple(found)
+
+
+@functools.lru_cache(maxsize=1024)
+def _global_names(code: types.CodeType) -> tuple:
+    """The names `code` and the functions defined in it read as globals (or attributes: a superset)."""
+    names = list(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names += _global_names(const)
+    return tuple(dict.fromkeys(names))
 
 
 class _Inputs:
@@ -143,6 +182,7 @@ class _Inputs:
         self.users = []  # per buffer: how many input tensors read it
         self.tensors = []  # (tensor, its buffer's slot) of every input tensor, in the order met
         self.tensor_index = {}  # id(tensor) -> its first position in `tensors`
+        self.leaves = []  # input tensors that autograd may give a `.grad` (leaves that require gradients)
         # Python state the call must not change, copied only when a trace runs (`snapshot`): the lists and
         # dicts met, and the attributes of the state objects and modules met
         self.containers = []
@@ -171,8 +211,6 @@ class _Inputs:
             return self._subclass_tensor(t)
         if t.device.type != "tpu":
             raise _Unkeyable(f"it is given a {t.device.type} tensor (hf_tpu.jit takes tpu tensors)")
-        if t.requires_grad and self.grad_enabled:
-            raise _Unkeyable("an input requires gradients and gradients are enabled (hf_tpu.jit runs without autograd)")
         buf = buffer.buffer_of(t)
         slot = self.slots.get(id(buf))
         if slot is not None and slot < self.walk_start[1]:
@@ -187,9 +225,18 @@ class _Inputs:
             self.users.append(0)
             self.buffer_keys.append((buf.shape, buf.dtype, buf.device_index))
         self.users[slot] += 1
+        first = id(t) not in self.tensor_index
         self.tensor_index.setdefault(id(t), len(self.tensors))
         self.tensors.append((t, slot))
-        return slot, tensor_views.view_of(t, buf)
+        if not t.requires_grad:
+            return slot, tensor_views.view_of(t, buf)
+        grad = None
+        if t.is_leaf:
+            if first:
+                self.leaves.append(t)
+            if t.grad is not None:
+                grad = self.tensor(t.grad)
+        return slot, tensor_views.view_of(t, buf), True, grad
 
     def _subclass_tensor(self, t: torch.Tensor):
         """The key of a tensor subclass that keeps its data in tensors of its own (PyTorch's `__tensor_flatten__`
@@ -217,7 +264,8 @@ class _Inputs:
         k = self.state_index.get(id(x))
         if k is not None:
             return ("state", k)
-        if isinstance(x, torch.nn.Module):  # a module given as an argument is state: its weights are inputs
+        # a module or an optimizer given as an argument is state: its weights, its moments are inputs
+        if isinstance(x, (torch.nn.Module, torch.optim.Optimizer)):
             self.state_index[id(x)] = len(self.state)
             self.state.append(x)
             return ("state", len(self.state) - 1, self.root(x))
@@ -258,9 +306,11 @@ class _Inputs:
             return (type(x), tuple(self.state_object(v, depth + 1) for v in x))
         if isinstance(x, dict):
             self.containers.append(x)
-            return (type(x), tuple((k, self.state_object(v, depth + 1)) for k, v in x.items()))
+            return (type(x), tuple((self._dict_key(k), self.state_object(v, depth + 1)) for k, v in x.items()))
         if not _plain_object(x):
             return (type(x), x) if isinstance(x, _VALUE_TYPES) else None
+        if isinstance(x, torch.optim.Optimizer):  # one another object holds (Accelerate's AcceleratedOptimizer)
+            _traceable_optimizer(x)
         self.seen[id(x)] = len(self.objects)
         self.objects.append(x)
         items = []
@@ -271,13 +321,23 @@ class _Inputs:
                 items.append((name, type(value), value))
         return (type(x), tuple(items))
 
+    def _dict_key(self, k):
+        """A key of a state dict: a tensor (an optimizer's state is keyed by parameter) by its place among the
+        inputs, anything else as it is."""
+        if not isinstance(k, torch.Tensor):
+            return k
+        self.tensor(k)
+        return ("tensor", self.tensor_index[id(k)])
+
     def root(self, x):
         """The key of a state object (named by `state=`, or a module among the arguments): a module's or another
         object's walk (`state_object`) is kept on the side (`_KeptWalk`) and replayed by the next call that starts
         it where this one did (after as many objects, buffers, tensors and containers found) and finds nothing it
         read changed."""
-        if self.grad_enabled or id(x) in self.seen or not (isinstance(x, torch.nn.Module) or _plain_object(x)):
-            return self.state_object(x)  # gradients on: the walk also checks that no input requires them
+        if isinstance(x, torch.optim.Optimizer) and id(x) not in self.seen:
+            _traceable_optimizer(x)
+        if id(x) in self.seen or not (isinstance(x, torch.nn.Module) or _plain_object(x)):
+            return self.state_object(x)
         start = self.position()
         for walk in _kept_walks_of(x):
             if walk.start == start and walk.inputs_type is type(self) and walk.replay(self, x):
@@ -315,6 +375,58 @@ class _Inputs:
                 + [(c, c.copy(), f"the contents of a {type(c).__name__}") for c in self.containers])
 
 
+def _traceable_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """An optimizer of tpu parameters made to step inside a program, as Dynamo makes one it compiles: its step
+    counts on the device (`capturable`, where it has the option: else each step reads them on the host) and its
+    learning rates tpu tensors where it takes them (capturable or fused), so a schedule's new rate is a new value
+    of an input, not a new program (a schedule fills the tensor in place). A group without parameters (the Trainer's
+    group of parameters without weight decay, under LoRA) gets a tensor rate too: a schedule sets its rate at every
+    step, and a float rate is keyed by its value."""
+    device = next((p.device for group in optimizer.param_groups for p in group.get("params", [])), None)
+    if device is None or device.type != "tpu":
+        return
+    for group in optimizer.param_groups:
+        params = group.get("params", [])
+        if any(p.device.type != "tpu" for p in params):
+            continue
+        if group.get("capturable") is False and not group.get("fused"):
+            group["capturable"] = True
+            for p in params:  # a step made before: its counts move to the device
+                step = optimizer.state.get(p, {}).get("step")
+                if isinstance(step, torch.Tensor) and step.device.type != "tpu":
+                    optimizer.state[p]["step"] = step.to(p.device)
+        if type(group.get("lr")) is float and (group.get("capturable") or group.get("fused")):
+            group["lr"] = torch.tensor(group["lr"], dtype=torch.float32, device=device)
+        _make_state(optimizer, group)
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        # a learning-rate schedule's mark that the optimizer has stepped, which the first step sets: set before
+        # it, the first step's key is every later step's (only `scheduler.step()`'s order warning reads it)
+        optimizer._opt_called = True
+
+
+def _make_state(optimizer: torch.optim.Optimizer, group: dict) -> None:
+    """The state a `torch.optim` optimizer makes for a group's parameters at its first step (`_init_group`: Adam's
+    step counts and moments, zeros), made now, as Dynamo makes it before tracing a compiled step: the first traced
+    step is then the program of every step after it, not one of its own that makes the state (a second trace and
+    compile). What `_init_group` makes is what the step reads, so the step's result is the same. It makes state for
+    the parameters that have a gradient: one without gets a zero one for the while (a broadcast scalar). An
+    optimizer that makes its state in the step itself (SGD's momentum) makes it in the first trace, which adds it."""
+    init_group = getattr(optimizer, "_init_group", None)
+    missing = [p for p in group["params"] if p.requires_grad and p not in optimizer.state]
+    if init_group is None or not missing:
+        return
+    lists = len(inspect.signature(init_group).parameters) - 1  # the group, then the lists it fills
+    without = [p for p in missing if p.grad is None]
+    for p in without:
+        p.grad = torch.zeros((), dtype=p.dtype, device=p.device).expand_as(p)
+    try:
+        with torch.no_grad():
+            init_group(group, *[[] for _ in range(lists)])
+    finally:
+        for p in without:
+            p.grad = None
+
+
 def _frozen(context):
     """A tensor subclass's flattening context as a key: lists as tuples, dataclasses (torchao's settings objects) as
     their type and fields; `_Unkeyable` for anything else that is unhashable."""
@@ -341,6 +453,9 @@ def _layouts(tensors: list) -> list:
 
 
 _dtype_of = operator.attrgetter("dtype")
+
+
+_requires_grad = operator.attrgetter("requires_grad")
 
 
 class _KeptWalk:
@@ -389,13 +504,20 @@ class _KeptWalk:
         self.items = [list(c) for c in self.lists]
         self.tensors = [t for t, _ in inputs.tensors[tensors_start:]]
         self.layouts = _layouts(self.tensors)
+        self.requires_grad = list(map(_requires_grad, self.tensors))
         self.storages = [buf.address for buf in inputs.buffers[buffers_start:]]
         self.added = {name: getattr(inputs, name)[start[count]:] for name, count in _KeptWalk.ADDED_LISTS.items()}
         self.added.update({name: {k: v for k, v in getattr(inputs, name).items() if v >= start[count]}
                            for name, count in _KeptWalk.ADDED_POSITIONS.items()})
         del self.added["objects"][0]  # the root, appended again at a replay
+        self.added["leaves"] = [t for t in inputs.leaves if inputs.tensor_index[id(t)] >= tensors_start]
         self.device_index = inputs.device_index
         self.inputs_type = type(inputs)  # a walk of another kind (`call(inputs_type=)`) keys other things
+
+    def keepable(self) -> bool:
+        """Whether the walk may be kept: not where it met a gradient (kept, it would keep a step's gradients alive
+        after `zero_grad()`; a training step's walk is a small part of its call)."""
+        return all(t.grad is None for t in self.added["leaves"])
 
     def holds(self, x) -> bool:
         """Whether the walk holds `x` (kept under `x`, it would keep it alive)."""
@@ -414,7 +536,8 @@ class _KeptWalk:
         # (Transformers' `_previous_max_cache_length`, 1152) is another int object past CPython's small ones
         if not all(_same(now, before) or (_unkeyed(now) and _unkeyed(before)) for now, before in changed):
             return False
-        if _layouts(self.tensors) != self.layouts:
+        if (_layouts(self.tensors) != self.layouts or list(map(_requires_grad, self.tensors)) != self.requires_grad
+                or any(t.grad is not None for t in self.added["leaves"])):
             return False
         added = self.added
         live = buffer.allocator.live
@@ -457,7 +580,7 @@ def _kept_walks_of(x) -> tuple:
 
 
 def _keep_walk(x, walk: _KeptWalk) -> None:
-    if walk.holds(x):
+    if walk.holds(x) or not walk.keepable():
         return
     try:
         _kept_walks[x] = (walk, *_kept_walks.get(x, ()))[:_WALKS_KEPT]
@@ -473,6 +596,44 @@ def _unkeyed(x) -> bool:
 def _python_state_changes(snapshot: list) -> list:
     """What a trace changed in the Python state it could see (attributes, list and dict contents)."""
     return [entry for entry in snapshot if not _same_contents(entry[0], entry[1])]
+
+
+def _state_additions(snapshot: list, inputs: _Inputs, first_new_address: int, new_arrays: list, made: dict) -> list:
+    """The entries a trace added to the dicts of its Python state, as outputs of the program: (the dict's place
+    in `snapshot`, the key, how `_rebuild` makes the value). An optimizer makes its state at its first step
+    (`opt.state[p]`, a dict of new tensors); the call adds those with the program's arrays. Any other change to the
+    Python state (an entry replaced or removed, a list changed, entries that hold no tensor) is left to `_trace`."""
+    additions = []
+    for place, (container, before, what) in enumerate(snapshot):
+        if _tensors_added(container, before):
+            additions += [(place, key, _added_value(value, inputs, first_new_address, new_arrays, made, what))
+                          for key, value in container.items() if key not in before]
+    return additions
+
+
+def _tensors_added(container, before) -> bool:
+    """Whether a dict of the Python state changed by entries added to it alone, tensors among them (an optimizer's
+    state); a change that adds no tensor (a hook installed at a first call) is one `_trace` may keep."""
+    return (isinstance(container, dict) and len(container) > len(before)
+            and all(k in container and _same(container[k], v) for k, v in before.items())
+            and any(_holds_tensors(v) for k, v in container.items() if k not in before))
+
+
+def _added_value(value, inputs: _Inputs, first_new_address: int, new_arrays: list, made: dict, what: str,
+                 depth: int = 0):
+    """How a call rebuilds a value a trace added to its state (`_rebuild`): a tensor as `_output` gives it, a dict,
+    list or tuple of such values, or a plain value."""
+    if isinstance(value, torch.Tensor):
+        return _output(value, inputs, first_new_address, new_arrays, made)
+    kind = type(value)
+    if kind in (dict, list, tuple) and depth < _DEPTH:
+        items = value.items() if kind is dict else enumerate(value)
+        specs = [(k, _added_value(v, inputs, first_new_address, new_arrays, made, what, depth + 1)) for k, v in items]
+        return (kind.__name__, tuple(specs) if kind is dict else tuple(spec for _, spec in specs))
+    if isinstance(value, _VALUE_TYPES):
+        return ("value", value)
+    raise _Untraceable(f"it adds a {type(value).__name__} to its Python state ({what}), which the program cannot "
+                       "replay")
 
 
 def _same_contents(now, before) -> bool:
@@ -532,7 +693,7 @@ class _Program:
     what it returns, and its jitted forms."""
 
     def __init__(self, name: str, jaxpr, mutated: tuple, outputs: list, new_outputs: int, treedef, checks: list,
-                 draws: int):
+                 draws: int, grads: list = (), additions: list = ()):
         self.name = name
         self.jaxpr = jaxpr
         self.mutated = mutated  # slots of the buffers written in place, ascending
@@ -544,6 +705,12 @@ class _Program:
         self.treedef = treedef
         self.checks = checks
         self.draws = draws
+        # per gradient leaf whose `.grad` the call set anew: (its position among `_Inputs.leaves`, its output as
+        # in `outputs`, or None where the call left it unset)
+        self.grads = grads
+        # entries the call adds to dicts of its state (an optimizer's state for each parameter, made at its first
+        # step): (the dict's place in `_Inputs.snapshot()`, its key, the value as `_added_value` describes it)
+        self.additions = additions
         self.run = jax_core.jaxpr_as_fun(jaxpr)
         call = _named(f"traced_{name}", self.step)
         self.jitted = {True: jax.jit(call, donate_argnums=(0,)), False: jax.jit(call)}
@@ -563,7 +730,14 @@ class _Program:
 
     def results(self, arrays, inputs: _Inputs):
         new, made = iter(arrays), []
-        return pytree.tree_unflatten([_rebuild(spec, new, inputs, made) for spec in self.outputs], self.treedef)
+        leaves = [_rebuild(spec, new, inputs, made) for spec in self.outputs]
+        for leaf, output in self.grads:  # after the outputs: their arrays follow the outputs'
+            inputs.leaves[leaf].grad = None if output is None else _rebuild(output, new, inputs, made)
+        if self.additions:
+            containers = [entry[0] for entry in inputs.snapshot()]
+            for place, key, value in self.additions:
+                containers[place][key] = _rebuild(value, new, inputs, made)
+        return pytree.tree_unflatten(leaves, self.treedef)
 
 
 def _named(name: str, fn):
@@ -618,6 +792,7 @@ def _trace(name: str, run, inputs: _Inputs, arrays: list, keep_changes: bool = F
     first_new_address = buffer.allocator.next_address
     inputs_by_id = {id(buf) for buf in inputs.buffers}
     python_state = inputs.snapshot()
+    grads_before = [t.grad for t in inputs.leaves]
     found = {}
 
     def traced(input_arrays, rng_base):
@@ -629,16 +804,22 @@ def _trace(name: str, run, inputs: _Inputs, arrays: list, keep_changes: bool = F
             buf.array = array
         failed = True
         try:
-            with torch.no_grad(), constant_masks.KnownValues():
+            # autograd's engine runs a device's backward on a thread of its own, where this trace is not JAX's
+            with torch.set_grad_enabled(inputs.grad_enabled), torch.autograd.set_multithreading_enabled(False), \
+                    remat.saved_values_materialized(set(inputs.buffers)), constant_masks.KnownValues():
                 out = run()
             leaves, treedef = pytree.tree_flatten(out)
             outputs, new_arrays, made = [], [], {}
             for leaf in leaves:
                 outputs.append(_output(leaf, inputs, first_new_address, new_arrays, made))
+            grads = [(k, None if t.grad is None else _output(t.grad, inputs, first_new_address, new_arrays, made))
+                     for k, (t, before) in enumerate(zip(inputs.leaves, grads_before)) if t.grad is not before]
+            additions = _state_additions(python_state, inputs, first_new_address, new_arrays, made)
             finals = [buf._array for buf in inputs.buffers]
             mutated = tuple(i for i, (final, array) in enumerate(zip(finals, input_arrays)) if final is not array)
             _check_nothing_else_written(live, before, inputs_by_id)
-            found.update(mutated=mutated, outputs=outputs, new_outputs=len(new_arrays), treedef=treedef,
+            found.update(mutated=mutated, outputs=outputs, new_outputs=len(new_arrays), treedef=treedef, grads=grads,
+                         additions=additions,
                          draws=mode.draws,
                          checks=[(value.dtype, raise_if_bad) for value, raise_if_bad in mode.checks])
             failed = False
@@ -649,7 +830,12 @@ def _trace(name: str, run, inputs: _Inputs, arrays: list, keep_changes: bool = F
             modes.replace_current(saved_mode)
             for buf, array in zip(inputs.buffers, own):
                 buf.array = array
-            changes = _python_state_changes(python_state)
+            for t, grad in zip(inputs.leaves, grads_before):
+                t.grad = grad
+            added, changes = [], []
+            for change in _python_state_changes(python_state):
+                (added if _tensors_added(*change[:2]) else changes).append(change)
+            _restore(added)  # entries added to a dict (`_state_additions`): the program's to add after each call
             if changes:
                 message = f"it changes Python state the program cannot replay ({changes[0][2]})"
                 if failed or not keep_changes or any(map(_holds_tensors, _new_values(changes))):
@@ -663,7 +849,7 @@ def _trace(name: str, run, inputs: _Inputs, arrays: list, keep_changes: bool = F
     jaxpr = jax.jit(traced).trace(arrays, rng.example_key()).jaxpr
     _check_no_tensor_escaped(live, first_new_address)
     return _Program(name, jaxpr, found["mutated"], found["outputs"], found["new_outputs"], found["treedef"],
-                    found["checks"], found["draws"])
+                    found["checks"], found["draws"], found["grads"], found["additions"])
 
 
 def _output(leaf, inputs: _Inputs, first_new_address: int, new_arrays: list, made: dict, depth: int = 0) -> tuple:
@@ -685,6 +871,9 @@ def _output(leaf, inputs: _Inputs, first_new_address: int, new_arrays: list, mad
             return ("subclass", (type(leaf), tuple(names), context, leaf.shape, leaf.stride(), inner))
         if id(leaf) in inputs.tensor_index:
             return ("input", inputs.tensor_index[id(leaf)])
+        if leaf.requires_grad:
+            raise _Untraceable("it returns a tensor that requires gradients (its backward would need the trace): "
+                               "return it detached, and run its backward inside the function")
         if leaf.device.type == "tpu":
             buf = buffer.buffer_of(leaf)
             if buf.address >= first_new_address:
@@ -907,7 +1096,12 @@ def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, meanwhile=None,
     A trace that changes Python state (a setting made at a first call: hooks installed, a warning noted) is made
     again with the change kept: the eager call would have made it, and the function then runs as it would at its
     next call. A second trace that changes it too falls back, both changes undone (`changed_before`: the first
-    trace's key and changes)."""
+    trace's key and changes).
+
+    Called inside another trace (a jitted training step calling a library's jitted optimizer step), `fn` runs as
+    part of that trace's program, as a `jax.jit` function called inside another is."""
+    if modes.current().kind is modes.ModeKind.TRACE:
+        return fn(*args, **kwargs)
     fallback = fn if fallback is None else fallback
     name = _name_of(fn)
     description = f"the direct trace of `{name}`"
@@ -935,6 +1129,7 @@ def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, meanwhile=None,
         program = _traced_program(key, name, lambda: fn(*args, **kwargs), inputs, arrays, description,
                                   lambda: _arguments_text(args, kwargs, inputs.state), f"traced_{name}", disk_digest,
                                   keep_changes=changed_before is None)
+        _own_arrays(inputs, program.mutated, arrays)
         mutated, others = donation.split(arrays, program.mutated)
         donate, key_data = donatable(mutated), rng.current_key(inputs.device_index)
         compiling = None if meanwhile is None else _device_compile(key, program, donate, mutated, others, key_data)
@@ -967,6 +1162,48 @@ def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, meanwhile=None,
         inputs.buffers[slot].array = array
     finish_call(inputs.device_index, program.draws, program.checks, checked)
     return program.results(new[len(program.mutated):], inputs)
+
+
+def lower(fn, args: tuple, kwargs: dict, state=(), device=None):
+    """The program `call` would run for these inputs (traced now if it has not been), as JAX's `Lowered`: its
+    `.compile().memory_analysis()` gives the device memory it takes, `.as_text()` its StableHLO. Raises what
+    makes the call fall back. With `device` (a JAX device, such as one of a TPU topology's that
+    `jax.experimental.topologies` describes without the chip), lowered for that device from the inputs' shapes
+    alone: what the program would take there, found without running it."""
+    name = _name_of(fn)
+    inputs, key = _prepare(_function_parts(fn)[0], (fn,), args, kwargs, state)
+    if inputs.device_index is None:
+        raise _Unkeyable("no tpu tensor among its inputs")
+    arrays = _arrays(inputs)
+    program = _traced_program(key, name, lambda: fn(*args, **kwargs), inputs, arrays, f"the direct trace of `{name}`",
+                              lambda: _arguments_text(args, kwargs, inputs.state), f"traced_{name}", None)
+    _own_arrays(inputs, program.mutated, arrays)
+    mutated, others = donation.split(arrays, program.mutated)
+    key_data, donate = rng.current_key(inputs.device_index), donatable(mutated)
+    if device is not None:
+        sharding = jax.sharding.SingleDeviceSharding(device)
+        mutated, others, key_data = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), (mutated, others, key_data))
+    return program.jitted[donate].lower(mutated, others, key_data)
+
+
+def _own_arrays(inputs: _Inputs, slots: tuple, arrays: list) -> None:
+    """Each array the program overwrites (at `slots` of `arrays`) made its buffer's alone, so the program can take it
+    (donated: XLA writes the new value in its memory), and committed to its device, as the program's results that
+    replace it are. Small equal values share one uploaded array (the norms' weights of a model, all ones), and a
+    whole-tensor `copy_` shares its source's: such an array is copied for the buffer that the program overwrites,
+    once, and the program's result is its own from then on. One shared array would make the call run a program
+    that donates nothing: compiled a second time beside the donating one, and holding every parameter and moment
+    twice. An array a factory made (`torch.zeros`: an optimizer's moments and step counts) is not committed to its
+    device, and JAX keys a jitted function by that: the second call, over the first call's committed results,
+    lowered and compiled the whole step again."""
+    for slot in slots:
+        array = arrays[slot]
+        if buffer.allocator.holders(array) > 1 or not array.committed:
+            copy = jax.device_put(array, array.sharding, may_alias=False)
+            if inputs.buffers[slot]._array is array:
+                inputs.buffers[slot].array = copy
+            arrays[slot] = copy
 
 
 def ready(fn, args: tuple, kwargs: dict, state=(), inputs_type=_Inputs) -> bool:
@@ -1058,6 +1295,11 @@ class Jitted:
             state = state(*args, **kwargs)
         return call(self.fn, args, kwargs, state, self.fallback, self.meanwhile, self.trace_after)
 
+    def lower(self, *args, **kwargs):
+        """The program a call with these arguments runs, as JAX's `Lowered` (see `hf_tpu.direct.lower`)."""
+        state = self.state(*args, **kwargs) if callable(self.state) else self.state
+        return lower(self.fn, args, kwargs, state)
+
 
 def jit(fn, *, state=(), fallback=None, meanwhile=None, trace_after: float = 0.0) -> Jitted:
     """`fn` run as one XLA program over its `tpu` tensors, traced from Python without Dynamo.
@@ -1130,6 +1372,7 @@ def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state
         compile_log.end(finished=False)
         _programs[key] = _NOT_TRACEABLE
         raise loops.NotLoopable(f"{type(e).__name__}: {e}") from e
+    _own_arrays(inputs, program.mutated, arrays)
     mutated, others = donation.split(arrays, program.mutated)
     slots = tuple(slot - sum(m < slot for m in program.mutated) for slot in carried_slots)
     keep_going = tensor_views.array_of(keep_going)
@@ -1208,3 +1451,6 @@ def _check_loopable(program: _Program, carried: tuple, carried_slots: list) -> N
     for t, (_, dtype) in zip(carried, program.outputs):  # each ("new", dtype)
         if dtype != t.dtype:
             raise _Untraceable("a while_loop step must return tensors of the carried dtypes")
+
+
+remat.install()

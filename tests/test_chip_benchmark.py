@@ -287,6 +287,74 @@ def test_the_first_token_timeline_marks_each_step_of_a_warm_generate_in_order():
     assert "_prefill" not in vars(LlamaForCausalLM) and "_prepare_generation_config" not in vars(LlamaForCausalLM)
 
 
+def test_the_train_group_times_a_traced_step_and_reports_its_memory(tmp_path):
+    """`--only train` at the tiny size, its first row (bfloat16, checkpointed): a row process of its own times the
+    whole step traced by `hf_tpu.jit`, the first step's time split by phase, the program's memory by XLA's
+    analysis beside the arithmetic, and losses that fall."""
+    out = tmp_path / "figures.json"
+    proc = _chip("--size", "tiny", "--only", "train", "--train-rows", "0", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = [f for f in json.loads(out.read_text()) if f["section"] == "train"]
+    assert (row["side"], row["mode"], row["recipe"], row["checkpointing"]) == ("hf-tpu", "jit", "bf16", True)
+    assert row["step_seconds"] > 0 and row["first_step"] > row["step_seconds"] and row["fallbacks"] == 0
+    assert row["first_split"]["XLA"] > 0 and row["first_split"]["Python trace"] > 0
+    assert row["memory_analysis"]["temp"] > 0 and row["memory_analysis"]["alias"] > 0  # parameters donated
+    assert row["losses"][-1] < row["losses"][0]
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("[train] hf-tpu jit tiny bf16 2x32"))
+    assert "by XLA's analysis" in line and "arithmetic" in line and "first step" in line
+    assert "training step (forward, backward, AdamW)" in proc.stdout
+
+
+def test_the_trainer_group_times_the_trainers_traced_steps(tmp_path):
+    """`--only train_trainer` at the tiny size, its first row: Transformers' Trainer trains the row's model in a
+    process of its own, timed from one logged loss to the next, its first step split by compile phase."""
+    out = tmp_path / "figures.json"
+    proc = _chip("--size", "tiny", "--only", "train_trainer", "--train-rows", "0", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = [f for f in json.loads(out.read_text()) if f["section"] == "train"]
+    assert (row["side"], row["mode"], row["recipe"], row["checkpointing"]) == ("hf-tpu", "Trainer", "bf16", True)
+    assert row["step_seconds"] > 0 and row["first_step"] > row["step_seconds"] and row["fallbacks"] == 0
+    assert row["first_split"]["XLA"] > 0 and row["first_split"]["Python trace"] > 0  # its steps were traced
+    assert len(row["losses"]) == 4
+    assert any(line.startswith("[train_trainer] hf-tpu Trainer tiny bf16 2x32") for line in proc.stdout.splitlines())
+
+
+def test_the_train_report_puts_each_way_beside_torchax():
+    from benchmarks import training
+
+    spec = chip.SIZES["1b"]
+    common = dict(section="train", model="1.1b", recipe="bf16", batch=8, length=1024, checkpointing=True,
+                  device="TPU v5 lite", first_split={"XLA": 30.0}, second_step=1.0, losses=[10.4, 10.3, 10.2],
+                  peak_bytes=12 * 2**30, memory_analysis=None)
+    figures = [dict(common, group="train", side="hf-tpu", mode="jit", step_seconds=0.5, first_step=50.0),
+               dict(common, group="train_eager", side="hf-tpu", mode="DEFER_AND_FUSE", step_seconds=0.8,
+                    first_step=90.0),
+               dict(common, group="train_torchax", side="torchax", mode="jit", step_seconds=0.6, first_step=40.0)]
+    text = chip.report(figures, spec)
+    jit = next(line for line in text.splitlines() if "hf-tpu jit" in line).split()
+    flops = training.train_flops(spec["train"]["models"]["1.1b"], 8, 1024)
+    assert jit[-1] == "1.20x" and jit[-5] == f"{100 * flops / 0.5 / 197e12:.0f}%"
+    assert next(line for line in text.splitlines() if "DEFER_AND_FUSE" in line).split()[-1] == "0.75x"
+    line = chip.describe(figures[0], spec)
+    parts = training.train_memory(spec["train"]["models"]["1.1b"], 8, 1024, "bf16", True)
+    assert f"({12 * 2**30 / sum(parts.values()):.2f}x the arithmetic)" in line and "MFU" in line
+
+
+def test_the_train_memory_arithmetic_of_the_rows():
+    """The 1.1B's bfloat16 parameters, gradients and moments (8 bytes a parameter) fit a v5e with its checkpointed
+    activations; the mixed recipe's float32 ones (16 bytes, 17.6 GB) do not, before any activation."""
+    from benchmarks import training
+
+    models = chip.SIZES["1b"]["train"]["models"]
+    assert 1.09e9 < training.parameters(models["1.1b"]) < 1.11e9
+    assert 0.46e9 < training.parameters(models["0.44b"]) < 0.48e9
+    v5e = 15.75 * 2**30
+    assert sum(training.train_memory(models["1.1b"], 8, 1024, "bf16", True).values()) < v5e
+    assert sum(training.train_memory(models["1.1b"], 8, 1024, "bf16", False).values()) > v5e
+    mixed = training.train_memory(models["1.1b"], 8, 1024, "mixed", True)
+    assert mixed["parameters"] + mixed["gradients"] + mixed["AdamW moments"] > v5e
+
+
 def test_tiny_quantization_run_reports_each_form_beside_bfloat16(tmp_path):
     """`--only quant,quant_prefill,quant_big` at the tiny size: the Llama model loaded from its bfloat16 checkpoint
     in each torchao config, decoding (or skipped below the timing noise), the prefill in bfloat16 and with int8

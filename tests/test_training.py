@@ -220,21 +220,26 @@ def test_autocast_bfloat16():
     assert model[0].weight.grad.dtype == torch.float32
 
 
-def _trainer_losses(tmp_path, device, **arguments):
+def _trainer_losses(tmp_path, device, wrap=None, model_too=False, **arguments):
+    """The logged losses of 3 Trainer steps of the tiny Llama (made into another model by `wrap`), and the model
+    where `model_too`."""
     from accelerate.state import AcceleratorState
     from transformers import Trainer, TrainingArguments
 
     AcceleratorState._reset_state(reset_partial_state=True)  # one Accelerate state per process
     torch.manual_seed(2)
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (6, 16))]
-    args = TrainingArguments(output_dir=str(tmp_path / device), per_device_train_batch_size=2, max_steps=3,
-                             learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no",
-                             use_cpu=device == "cpu", seed=0, disable_tqdm=True, **arguments)
-    trainer = Trainer(model=_tiny_llama(), args=args, train_dataset=data)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (12, 16))]
+    args = TrainingArguments(**dict(dict(
+        output_dir=str(tmp_path / device), per_device_train_batch_size=2, max_steps=3, learning_rate=1e-3,
+        logging_steps=1, report_to=[], save_strategy="no", use_cpu=device == "cpu", seed=0, disable_tqdm=True),
+        **arguments))
+    model = _tiny_llama() if wrap is None else wrap(_tiny_llama())
+    trainer = Trainer(model=model, args=args, train_dataset=data)
     assert trainer.accelerator.device.type == device
     trainer.train()
     assert trainer.model.device.type == device
-    return torch.tensor([entry["loss"] for entry in trainer.state.log_history if "loss" in entry])
+    losses = torch.tensor([entry["loss"] for entry in trainer.state.log_history if "loss" in entry])
+    return (losses, trainer.model) if model_too else losses
 
 
 def test_the_trainer_trains_on_tpu_with_the_cpu_losses(tmp_path):
@@ -243,6 +248,74 @@ def test_the_trainer_trains_on_tpu_with_the_cpu_losses(tmp_path):
     cpu = _trainer_losses(tmp_path, "cpu")
     tpu = _trainer_losses(tmp_path, "tpu")
     assert len(tpu) == 3 and ((tpu - cpu).abs() / cpu.abs()).max().item() < 1e-4, (tpu, cpu)
+
+
+@pytest.mark.parametrize("traced", [True, False])
+def test_the_trainer_traces_its_micro_steps_and_its_optimizer_step(tmp_path, monkeypatch, caplog, traced):
+    """The Trainer's `training_step` (forward, loss, backward; the gradients added to in place) is one traced
+    program for every micro-batch, and the optimizer's step another: two programs for the whole run, the CPU's
+    losses. `HF_TPU_TRAINER_TRACE=0` and `HF_TPU_OPTIMIZER_TRACE=0` run both eagerly, as the Trainer runs them."""
+    if not traced:
+        monkeypatch.setenv("HF_TPU_TRAINER_TRACE", "0")
+        monkeypatch.setenv("HF_TPU_OPTIMIZER_TRACE", "0")
+    import logging
+
+    from hf_tpu import direct
+
+    caplog.set_level(logging.INFO, logger="hf_tpu.integrations")
+    cpu = _trainer_losses(tmp_path, "cpu", gradient_accumulation_steps=2, max_grad_norm=0.5)
+    direct.reset()
+    programs = hf_tpu.metrics()["compiles_by_mode"].get("COMPILE", 0)
+    tpu = _trainer_losses(tmp_path, "tpu", gradient_accumulation_steps=2, max_grad_norm=0.5)
+    assert hf_tpu.metrics()["compiles_by_mode"].get("COMPILE", 0) - programs == (2 if traced else 0)
+    assert "runs without hf_tpu.jit's trace" not in caplog.text
+    told = "the Trainer's training_step runs eagerly on tpu, not as one traced program: HF_TPU_TRAINER_TRACE is off"
+    assert caplog.text.count(told) == (0 if traced else 1)
+    assert len(tpu) == 3 and ((tpu - cpu).abs() / cpu.abs()).max().item() < 1e-4, (tpu, cpu)
+
+
+def test_the_trainers_mixed_precision_checkpointed_recipe_traces_with_the_cpu_losses(tmp_path):
+    """`bf16=True` (autocast inside the traced step), `gradient_checkpointing=True` (the recomputation in the same
+    program) and accumulation: still a micro step's program and the optimizer's, the CPU's losses within
+    bfloat16 autocast's rounding of other orders of the same sums."""
+    from hf_tpu import direct
+
+    arguments = dict(bf16=True, gradient_checkpointing=True, gradient_accumulation_steps=2)
+    cpu = _trainer_losses(tmp_path, "cpu", **arguments)
+    direct.reset()
+    programs = hf_tpu.metrics()["compiles_by_mode"].get("COMPILE", 0)
+    tpu = _trainer_losses(tmp_path, "tpu", **arguments)
+    assert hf_tpu.metrics()["compiles_by_mode"]["COMPILE"] - programs == 2
+    assert len(tpu) == 3 and ((tpu - cpu).abs() / cpu.abs()).max().item() < 1e-3, (tpu, cpu)
+
+
+def test_the_trainer_trains_lora_adapters_in_traced_steps_with_the_cpu_losses(tmp_path):
+    """PEFT LoRA through the Trainer: the frozen weights are inputs that take no gradient, the adapters' gradients
+    and AdamW's step are the two programs of every step (the optimizer's empty group of parameters without weight
+    decay has a tensor rate, else each scheduled rate keyed a program of its own), the CPU's losses; only the
+    adapters change, and they save and load back."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from hf_tpu import direct
+
+    def lora(model):
+        return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+
+    arguments = dict(gradient_accumulation_steps=2, learning_rate=1e-2)
+    cpu = _trainer_losses(tmp_path, "cpu", wrap=lora, **arguments)
+    direct.reset()
+    programs = hf_tpu.metrics()["compiles_by_mode"].get("COMPILE", 0)
+    tpu, model = _trainer_losses(tmp_path, "tpu", wrap=lora, model_too=True, **arguments)
+    assert hf_tpu.metrics()["compiles_by_mode"]["COMPILE"] - programs == 2
+    assert len(tpu) == 3 and ((tpu - cpu).abs() / cpu.abs()).max().item() < 1e-4, (tpu, cpu)
+    untouched = _tiny_llama().state_dict()
+    for name, weight in model.base_model.model.state_dict().items():
+        if "lora_" not in name:
+            assert torch.equal(weight.cpu(), untouched[name.replace(".base_layer", "")]), name
+    model.save_pretrained(tmp_path / "adapter")
+    loaded = PeftModel.from_pretrained(_tiny_llama(), tmp_path / "adapter")
+    trained = {k: v.cpu() for k, v in model.state_dict().items() if "lora_" in k}
+    assert trained and all(torch.equal(loaded.state_dict()[k], v) for k, v in trained.items())
 
 
 def test_the_trainer_compiles_for_tpu_with_the_cpu_losses(tmp_path):
@@ -274,6 +347,57 @@ def test_an_accelerator_prepares_for_tpu():
         assert Accelerator(cpu=True).device == torch.device("cpu")
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _accelerate_losses(device, traced_step):
+    """The losses of an Accelerate loop over the tiny Llama (clipping, AdamW, a schedule stepped outside the step);
+    with `traced_step`, the user's step is traced whole by `hf_tpu.jit`."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        accelerator = Accelerator(cpu=device == "cpu")
+        torch.manual_seed(2)
+        loader = torch.utils.data.DataLoader(torch.randint(0, 128, (8, 16)), batch_size=2)
+        model = _tiny_llama()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + step))
+        model, opt, loader, schedule = accelerator.prepare(model, opt, loader, schedule)
+
+        def step(ids):
+            loss = model(input_ids=ids, labels=ids).loss
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+
+        step = hf_tpu.jit(step) if traced_step else step
+        losses = []
+        for ids in loader:
+            losses.append(step(ids).item())
+            schedule.step()
+        return torch.tensor(losses)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.mark.parametrize("traced_step", [False, True])
+def test_an_accelerate_loop_steps_its_optimizer_in_one_program_with_the_cpu_losses(caplog, traced_step):
+    """A plain Accelerate loop: `optimizer.step()` (AcceleratedOptimizer's) is one traced program; the user's whole
+    step traced by `hf_tpu.jit` is one program with the optimizer's step inside it (a jitted function called inside
+    a trace is part of its program, and the optimizer the AcceleratedOptimizer holds gets its state before the
+    first trace): one program either way, the CPU's losses."""
+    from hf_tpu import direct
+
+    cpu = _accelerate_losses("cpu", traced_step=False)
+    direct.reset()
+    programs = hf_tpu.metrics()["compiles_by_mode"].get("COMPILE", 0)
+    tpu = _accelerate_losses("tpu", traced_step)
+    assert hf_tpu.metrics()["compiles_by_mode"]["COMPILE"] - programs == 1
+    assert "runs without hf_tpu.jit's trace" not in caplog.text
+    torch.testing.assert_close(tpu, cpu, rtol=1e-4, atol=1e-4)
 
 
 def test_an_accelerator_checkpoint_restores_the_tpu_random_state(tmp_path):
@@ -346,3 +470,236 @@ def test_a_configuration_that_sends_accelerate_to_the_cpu_says_so_once(monkeypat
         assert not [w for w in caught if "runs on the CPU" in str(w.message)]
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+# --- A training step traced into one program (`hf_tpu.jit`): autograd over the trace's tensors
+
+
+def _traced_training(device, steps, make_opt, checkpointing=None, dropout=0.0, jit=True, schedule=False, length=8):
+    """Losses of `steps` steps (forward, backward, optimizer step) of the tiny Llama, each step traced whole by
+    `hf_tpu.jit` where `jit`; and the model's parameters after them. The programs traced before are forgotten:
+    a module's attributes other than `training` (which checkpoint function it calls) are not part of their key."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_tpu import direct
+
+    direct.reset()
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64, max_position_embeddings=32, attention_dropout=dropout)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    if checkpointing is not None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
+    model.train().to(device)
+    opt = make_opt(model.parameters())
+    lrs = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + step)) if schedule else None
+
+    def step(ids):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    step = hf_tpu.jit(step) if jit else step
+    data = torch.randint(0, 64, (steps, 2, length), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(5)
+    losses = []
+    for ids in data:
+        losses.append(step(ids.to(device)).item())
+        if lrs is not None:
+            lrs.step()
+    return torch.tensor(losses), [p.detach().cpu() for p in model.parameters()]
+
+
+def test_a_training_step_traces_into_one_program_with_the_cpu_losses(caplog):
+    """Forward, backward and AdamW's step in one program per call: the model and the optimizer (found among the
+    function's closure) are its state, the moments AdamW makes at its first step are made before it (as its
+    `_init_group` makes them), so every step runs one program, and the gradients never leave it; a learning-rate
+    schedule changes no program."""
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=True)
+
+    cpu, cpu_params = _traced_training("cpu", 4, adamw, jit=False, schedule=True)
+    tpu, tpu_params = _traced_training("tpu", 4, adamw, schedule=True)
+    torch.testing.assert_close(tpu, cpu, rtol=1e-5, atol=1e-5)
+    # AdamW divides by the gradient's running size: an entry whose gradients are float32 noise (another order
+    # of the same sums) moves by a part of the learning rate either way
+    for a, b in zip(tpu_params, cpu_params):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-3)
+    metrics = hf_tpu.metrics()
+    assert metrics["compiles_by_mode"]["COMPILE"] == 1 and not metrics["cpu_fallbacks"]
+    assert "runs without hf_tpu.jit's trace" not in caplog.text
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_checkpointed_traced_step_recomputes_behind_a_barrier_with_the_forward_draws(reentrant):
+    """`gradient_checkpointing_enable()` inside a traced step: the recomputed forward takes its inputs through an
+    optimization barrier (else XLA merges it with the forward and keeps every activation), and its dropout draws
+    what the forward drew: the traced steps' losses and parameters are eager tpu's."""
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=1e-2, foreach=True)
+
+    eager, eager_params = _traced_training("tpu", 2, adamw, checkpointing=reentrant, dropout=0.5, jit=False)
+    traced, traced_params = _traced_training("tpu", 2, adamw, checkpointing=reentrant, dropout=0.5)
+    torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-5)
+    for a, b in zip(traced_params, eager_params):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_recomputed_attention_meets_the_masks_its_forward_met():
+    """The trace runs under a torch function mode that gives attention a causal mask's pattern; PyTorch takes it off
+    while `loss.backward()` runs, and a non-reentrant checkpoint's recomputed attention took the mask's other path,
+    saving other tensors than its forward: the checkpoint's refusal aborted the process inside autograd's engine."""
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=1e-2, foreach=True)
+
+    eager, eager_params = _traced_training("tpu", 2, adamw, checkpointing=False, jit=False, length=32)
+    traced, traced_params = _traced_training("tpu", 2, adamw, checkpointing=False, length=32)
+    torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-5)
+    for a, b in zip(traced_params, eager_params):  # AdamW's step on float32 noise: a part of the learning rate
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_the_barrier_stands_before_each_recomputed_layer():
+    from hf_tpu import remat
+
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()).to("tpu")
+
+    def step(x):
+        checkpoint(block, x, use_reentrant=False).sum().backward()
+        checkpoint(block, x, use_reentrant=True).sum().backward()
+        return x.grad.detach()
+
+    x = torch.randn(2, 4, device="tpu", requires_grad=True)
+    text = hf_tpu.jit(step).lower(x).as_text()
+    assert text.count("optimization_barrier") == 2
+    assert remat.behind_barrier([x, 1]) == [x, 1]  # outside a trace: as they are
+
+
+def test_a_value_the_forward_saves_passes_a_barrier_and_a_parameter_does_not():
+    """A value autograd saves outside a checkpointed block is kept from the forward behind a barrier: without it the
+    v5e's compiler recomputed a Llama's saved final-norm input in the backward from each layer's residual addends,
+    holding two float32 activations a layer from the forward to the loss's backward (`hf_tpu.remat`). A parameter,
+    and a linear layer's transposed weight, an input of the program, stays out of it (a view behind a barrier
+    would be a copy of the weight)."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 4).to("tpu")
+
+    def step(x):
+        torch.tanh(layer(x)).sum().backward()  # the linear layer saves x and the weight; tanh its result
+        return layer.weight.grad.detach()
+
+    x = torch.randn(2, 4, device="tpu")
+    text = hf_tpu.jit(step).lower(x).as_text()
+    assert text.count("optimization_barrier") == 1  # tanh's result alone
+    traced = hf_tpu.jit(step)(x).cpu()
+    layer.weight.grad = None
+    torch.testing.assert_close(traced, step(x).cpu())
+
+
+def test_gradients_accumulate_in_a_traced_micro_step_without_leaving_the_device():
+    """Gradient accumulation: a traced forward and backward sets `.grad` at its first call (an output of the program)
+    and adds to it in place at the next (an input it overwrites, donated); the optimizer's step traced apart."""
+    def run(device):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+
+        def micro_step(x):
+            loss = model(x).square().mean() / 4
+            loss.backward()
+            return loss.detach()
+
+        def optimizer_step():
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+
+        if device == "tpu":
+            micro_step, optimizer_step = hf_tpu.jit(micro_step), hf_tpu.jit(optimizer_step)
+        data = torch.randn(2, 4, 5, 6, generator=torch.Generator().manual_seed(3))
+        for window in data:
+            for x in window:
+                micro_step(x.to(device))
+            optimizer_step()
+        return [p.detach().cpu() for p in model.parameters()]
+
+    hf_tpu.reset_metrics()
+    for a, b in zip(run("tpu"), run("cpu")):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # programs: the micro step setting `.grad` and the one adding to it, the optimizer's step
+    assert hf_tpu.metrics()["compiles_by_mode"]["COMPILE"] == 3
+
+
+def test_an_optimizer_that_makes_its_state_in_its_step_adds_it_from_the_first_trace():
+    """SGD makes its momentum in the step (from the gradient): the first traced step's program makes it, the call
+    adds it to the optimizer's state, and the next call traces the program that reads it."""
+    def run(device):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(6, 3).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.5)
+
+        def step(x):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+        step = hf_tpu.jit(step) if device == "tpu" else step
+        for x in torch.randn(3, 4, 6, generator=torch.Generator().manual_seed(1)):
+            step(x.to(device))
+        return [p.detach().cpu() for p in model.parameters()], opt.state[model.weight]["momentum_buffer"].cpu()
+
+    hf_tpu.reset_metrics()
+    (params, momentum), (cpu_params, cpu_momentum) = run("tpu"), run("cpu")
+    for a, b in zip([*params, momentum], [*cpu_params, cpu_momentum]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert hf_tpu.metrics()["compiles_by_mode"]["COMPILE"] == 2
+
+
+def test_the_second_traced_step_runs_the_first_steps_compiled_program():
+    """AdamW's moments and step counts, made by `torch.zeros` before the first trace, were arrays not committed to
+    their device; the first step's results that replace them are, and JAX keys a jitted function by that: the
+    second step lowered and compiled the whole program again (as long as the first step's compile)."""
+    from hf_tpu import direct
+
+    direct.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).to("tpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(x):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step = hf_tpu.jit(step)
+    for _ in range(3):
+        step(torch.randn(4, 8, device="tpu"))
+    (program,) = [p for p in direct._programs.values() if isinstance(p, direct._Program)]
+    assert program.jitted[True]._cache_size() == 1
+
+
+def test_parameters_sharing_an_uploaded_value_are_donated_to_the_traced_step():
+    """Equal small values are uploaded once and shared (two norms' weights, all ones): a traced step that overwrites
+    them donated nothing, holding every parameter and moment twice, until each got an array of its own."""
+    from hf_tpu import direct
+
+    model = torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)).to("tpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(x):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    x = torch.randn(4, 8, device="tpu")
+    analysis = direct.lower(step, (x,), {}).compile().memory_analysis()
+    written = sum(p.nbytes for p in model.parameters()) + sum(
+        t.nbytes for state in opt.state.values() for t in state.values())
+    assert analysis.alias_size_in_bytes == written
+    step(x)
+    assert not torch.equal(model[0].weight.detach().cpu(), torch.ones(8))
+    assert torch.equal(torch.nn.LayerNorm(8).to("tpu").weight.detach().cpu(), torch.ones(8))  # the shared value kept

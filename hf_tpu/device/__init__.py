@@ -168,10 +168,16 @@ def initial_seed() -> int:
 
 
 def get_rng_state(device="tpu") -> torch.Tensor:
+    mode = modes.current()
+    if mode.kind is modes.ModeKind.TRACE:  # inside a traced program: the state at its next random op
+        return mode.rng_state(_index(device))
     return rng.get_state(_index(device))
 
 
 def set_rng_state(new_state: torch.Tensor, device="tpu") -> None:
+    mode = modes.current()
+    if mode.kind is modes.ModeKind.TRACE:
+        return mode.set_rng_state(new_state, _index(device))
     rng.set_state(new_state, _index(device))
 
 

@@ -50,16 +50,22 @@ def initial_seed(index: int) -> int:
     return _device_state(index)[0]
 
 
-def get_state(index: int) -> torch.Tensor:
+def get_state(index: int, ahead: int = 0) -> torch.Tensor:
+    """The device's state as `torch.tpu.get_rng_state()` gives it (16 bytes: seed, offset), `ahead` offsets on."""
     seed, offset = _device_state(index)
-    return torch.from_numpy(np.array([seed, offset], dtype=np.uint64).view(np.uint8).copy())
+    return torch.from_numpy(np.array([seed, offset + ahead], dtype=np.uint64).view(np.uint8).copy())
 
 
-def set_state(state: torch.Tensor, index: int) -> None:
+def state_values(state: torch.Tensor) -> tuple[int, int]:
+    """(seed, offset) of a state `get_state` gave."""
     if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.numel() != 16:
         raise RuntimeError("RNG state must be a torch.ByteTensor of 16 bytes from torch.tpu.get_rng_state()")
     seed, offset = state.cpu().numpy().view(np.uint64)
-    _state[index] = [int(seed), int(offset)]
+    return int(seed), int(offset)
+
+
+def set_state(state: torch.Tensor, index: int) -> None:
+    _state[index] = list(state_values(state))
 
 
 def set_key_state(data, index: int) -> None:

@@ -3,6 +3,7 @@
 - `device.py`: one process trains on `tpu` (Accelerate's device choice, the tpu random state in
   checkpoints, the `tpu` dynamo backend);
 - `precision.py`: `mixed_precision="fp16"` (autocast with a GradScaler on tpu) and `"bf16"`;
+- `optimizer.py`: the optimizer's step (`AcceleratedOptimizer.step`) as one traced program;
 - `data_parallel.py`: `DistributedType.MULTI_TPU`, what a torchrun-style `accelerate launch` gives: every
   chip of every process trains one replicated model on its part of the batch, the processes joined
   through JAX's distributed runtime.
@@ -13,7 +14,7 @@ Accelerate module it is registered for, just after that module is executed.
 
 from __future__ import annotations
 
-from . import data_parallel, device, precision
+from . import data_parallel, device, optimizer, precision
 
 
 def install(module) -> None:
@@ -22,3 +23,4 @@ def install(module) -> None:
     device.install(module)
     data_parallel.install(module)
     precision.install(module)
+    optimizer.install(module)

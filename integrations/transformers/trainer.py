@@ -1,12 +1,68 @@
-"""The Trainer on `tpu`: its checkpoints hold the `tpu` random state, its logged loss is gathered across
-processes under Accelerate's data parallelism, and `torch_compile=True` compiles with the `tpu` backend."""
+"""The Trainer on `tpu`: each micro-batch's forward and backward is one traced program, its checkpoints hold the
+`tpu` random state, its logged loss is gathered across processes under Accelerate's data parallelism, and
+`torch_compile=True` compiles with the `tpu` backend."""
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
+
+import hf_tpu
+from hf_tpu import settings as _environment
+
+log = logging.getLogger("hf_tpu.integrations")
+
+_environment.register(
+    _environment.Setting("HF_TPU_TRAINER_TRACE", "bool", True, "Transformers Trainer: trace each micro-batch's forward "
+                         "and backward into one program with hf_tpu.jit (off: run them eagerly)"),
+)
+
+
+# --- The Trainer's training step: one traced program a micro-batch
+
+
+def _untraced_because(trainer) -> str | None:
+    """Why the Trainer's micro-steps on tpu run eagerly (None: they run traced): the Trainer compiles the model
+    (`torch_compile=True`: Dynamo's graphs, what the user asked for), `HF_TPU_TRAINER_TRACE` is off, or Accelerate's
+    `MULTI_TPU` data parallelism over processes, whose traced step is not tested yet."""
+    if trainer.args.torch_compile:
+        return "torch_compile=True compiles the model with Dynamo instead"
+    if not _environment.get("HF_TPU_TRAINER_TRACE"):
+        return "HF_TPU_TRAINER_TRACE is off"
+    if trainer.accelerator.distributed_type != "NO":
+        return f"Accelerate's {trainer.accelerator.distributed_type} runs each process's steps eagerly"
+    return None
+
+
+def _wrap_training_step(original):
+    @functools.wraps(original)
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """The Trainer's own `training_step` (forward, loss, `accelerator.backward`), traced by `hf_tpu.jit` into one
+        program: a checkpointed layer is recomputed in it, and the gradients accumulate on the device, added in
+        place, never read on the host. Every trainable parameter has a `.grad` before the call (zeros after
+        `zero_grad()`), so the first micro-batch of each accumulation runs the program the others run: one trace
+        and one compile. A step the trace cannot take (a subclass's `compute_loss` that reads a value on the host)
+        runs as the Trainer runs it, with a log line saying why."""
+        if self.args.device.type != "tpu":
+            return original(self, model, inputs, num_items_in_batch)
+        reason = _untraced_because(self)
+        if reason is not None:
+            if self.__dict__.get("_hf_tpu_untraced") != reason:
+                self._hf_tpu_untraced = reason
+                log.info("hf_tpu: the Trainer's training_step runs eagerly on tpu, not as one traced program: %s", reason)
+            return original(self, model, inputs, num_items_in_batch)
+        traced = self.__dict__.get("_hf_tpu_training_step")
+        if traced is None:
+            traced = self._hf_tpu_training_step = hf_tpu.jit(functools.partial(original, self))
+        for parameter in model.parameters():
+            if parameter.requires_grad and parameter.grad is None:
+                parameter.grad = torch.zeros_like(parameter)
+        return traced(model, inputs, num_items_in_batch)
+
+    return training_step
 
 
 # --- The Trainer's checkpoints: the tpu random state beside the CUDA one
