@@ -1175,14 +1175,14 @@ import hf_tpu
 from transformers import LlamaConfig, LlamaForCausalLM
 
 config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=128, max_position_embeddings=8192)
+                     num_key_value_heads=2, vocab_size=128, max_position_embeddings=16384)
 torch.manual_seed(0)
 model = LlamaForCausalLM(config).to("tpu")
 prompt = torch.tensor([[3, 14, 15, 92, 65]], device="tpu")
 model.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None)  # compiles the prefill and the loop
 print("started", flush=True)
 try:
-    model.generate(prompt, max_new_tokens=6000, do_sample=False, eos_token_id=None)
+    model.generate(prompt, max_new_tokens=16000, do_sample=False, eos_token_id=None)
     print("finished", flush=True)
 except KeyboardInterrupt:
     interrupted = time.time()
@@ -1197,12 +1197,12 @@ def test_ctrl_c_stops_a_long_generate_and_the_device_is_free_at_once():
     import signal
     import time
 
-    env = {**os.environ, "HF_TPU_PLATFORM": "cpu", "HF_TPU_CACHE_LENGTH_MULTIPLE": "8192"}
+    env = {**os.environ, "HF_TPU_PLATFORM": "cpu", "HF_TPU_CACHE_LENGTH_MULTIPLE": "16384"}
     child = subprocess.Popen([sys.executable, "-c", _LONG_GENERATE], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, env=env)
     try:
         assert child.stdout.readline().strip() == "started", child.stderr.read()[-2000:]
-        time.sleep(2.0)  # the 6,000 tokens take 8-15 s here
+        time.sleep(1.0)  # the 16,000 tokens take 5 s or more here (6,000 took from under 2 s to 15 s)
         sent = time.time()
         child.send_signal(signal.SIGINT)
         out, err = child.communicate(timeout=300)
