@@ -2,11 +2,12 @@
 
     python -m benchmarks.int4_kernel            # on the chip: the 1.1B's shapes, batch 1 and 8 (about a minute)
     python -m benchmarks.int4_kernel --tiny     # anywhere: tiny shapes, the kernel in Pallas interpret mode off a TPU
+    python -m benchmarks.int4_kernel --sweep    # the kernel alone at other tile sizes and stacked-row limits
 
 Each form computes the same chain of products (attention's four projections and the MLP, no LM head) with its
 weights held as: "bf16" (a product of bfloat16 weights), "int8" (int8 converted inside the product, then scaled
 per row), "int4 XLA" (`hf_tpu::int4_linear`'s XLA lowering: two products over the packed bytes) and "int4 Pallas"
-(`hf_tpu.kernels.int4_matmul`). Printed per form and batch: ms per call, GB/s of the bytes the weights hold
+(`hf_tpu.kernels.int4_matmul`, which that lowering picks on a TPU). Printed per form and batch: ms per call, GB/s of the bytes the weights hold
 (what a call must read at least), and the speed against bf16's. Every form's output is checked against the
 kernel's reference on one layer first.
 """
@@ -50,7 +51,7 @@ def _weights(form: str, shape: tuple, key, group: int):
 
 def _product(form: str, group: int, interpret: bool):
     from hf_tpu.kernels.int4_matmul import int4_matmul
-    from hf_tpu.ops.quantized import int4_linear
+    from hf_tpu.ops.quantized import two_products
 
     def product(x, w):
         if form == "bf16":
@@ -58,7 +59,7 @@ def _product(form: str, group: int, interpret: bool):
         if form == "int8":
             return (x @ w[0].T.astype(x.dtype)) * w[1][:, 0]
         if form == "int4 XLA":
-            return int4_linear(x, *w, group)
+            return two_products(x, *w, group)
         return int4_matmul(x, *w, group, interpret=interpret)
 
     return product
@@ -109,13 +110,13 @@ def check(model: dict, group: int, interpret: bool) -> None:
                 raise AssertionError(f"{form} differs from the reference by {error:.2e} on {shape}")
 
 
-def measure(model: dict, batches, group: int, iters: int, interpret: bool) -> list:
+def measure(model: dict, batches, group: int, iters: int, interpret: bool, forms=FORMS) -> list:
     """(form, batch, seconds, bytes held) for each form and batch."""
     import jax
     import jax.numpy as jnp
 
     results = []
-    for form in FORMS:
+    for form in forms:
         keys = iter(jax.random.split(jax.random.key(1), 8 * model["layers"]))
         layers = [[_weights(form, shape, next(keys), group) for shape in _shapes(model)]
                   for _ in range(model["layers"])]
@@ -128,6 +129,26 @@ def measure(model: dict, batches, group: int, iters: int, interpret: bool) -> li
         del layers
         gc.collect()
     return results
+
+
+def sweep(model: dict, batches, group: int, iters: int, interpret: bool) -> list:
+    """The kernel alone at each tile size (packed bytes) and limit on stacked rows, beside its defaults: which
+    block sizes the chip prefers. Lines as `report`'s, without the bf16 column."""
+    from hf_tpu.kernels import int4_matmul
+
+    defaults = int4_matmul._TILE_BYTES, int4_matmul._STACKED_ROWS
+    lines = []
+    try:
+        for tile_bytes in (256 << 10, 512 << 10, 1 << 20, 2 << 20):
+            for stacked_rows in (128, 256):
+                int4_matmul._TILE_BYTES, int4_matmul._STACKED_ROWS = tile_bytes, stacked_rows
+                for form, batch, seconds, held in measure(model, batches, group, iters, interpret, ("int4 Pallas",)):
+                    lines.append(f"tile {tile_bytes >> 10:5d} KB, stacked rows {stacked_rows}: batch {batch:3d} "
+                                 f"{seconds * 1e3:8.3f} ms  {held / seconds / 1e9:7.1f} GB/s")
+                    print(lines[-1], flush=True)
+    finally:
+        int4_matmul._TILE_BYTES, int4_matmul._STACKED_ROWS = defaults
+    return lines
 
 
 def report(results: list) -> list:
@@ -145,15 +166,18 @@ def main(argv=None) -> None:
     parser.add_argument("--group", type=int, default=128, help="int4 group size (default 128)")
     parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes (default 1,8)")
     parser.add_argument("--iters", type=int, default=None, help="timed calls per form (default 20, tiny 2)")
+    parser.add_argument("--sweep", action="store_true", help="the kernel alone at other block sizes, no other form")
     args = parser.parse_args(argv)
     model = TINY if args.tiny else LLAMA_1B
     interpret = jax.devices()[0].platform != "tpu"
     print(f"{jax.devices()[0].device_kind}; {model['layers']} layers of {model}, int4 group {args.group}"
           f"{', Pallas interpret mode' if interpret else ''}")
+    batches, iters = [int(b) for b in args.batches.split(",")], args.iters or (2 if args.tiny else 20)
     check(model, args.group, interpret)
-    results = measure(model, [int(b) for b in args.batches.split(",")], args.group,
-                      args.iters or (2 if args.tiny else 20), interpret)
-    print("\n".join(report(results)))
+    if args.sweep:
+        sweep(model, batches, args.group, iters, interpret)
+        return
+    print("\n".join(report(measure(model, batches, args.group, iters, interpret))))
 
 
 if __name__ == "__main__":

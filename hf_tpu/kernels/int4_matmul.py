@@ -111,12 +111,11 @@ def _kernel(x_ref, qdata_ref, scale_ref, zero_point_ref, out_ref, *, groups: int
                + jax.lax.dot_general(odd.astype(dtype), high, transposed_rhs, preferred_element_type=jnp.float32))
     sums = jnp.sum(even + odd, axis=1, keepdims=True)  # (groups * rows, 1): each group's input sum per row
 
-    scale = scale_ref[...].astype(jnp.float32)
-    zero_point = zero_point_ref[...].astype(jnp.float32)
     total = out_ref[...]
-    for g in range(groups):
-        total += (partial[g * rows:(g + 1) * rows] * scale[g:g + 1]
-                  + sums[g * rows:(g + 1) * rows] * zero_point[g:g + 1])
+    for g in range(groups):  # each group's scale and zero point: a row of the block, broadcast over the rows
+        scale = scale_ref[pl.ds(g, 1), :].astype(jnp.float32)
+        zero_point = zero_point_ref[pl.ds(g, 1), :].astype(jnp.float32)
+        total += partial[g * rows:(g + 1) * rows] * scale + sums[g * rows:(g + 1) * rows] * zero_point
     out_ref[...] = total
 
 

@@ -105,13 +105,19 @@ def _takes_kernel(input, qdata, scale, zero_point, group_size) -> bool:
 @lowering(torch.ops.hf_tpu.int4_linear.default)
 def int4_linear(input, qdata, scale, zero_point, group_size):
     """On a TPU, for decode's few rows, the Pallas kernel (`_takes_kernel`): XLA on the chip does not fuse the
-    nibbles' unpacking and scaling into its products below, and writes a dequantized copy of every weight.
-    Otherwise the even and the odd input features times the weight's low and high nibbles: two products over the
-    packed array as it lies, each nibble converted and scaled inside its product, so that a compiler fusing a
-    conversion into its product writes no unpacked weight. Interleaving the nibbles into one (N, K) operand
-    instead would change the minor dimension's layout, which on a TPU means a copy of the weight at every call."""
+    nibbles' unpacking and scaling into `two_products` and writes a dequantized copy of every weight at every
+    call. Every other call: `two_products`."""
     if _takes_kernel(input, qdata, scale, zero_point, group_size):
         return int4_kernel.int4_matmul(input, qdata, scale, zero_point, group_size)
+    return two_products(input, qdata, scale, zero_point, group_size)
+
+
+def two_products(input, qdata, scale, zero_point, group_size):
+    """The even and the odd input features times the weight's low and high nibbles: two products over the packed
+    array as it lies, each nibble converted and scaled inside its product, so that a compiler fusing a conversion
+    into its product writes no unpacked weight (the CPU's XLA does; the TPU's does not). Interleaving the nibbles
+    into one (N, K) operand instead would change the minor dimension's layout, which on a TPU means a copy of the
+    weight at every call."""
     rows, half = qdata.shape
     dtype = input.dtype
     scale = scale.astype(jnp.float32).T[:, :, None]  # (N, groups, 1)
