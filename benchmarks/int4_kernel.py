@@ -6,10 +6,10 @@
 
 Each form computes the same chain of products (attention's four projections and the MLP, no LM head) with its
 weights held as: "bf16" (a product of bfloat16 weights), "int8" (int8 converted inside the product, then scaled
-per row), "int4 XLA" (`hf_tpu::int4_linear`'s XLA lowering: two products over the packed bytes) and "int4 Pallas"
-(`hf_tpu.kernels.int4_matmul`, which that lowering picks on a TPU). Printed per form and batch: ms per call, GB/s of the bytes the weights hold
-(what a call must read at least), and the speed against bf16's. Every form's output is checked against the
-kernel's reference on one layer first.
+per row), "int4 XLA" (`hf_tpu::int4_linear`'s XLA form: two products over the packed bytes) and "int4 Pallas"
+(`hf_tpu.kernels.int4_matmul`, which the op's lowering picks on a TPU). Printed per form and batch: ms per call,
+GB/s of the bytes the weights hold (what a call must read at least), and the speed against bf16's. Both int4
+forms are checked against the kernel's reference on two of the products first.
 """
 
 from __future__ import annotations
