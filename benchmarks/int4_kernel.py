@@ -165,14 +165,16 @@ def main(argv=None) -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (the kernel interpreted off a TPU)")
     parser.add_argument("--group", type=int, default=128, help="int4 group size (default 128)")
     parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes (default 1,8)")
-    parser.add_argument("--iters", type=int, default=None, help="timed calls per form (default 20, tiny 2)")
+    parser.add_argument("--iters", type=int, default=None, help="timed calls per form (default 20, --sweep 10, "
+                        "--tiny 2)")
     parser.add_argument("--sweep", action="store_true", help="the kernel alone at other block sizes, no other form")
     args = parser.parse_args(argv)
     model = TINY if args.tiny else LLAMA_1B
     interpret = jax.devices()[0].platform != "tpu"
     print(f"{jax.devices()[0].device_kind}; {model['layers']} layers of {model}, int4 group {args.group}"
           f"{', Pallas interpret mode' if interpret else ''}")
-    batches, iters = [int(b) for b in args.batches.split(",")], args.iters or (2 if args.tiny else 20)
+    batches = [int(b) for b in args.batches.split(",")]
+    iters = args.iters or (2 if args.tiny else 10 if args.sweep else 20)
     check(model, args.group, interpret)
     if args.sweep:
         sweep(model, batches, args.group, iters, interpret)

@@ -1,10 +1,12 @@
-"""The int4 decode kernel (`hf_tpu.kernels.int4_matmul`) in Pallas interpret mode on the CPU: against its jnp
-reference and against `hf_tpu::int4_linear`'s CPU reference through the op (`HF_TPU_KERNELS=pallas`); which calls
-take it (decode rows, one chip) and which keep the XLA lowering.
+"""The int4 decode kernel (`hf_tpu.kernels.int4_matmul`), in Pallas interpret mode on the CPU and compiled by
+Mosaic on a TPU: against its jnp reference and against `hf_tpu::int4_linear`'s CPU reference through the op
+(`HF_TPU_KERNELS=pallas`); which calls take it (decode rows, one chip) and which keep the XLA lowering.
 
-Tolerances: float32 at 1e-5 of the largest output (the same products summed in another order: the kernel scales
-each group's partial product, the reference each weight); bfloat16 at 1.5e-2 of it (the reference rounds each
-dequantized weight to bfloat16, the kernel scales in float32, and the output is rounded once).
+Tolerances, as shares of the largest output: float32 at 1e-5 off a TPU (the same products summed in another
+order: the kernel scales each group's partial product, the reference each weight) and 2e-3 on one (the matrix
+unit's float32 products may pass through bfloat16; the op takes the kernel for float32 only below the "highest"
+precision); bfloat16 at 1.5e-2 (the reference rounds each dequantized weight to bfloat16, the kernel scales in
+float32, and the output is rounded once).
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import torch
 import hf_tpu.distributed as dist
 from hf_tpu.dispatch.program import PROGRAMS
 from hf_tpu.kernels import int4_matmul as kernel
+from hf_tpu.kernels import selection
 from hf_tpu.ops.quantized import dequantized_int4
 
-SHARE = {jnp.float32: 1e-5, jnp.bfloat16: 1.5e-2}
+SHARE = {jnp.float32: 1e-5 if selection.interpret() else 2e-3, jnp.bfloat16: 1.5e-2}
 
 
 def _operands(rows, out_features, in_features, group_size, dtype, seed=0):
@@ -45,8 +48,7 @@ def _assert_close(actual, expected, dtype):
 @pytest.mark.parametrize("rows", [1, 3, 8, 17])
 def test_the_kernel_matches_its_reference_in_bfloat16(group_size, groups_per_block, block_n, rows):
     operands = _operands(rows, 256, 1024 if group_size == 64 else 512, group_size, jnp.bfloat16)
-    actual = kernel.int4_matmul(*operands, group_size, groups_per_block=groups_per_block, block_n=block_n,
-                                interpret=True)
+    actual = kernel.int4_matmul(*operands, group_size, groups_per_block=groups_per_block, block_n=block_n)
     assert actual.shape == (rows, 256) and actual.dtype == jnp.bfloat16
     _assert_close(actual, kernel.reference(*operands, group_size), jnp.bfloat16)
 
@@ -55,12 +57,13 @@ def test_the_kernel_matches_its_reference_in_bfloat16(group_size, groups_per_blo
 def test_the_kernel_matches_its_reference_in_float32_with_leading_dimensions(group_size):
     x, *weight = _operands(6, 128, 512, group_size, jnp.float32)
     x = x.reshape(2, 3, 512)
-    actual = kernel.int4_matmul(x, *weight, group_size, groups_per_block=512 // group_size // 2, interpret=True)
+    actual = kernel.int4_matmul(x, *weight, group_size, groups_per_block=512 // group_size // 2)
     assert actual.shape == (2, 3, 128) and actual.dtype == jnp.float32
     _assert_close(actual, kernel.reference(x, *weight, group_size), jnp.float32)
 
 
 def test_the_reference_is_the_ops_cpu_reference():
+    """The jnp reference computes what the op's CPU kernel does: the dequantized weight, then a product."""
     x, qdata, scale, zero_point = (torch.from_numpy(np.asarray(a.astype(jnp.float32) if a.dtype != jnp.int8 else a))
                                    for a in _operands(3, 128, 256, 64, jnp.float32))
     expected = x @ dequantized_int4(qdata, scale, zero_point, 64, torch.float32).t()
