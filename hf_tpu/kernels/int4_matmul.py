@@ -102,7 +102,7 @@ def _kernel(x_ref, qdata_ref, scale_ref, zero_point_ref, out_ref, *, groups: int
     low = ((packed << 28) >> 28).astype(jnp.float32).astype(dtype)  # columns 2j
     high = (packed >> 4).astype(jnp.float32).astype(dtype)  # columns 2j + 1
 
-    lane_group = jax.lax.broadcasted_iota(jnp.int32, (rows, block_bytes), 1) // group_bytes
+    lane_group = jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (rows, block_bytes), 1), jnp.int32(group_bytes))
 
     def stacked(features):  # (rows, block_bytes) -> (groups * rows, block_bytes): row g*rows + m is x[m] on group g
         return jnp.concatenate([jnp.where(lane_group == g, features, 0.0) for g in range(groups)], axis=0)
