@@ -136,18 +136,18 @@ def sweep(model: dict, batches, group: int, iters: int, interpret: bool) -> list
     block sizes the chip prefers. Lines as `report`'s, without the bf16 column."""
     from hf_tpu.kernels import int4_matmul
 
-    defaults = int4_matmul._TILE_BYTES, int4_matmul._STACKED_ROWS
+    defaults = int4_matmul._TILE_BYTES, int4_matmul._PREFERRED_STACKED_ROWS
     lines = []
     try:
-        for tile_bytes in (256 << 10, 512 << 10, 1 << 20, 2 << 20):
+        for tile_bytes in (512 << 10, 1 << 20, 2 << 20, 4 << 20):
             for stacked_rows in (128, 256):
-                int4_matmul._TILE_BYTES, int4_matmul._STACKED_ROWS = tile_bytes, stacked_rows
+                int4_matmul._TILE_BYTES, int4_matmul._PREFERRED_STACKED_ROWS = tile_bytes, stacked_rows
                 for form, batch, seconds, held in measure(model, batches, group, iters, interpret, ("int4 Pallas",)):
                     lines.append(f"tile {tile_bytes >> 10:5d} KB, stacked rows {stacked_rows}: batch {batch:3d} "
                                  f"{seconds * 1e3:8.3f} ms  {held / seconds / 1e9:7.1f} GB/s")
                     print(lines[-1], flush=True)
     finally:
-        int4_matmul._TILE_BYTES, int4_matmul._STACKED_ROWS = defaults
+        int4_matmul._TILE_BYTES, int4_matmul._PREFERRED_STACKED_ROWS = defaults
     return lines
 
 
