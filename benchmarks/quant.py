@@ -159,15 +159,17 @@ def _summaries(folder: str, files, least_elements: int) -> dict:
 def _forms(spec: dict, rows, device, batch: int) -> None:
     """The Llama model's layers' weight products alone (attention's projections and the MLP, no LM head), in raw
     JAX at `batch` rows, with the weights in each form, timed per call: what XLA reads of each form on this
-    platform, beside the bytes it holds. int4 "two products" is `hf_tpu::int4_linear`'s lowering (the even and
-    odd input features times the low and high nibbles of the packed bytes); "interleaved" puts the nibbles back in
+    platform, beside the bytes it holds. int4 "two products" is `hf_tpu::int4_linear`'s XLA form (the even and
+    odd input features times the low and high nibbles of the packed bytes); "int4 lowering" is the op's lowering
+    as it runs here (on a TPU, the Pallas kernel `hf_tpu.kernels.int4_matmul` where its shape rules hold, the XLA
+    form elsewhere); "interleaved" puts the nibbles back in
     column order into one operand (a change of the minor dimension's layout); "JAX int4 array" keeps the weight as
     an `int4` array, which XLA stores two to a byte itself: what an int4 layout of XLA's own would read."""
     import jax
     import jax.numpy as jnp
 
     from benchmarks.chip import _head_dim, _median_seconds
-    from hf_tpu.ops.quantized import int4_linear
+    from hf_tpu.ops.quantized import int4_linear, two_products
 
     config = spec["model"]
     h, d, group = config["hidden_size"], _head_dim(config), spec["int4_group"]
@@ -186,7 +188,7 @@ def _forms(spec: dict, rows, device, batch: int) -> None:
                     put(jnp.full((out_features, 1), 1e-3, jnp.bfloat16)))
         groups = (in_features // group, out_features)
         scales = (put(jnp.full(groups, 1e-2, jnp.bfloat16)), put(jnp.zeros(groups, jnp.bfloat16)))
-        if form in ("int4 two products", "int4 interleaved"):
+        if form in ("int4 two products", "int4 lowering", "int4 interleaved"):
             return (put(jax.random.randint(next(keys), (out_features, in_features // 2), -128, 128, jnp.int8)),
                     *scales)
         return (put(jax.random.randint(next(keys), shape, -8, 8, jnp.int8).astype(jnp.int4)), *scales)
@@ -197,6 +199,8 @@ def _forms(spec: dict, rows, device, batch: int) -> None:
         if form == "int8":
             return (x @ w[0].T.astype(x.dtype)) * w[1][:, 0]
         if form == "int4 two products":
+            return two_products(x, *w, group)
+        if form == "int4 lowering":
             return int4_linear(x, *w, group)
         if form == "int4 interleaved":  # the nibbles put back in column order: one operand of (out, in)
             packed, scale, zero = w
@@ -208,7 +212,7 @@ def _forms(spec: dict, rows, device, batch: int) -> None:
         return x @ (grouped * scale.T[:, :, None] + zero.T[:, :, None]).reshape(q.shape).T
 
     x0 = put(jax.random.normal(next(keys), (batch, h), jnp.bfloat16))
-    for form in ("bf16", "int8", "int4 two products", "int4 interleaved", "int4 JAX int4 array"):
+    for form in ("bf16", "int8", "int4 two products", "int4 lowering", "int4 interleaved", "int4 JAX int4 array"):
         layers = [[weights(form, shape) for shape in shapes] for _ in range(config["num_hidden_layers"])]
         held = sum(a.size * a.dtype.itemsize for layer in layers for w in layer for a in w)
         if form == "int4 JAX int4 array":

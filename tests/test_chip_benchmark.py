@@ -379,7 +379,7 @@ def test_tiny_quantization_run_reports_each_form_beside_bfloat16(tmp_path):
     hlo = {(f["variant"], f["program"]): f for f in by_section["quant_hlo"]}
     assert hlo[("int8 activations+weights", "traced_forward")]["int8_products"] == 7  # a layer's 7 linear layers
     assert all(f["products"] > 0 for f in hlo.values())
-    assert [f["form"] for f in by_section["quant_forms"]] == ["bf16", "int8", "int4 two products",
+    assert [f["form"] for f in by_section["quant_forms"]] == ["bf16", "int8", "int4 two products", "int4 lowering",
                                                                "int4 interleaved", "int4 JAX int4 array"]
     assert [f["model"] for f in by_section["quant_big_load"]] == ["llama-tiny", "qwen3-tiny"]
     assert all(f["held"] > 0 and f["peak"] >= f["held"] for f in by_section["quant_big_load"])

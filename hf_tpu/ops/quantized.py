@@ -19,7 +19,9 @@ import jax.numpy as jnp
 import torch
 
 from ..dispatch import lowering
-from .products import dot
+from ..kernels import int4_matmul as int4_kernel
+from ..kernels import selection as kernel_selection
+from .products import dot, matmul_precision
 
 _library = torch.library.Library("hf_tpu", "FRAGMENT")
 _library.define("int4_linear(Tensor input, Tensor qdata, Tensor scale, Tensor zero_point, int group_size) -> Tensor")
@@ -80,12 +82,42 @@ def _nibbles(qdata):
     return (qdata << 4) >> 4, qdata >> 4
 
 
+def _split_over_chips(*arrays) -> bool:
+    """Whether a program's operand is laid out over a mesh of several chips (GSPMD carries the input's mesh in its
+    abstract value)."""
+    return any(jax.typeof(a).sharding.mesh.size > 1 for a in arrays)
+
+
+def _takes_kernel(input, qdata, scale, zero_point, group_size) -> bool:
+    """Whether this call runs the Pallas kernel (`hf_tpu.kernels.int4_matmul`): where Pallas is enabled
+    (`hf_tpu.kernels.selection`), for the decode shapes it takes, in float32 only below the "highest" matmul
+    precision, and not on operands split over several chips: XLA's partitioner cannot split a Mosaic kernel's
+    call (it would need a `shard_map` around it), so a tensor-parallel layer keeps the XLA form."""
+    if not kernel_selection.pallas_enabled():
+        return False
+    if input.dtype == jnp.float32 and matmul_precision() == jax.lax.Precision.HIGHEST:
+        return False
+    if _split_over_chips(input, qdata, scale, zero_point):
+        return False
+    return int4_kernel.unsupported(input, qdata, scale, zero_point, group_size) is None
+
+
 @lowering(torch.ops.hf_tpu.int4_linear.default)
 def int4_linear(input, qdata, scale, zero_point, group_size):
+    """On a TPU, for decode's few rows, the Pallas kernel (`_takes_kernel`): XLA on the chip does not fuse the
+    nibbles' unpacking and scaling into `two_products` and writes a dequantized copy of every weight at every
+    call. Every other call: `two_products`."""
+    if _takes_kernel(input, qdata, scale, zero_point, group_size):
+        return int4_kernel.int4_matmul(input, qdata, scale, zero_point, group_size)
+    return two_products(input, qdata, scale, zero_point, group_size)
+
+
+def two_products(input, qdata, scale, zero_point, group_size):
     """The even and the odd input features times the weight's low and high nibbles: two products over the packed
-    array as it lies, each nibble converted and scaled inside its product, so no unpacked weight (int8 or
-    dequantized) is written to memory. Interleaving the nibbles into one (N, K) operand instead would change
-    the minor dimension's layout, which on a TPU means a copy of the weight at every call."""
+    array as it lies, each nibble converted and scaled inside its product, so that a compiler fusing a conversion
+    into its product writes no unpacked weight (the CPU's XLA does; the TPU's does not). Interleaving the nibbles
+    into one (N, K) operand instead would change the minor dimension's layout, which on a TPU means a copy of the
+    weight at every call."""
     rows, half = qdata.shape
     dtype = input.dtype
     scale = scale.astype(jnp.float32).T[:, :, None]  # (N, groups, 1)

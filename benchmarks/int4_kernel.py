@@ -1,0 +1,186 @@
+"""The int4 Pallas kernel beside XLA's forms: the 1.1B Llama's 16 layers of weight products in raw JAX.
+
+    python -m benchmarks.int4_kernel            # on the chip: the 1.1B's shapes, batch 1 and 8 (about a minute)
+    python -m benchmarks.int4_kernel --tiny     # anywhere: tiny shapes, the kernel in Pallas interpret mode off a TPU
+    python -m benchmarks.int4_kernel --sweep    # the kernel alone at other tile sizes and stacked-row limits
+
+Each form computes the same chain of products (attention's four projections and the MLP, no LM head) with its
+weights held as: "bf16" (a product of bfloat16 weights), "int8" (int8 converted inside the product, then scaled
+per row), "int4 XLA" (`hf_tpu::int4_linear`'s XLA form: two products over the packed bytes) and "int4 Pallas"
+(`hf_tpu.kernels.int4_matmul`, which the op's lowering picks on a TPU). Printed per form and batch: ms per call,
+GB/s of the bytes the weights hold (what a call must read at least), and the speed against bf16's. Both int4
+forms are checked against the kernel's reference on two of the products first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+
+# the 1.1B Llama (TinyLlama's shape); --tiny: a shape the interpret mode runs in seconds
+LLAMA_1B = dict(hidden=2048, intermediate=5632, heads=32, kv_heads=4, head_dim=64, layers=16)
+TINY = dict(hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=64, layers=2)
+FORMS = ("bf16", "int8", "int4 XLA", "int4 Pallas")
+
+
+def _shapes(model: dict) -> list:
+    """(out, in) of one layer's products, as PyTorch's linear layers keep them: q, k, v, o, gate, up, down."""
+    h, d = model["hidden"], model["head_dim"]
+    return [(model["heads"] * d, h), (model["kv_heads"] * d, h), (model["kv_heads"] * d, h),
+            (h, model["heads"] * d), (model["intermediate"], h), (model["intermediate"], h),
+            (h, model["intermediate"])]
+
+
+def _weights(form: str, shape: tuple, key, group: int):
+    import jax
+    import jax.numpy as jnp
+
+    out_features, in_features = shape
+    if form == "bf16":
+        return (jax.random.normal(key, shape, jnp.bfloat16) * 0.02,)
+    if form == "int8":
+        return (jax.random.randint(key, shape, -127, 128, jnp.int8), jnp.full((out_features, 1), 1e-3, jnp.bfloat16))
+    groups = (in_features // group, out_features)
+    scale_key, zero_key = jax.random.split(jax.random.fold_in(key, 1))
+    return (jax.random.randint(key, (out_features, in_features // 2), -128, 128, jnp.int8),
+            (jax.random.uniform(scale_key, groups, jnp.float32, 1e-3, 2e-3)).astype(jnp.bfloat16),
+            (jax.random.normal(zero_key, groups, jnp.float32) * 1e-3).astype(jnp.bfloat16))
+
+
+def _product(form: str, group: int, interpret: bool):
+    from hf_tpu.kernels.int4_matmul import int4_matmul
+    from hf_tpu.ops.quantized import two_products
+
+    def product(x, w):
+        if form == "bf16":
+            return x @ w[0].T
+        if form == "int8":
+            return (x @ w[0].T.astype(x.dtype)) * w[1][:, 0]
+        if form == "int4 XLA":
+            return two_products(x, *w, group)
+        return int4_matmul(x, *w, group, interpret=interpret)
+
+    return product
+
+
+def _chain(product):
+    """The layers' products in a decode step's order, each layer's output feeding the next (so none is dropped)."""
+    def run(x, layers):
+        for wq, wk, wv, wo, wg, wu, wd in layers:
+            k, v = product(x, wk), product(x, wv)
+            used = (k.sum(-1, keepdims=True) + v.sum(-1, keepdims=True)).astype(x.dtype)
+            up = product(x, wg) * product(x, wu)
+            x = x + product(product(x, wq), wo) + product(up, wd) + used
+        return x
+
+    return run
+
+
+def _median_seconds(fn, iters: int) -> float:
+    fn()  # compiles
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def check(model: dict, group: int, interpret: bool) -> None:
+    """Every form's first-layer products against the kernel's reference (the bfloat16 form is not quantized: its
+    own product); raises when the kernel's result is off by more than bfloat16's rounding."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from hf_tpu.kernels.int4_matmul import reference
+
+    x = jax.random.normal(jax.random.key(2), (3, model["hidden"]), jnp.bfloat16)
+    for shape in _shapes(model)[:1] + _shapes(model)[-1:]:
+        w = _weights("int4 Pallas", shape, jax.random.key(3), group)
+        xs = x if shape[1] == model["hidden"] else jnp.tile(x, (1, shape[1] // model["hidden"] + 1))[:, :shape[1]]
+        expected = np.asarray(reference(xs, *w, group), np.float32)
+        for form in ("int4 XLA", "int4 Pallas"):
+            actual = np.asarray(jax.jit(_product(form, group, interpret))(xs, w), np.float32)
+            error = np.abs(actual - expected).max() / np.abs(expected).max()
+            print(f"check {form} {shape}: largest error {error:.2e} of the largest output")
+            if error > 2e-2:
+                raise AssertionError(f"{form} differs from the reference by {error:.2e} on {shape}")
+
+
+def measure(model: dict, batches, group: int, iters: int, interpret: bool, forms=FORMS) -> list:
+    """(form, batch, seconds, bytes held) for each form and batch."""
+    import jax
+    import jax.numpy as jnp
+
+    results = []
+    for form in forms:
+        keys = iter(jax.random.split(jax.random.key(1), 8 * model["layers"]))
+        layers = [[_weights(form, shape, next(keys), group) for shape in _shapes(model)]
+                  for _ in range(model["layers"])]
+        held = sum(a.size * a.dtype.itemsize for layer in layers for w in layer for a in w)
+        run = jax.jit(_chain(_product(form, group, interpret)))
+        for batch in batches:
+            x = jax.random.normal(jax.random.key(batch), (batch, model["hidden"]), jnp.bfloat16)
+            seconds = _median_seconds(lambda: run(x, layers).block_until_ready(), iters)
+            results.append((form, batch, seconds, held))
+        del layers
+        gc.collect()
+    return results
+
+
+def sweep(model: dict, batches, group: int, iters: int, interpret: bool) -> list:
+    """The kernel alone at each tile size (packed bytes) and limit on stacked rows, beside its defaults: which
+    block sizes the chip prefers. Lines as `report`'s, without the bf16 column."""
+    from hf_tpu.kernels import int4_matmul
+
+    defaults = int4_matmul._TILE_BYTES, int4_matmul._PREFERRED_STACKED_ROWS
+    lines = []
+    try:
+        for tile_bytes in (512 << 10, 1 << 20, 2 << 20, 4 << 20):
+            for stacked_rows in (128, 256):
+                int4_matmul._TILE_BYTES, int4_matmul._PREFERRED_STACKED_ROWS = tile_bytes, stacked_rows
+                for form, batch, seconds, held in measure(model, batches, group, iters, interpret, ("int4 Pallas",)):
+                    lines.append(f"tile {tile_bytes >> 10:5d} KB, stacked rows {stacked_rows}: batch {batch:3d} "
+                                 f"{seconds * 1e3:8.3f} ms  {held / seconds / 1e9:7.1f} GB/s")
+                    print(lines[-1], flush=True)
+    finally:
+        int4_matmul._TILE_BYTES, int4_matmul._PREFERRED_STACKED_ROWS = defaults
+    return lines
+
+
+def report(results: list) -> list:
+    bf16 = {batch: seconds for form, batch, seconds, _ in results if form == "bf16"}
+    return [f"{form:12s} batch {batch:3d}: {seconds * 1e3:8.3f} ms  {held / seconds / 1e9:7.1f} GB/s of "
+            f"{held / 1e6:.1f} MB held  {bf16[batch] / seconds:5.2f}x bf16"
+            for form, batch, seconds, held in results]
+
+
+def main(argv=None) -> None:
+    import jax
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (the kernel interpreted off a TPU)")
+    parser.add_argument("--group", type=int, default=128, help="int4 group size (default 128)")
+    parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes (default 1,8)")
+    parser.add_argument("--iters", type=int, default=None, help="timed calls per form (default 20, --sweep 10, "
+                        "--tiny 2)")
+    parser.add_argument("--sweep", action="store_true", help="the kernel alone at other block sizes, no other form")
+    args = parser.parse_args(argv)
+    model = TINY if args.tiny else LLAMA_1B
+    interpret = jax.devices()[0].platform != "tpu"
+    print(f"{jax.devices()[0].device_kind}; {model['layers']} layers of {model}, int4 group {args.group}"
+          f"{', Pallas interpret mode' if interpret else ''}")
+    batches = [int(b) for b in args.batches.split(",")]
+    iters = args.iters or (2 if args.tiny else 10 if args.sweep else 20)
+    check(model, args.group, interpret)
+    if args.sweep:
+        sweep(model, batches, args.group, iters, interpret)
+        return
+    print("\n".join(report(measure(model, batches, args.group, iters, interpret))))
+
+
+if __name__ == "__main__":
+    main()

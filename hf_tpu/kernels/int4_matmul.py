@@ -1,0 +1,185 @@
+"""Products with packed int4 weights for decode on a TPU (`hf_tpu::int4_linear`), and their reference.
+
+`x @ W.T` for `W[n, k] = q[n, k] * scale[k // group, n] + zero_point[k // group, n]`, with `q` the signed 4-bit
+integers two to a byte of `qdata` (N, K/2), column `2j` in the low nibble of byte `j` (torchao's `Int4Tensor`,
+`hf_tpu.ops.quantized`). XLA on the chip does not fuse the unpacking, conversion and scaling of the nibbles into
+its product: it writes a dequantized copy of every weight at every call (3.9 GB a decode step of the 1.1B Llama,
+whose packed weights are 352 MB). This kernel reads each tile of packed bytes once, into VMEM, and unpacks it
+there into both products. `jax.experimental.pallas.ops.tpu` has no kernel for this layout.
+
+The grid is (N blocks, K blocks), K innermost: each step reads a (block_n, block_k / 2) tile of bytes, unpacks
+its low and high nibbles (the even and the odd input features) into two operands in `x`'s dtype, and multiplies
+them on the matrix unit by the input's even and odd features. The scales apply per group of input features,
+and a group is a slice of the tile's minor (lane) dimension: rather than scaling each weight (which needs the
+scales spread along the lanes, a transpose of their (groups, N) layout), the kernel factors the group out of
+the product. The input rows are stacked once per group of the block, each copy zero outside its group's
+features, so one product gives every group's partial result, (groups x rows, block_n); each is scaled by its
+group's scale row and the zero point times the group's input sum is added:
+
+    out[m, n] = sum_g scale[g, n] * sum_{k in g} x[m, k] q[n, k] + zero_point[g, n] * sum_{k in g} x[m, k]
+
+The weight tile is loaded into the matrix unit once for all the stacked rows, so they cost no weight traffic;
+a block holds as many groups as fit one 128-row pass beside the input's rows (padded to 8), two passes where
+one holds no legal block (`_PREFERRED_STACKED_ROWS`, `_STACKED_ROWS`): 16 groups for one to eight rows. The
+output block stays in VMEM across the K steps, accumulated in float32.
+
+Block sizes: block_k is that many groups (and a multiple of 256 input features, 128 bytes, the lane width),
+or the whole K; block_n the widest of 2048, 1024, 512, 256, 128 that divides N and keeps a tile of bytes
+within `_TILE_BYTES` (its unpacked int32 and two operands take 8 bytes of VMEM a byte). Scales and zero points
+come as (groups, block_n) blocks of the K block's groups: the (groups, N) arrays viewed as (K blocks, groups, N).
+
+Shape rules (`unsupported` says which one a call breaks): x float32 or bfloat16 with at most `MAX_ROWS` rows,
+N a multiple of 128, and a K block that the group size allows (above).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from . import selection
+
+LANES = 128
+SUBLANES = 8
+DTYPES = (jnp.bfloat16, jnp.float32)
+MAX_ROWS = 64  # decode: a batch of up to 64 sequences; longer inputs (prefill) keep the XLA lowering
+_STACKED_ROWS = 256  # groups x padded rows in one product, at most: two of the matrix unit's 128-row passes
+_PREFERRED_STACKED_ROWS = 128  # one pass: on a v5e, 2.24 ms for the 1.1B's products against 256 rows' 2.40 ms
+_TILE_BYTES = 2 << 20  # packed bytes of one weight tile (unpacked in VMEM it takes 8 times that): 2 MiB, as above
+
+
+def _rows(m: int) -> int:
+    return -(-m // SUBLANES) * SUBLANES
+
+
+def _groups_per_block(in_features: int, group_size: int, rows: int) -> int | None:
+    """The most groups a K block holds: a divisor of the group count whose bytes fill whole lanes (or all of them,
+    the whole K, legal as a full dimension) and whose stacked rows fit `_PREFERRED_STACKED_ROWS`, else
+    `_STACKED_ROWS`; None when none does."""
+    groups = in_features // group_size
+    fits = [g for g in range(1, groups + 1)
+            if groups % g == 0 and g * rows <= _STACKED_ROWS and (g == groups or (g * group_size // 2) % LANES == 0)]
+    preferred = [g for g in fits if g * rows <= _PREFERRED_STACKED_ROWS]
+    return max(preferred or fits) if fits else None
+
+
+def _block_n(out_features: int, block_bytes: int) -> int:
+    return next((b for b in (2048, 1024, 512, 256) if out_features % b == 0 and b * block_bytes <= _TILE_BYTES),
+                LANES)
+
+
+def unsupported(x, qdata, scale, zero_point, group_size) -> str | None:
+    """Why the kernel cannot compute this call (a sentence), or None. Shapes and dtypes only (works on tracers);
+    `x` is (rows, K) or has leading dimensions that flatten into rows."""
+    if x.dtype not in DTYPES:
+        return f"input dtype {x.dtype}: the kernel takes bfloat16 or float32"
+    rows = 1
+    for size in x.shape[:-1]:
+        rows *= size
+    if rows > MAX_ROWS:
+        return f"{rows} input rows: the kernel is for decode, at most {MAX_ROWS}"
+    out_features, in_features = qdata.shape[0], 2 * qdata.shape[1]
+    if out_features % LANES:
+        return f"{out_features} output features must be a multiple of {LANES}"
+    if _groups_per_block(in_features, group_size, _rows(rows)) is None:
+        return (f"group size {group_size} over {in_features} input features: no K block of whole groups fills "
+                f"whole lanes ({2 * LANES} features) within {_STACKED_ROWS // _rows(rows)} groups")
+    return None
+
+
+def _kernel(x_ref, qdata_ref, scale_ref, zero_point_ref, out_ref, *, groups: int, group_bytes: int, dtype):
+    """One (N block, K block) step. x_ref (2, rows, block_bytes) float32: the even and odd input features of this
+    K block; qdata_ref (block_n, block_bytes) int8; scale_ref, zero_point_ref (groups, block_n): this K block's
+    groups; out_ref (rows, block_n) float32, resident across the K steps."""
+    from jax.experimental import pallas as pl
+
+    @pl.when(pl.program_id(1) == 0)
+    def _():
+        out_ref[...] = jnp.zeros_like(out_ref)
+
+    rows, block_bytes = x_ref.shape[1:]
+    packed = qdata_ref[...].astype(jnp.int32)  # sign-extended bytes
+    low = ((packed << 28) >> 28).astype(jnp.float32).astype(dtype)  # columns 2j
+    high = (packed >> 4).astype(jnp.float32).astype(dtype)  # columns 2j + 1
+
+    lane_group = jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (rows, block_bytes), 1), jnp.int32(group_bytes))
+
+    def stacked(features):  # (rows, block_bytes) -> (groups * rows, block_bytes): row g*rows + m is x[m] on group g
+        return jnp.concatenate([jnp.where(lane_group == g, features, 0.0) for g in range(groups)], axis=0)
+
+    even, odd = stacked(x_ref[0]), stacked(x_ref[1])
+    transposed_rhs = (((1,), (1,)), ((), ()))
+    partial = (jax.lax.dot_general(even.astype(dtype), low, transposed_rhs, preferred_element_type=jnp.float32)
+               + jax.lax.dot_general(odd.astype(dtype), high, transposed_rhs, preferred_element_type=jnp.float32))
+    sums = jnp.sum(even + odd, axis=1, keepdims=True)  # (groups * rows, 1): each group's input sum per row
+
+    total = out_ref[...]
+    for g in range(groups):  # each group's scale and zero point: a row of the block, broadcast over the rows
+        scale = scale_ref[pl.ds(g, 1), :].astype(jnp.float32)
+        zero_point = zero_point_ref[pl.ds(g, 1), :].astype(jnp.float32)
+        total += partial[g * rows:(g + 1) * rows] * scale + sums[g * rows:(g + 1) * rows] * zero_point
+    out_ref[...] = total
+
+
+@selection.in_32_bit_mode
+def int4_matmul(x, qdata, scale, zero_point, group_size: int, *, groups_per_block: int | None = None,
+                block_n: int | None = None, interpret: bool | None = None):
+    """(..., K) x packed (N, K/2) -> (..., N) in x's dtype, accumulated in float32 (module docstring).
+    `groups_per_block`, `block_n`: override the block sizes (tests use small ones to run several steps)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    if qdata.dtype == jnp.uint8:
+        qdata = jax.lax.bitcast_convert_type(qdata, jnp.int8)
+    leading, in_features = x.shape[:-1], x.shape[-1]
+    out_features, half = qdata.shape
+    x = x.reshape(-1, in_features)
+    m = x.shape[0]
+    rows = _rows(m)
+    groups = groups_per_block or _groups_per_block(in_features, group_size, rows)
+    if groups is None:
+        raise ValueError(f"int4_matmul: {unsupported(x, qdata, scale, zero_point, group_size)}")
+    group_bytes = group_size // 2
+    block_bytes = groups * group_bytes
+    block_n = block_n or _block_n(out_features, block_bytes)
+    interpret = selection.interpret() if interpret is None else interpret
+
+    # (2, rows, K/2): the even and the odd features, the rows padded to whole sublanes (float32: a few KB)
+    features = x.astype(jnp.float32).reshape(m, half, 2).transpose(2, 0, 1)
+    features = jnp.pad(features, ((0, 0), (0, rows - m), (0, 0)))
+    # (K blocks, groups, N): a block's scale rows are then a whole dimension, a legal block of any height
+    # (a copy of the scales when there are several K blocks: 1/32 of the packed bytes at groups of 128)
+    steps = half // block_bytes
+    scale, zero_point = (s.reshape(steps, groups, out_features) for s in (scale, zero_point))
+    out = pl.pallas_call(
+        functools.partial(_kernel, groups=groups, group_bytes=group_bytes, dtype=x.dtype),
+        out_shape=jax.ShapeDtypeStruct((rows, out_features), jnp.float32),
+        grid=(out_features // block_n, steps),
+        in_specs=[
+            pl.BlockSpec((2, rows, block_bytes), lambda n, k: (0, 0, k)),
+            pl.BlockSpec((block_n, block_bytes), lambda n, k: (n, k)),
+            pl.BlockSpec((None, groups, block_n), lambda n, k: (k, 0, n)),
+            pl.BlockSpec((None, groups, block_n), lambda n, k: (k, 0, n)),
+        ],
+        out_specs=pl.BlockSpec((rows, block_n), lambda n, k: (0, n)),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
+                                             vmem_limit_bytes=64 * 2**20),
+        interpret=interpret,
+    )(features, qdata, scale, zero_point)
+    return out[:m].astype(x.dtype).reshape(*leading, out_features)
+
+
+def reference(x, qdata, scale, zero_point, group_size: int):
+    """The same product in plain jnp: the weight dequantized in float32, rounded once to x's dtype, then a product
+    accumulated in float32 (`hf_tpu.ops.quantized`'s CPU reference, in JAX)."""
+    if qdata.dtype == jnp.uint8:
+        qdata = jax.lax.bitcast_convert_type(qdata, jnp.int8)
+    out_features, half = qdata.shape
+    q = jnp.stack([(qdata << 4) >> 4, qdata >> 4], axis=-1).reshape(out_features, 2 * half).astype(jnp.float32)
+    grouped = q.reshape(out_features, -1, group_size)
+    weight = grouped * scale.astype(jnp.float32).T[:, :, None] + zero_point.astype(jnp.float32).T[:, :, None]
+    weight = weight.reshape(out_features, 2 * half).astype(x.dtype)
+    return jnp.einsum("...k,nk->...n", x, weight, preferred_element_type=jnp.float32,
+                      precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
