@@ -96,6 +96,9 @@ def test_describe_lists_every_variable_the_package_reads(monkeypatch):
     from hf_tpu import settings
     from hf_tpu.integrations.transformers import settings as _generation  # noqa: F401  (registers its variables)
     from hf_tpu.integrations import sentence_transformers as _encode_settings  # noqa: F401  (its variable)
+    from hf_tpu.integrations.accelerate import optimizer as _optimizer_settings  # noqa: F401  (its variable)
+    from hf_tpu.integrations.transformers import compiled_buckets as _bucket_settings  # noqa: F401  (its variable)
+    from hf_tpu.integrations.transformers import trainer as _trainer_settings  # noqa: F401  (its variable)
 
     monkeypatch.setenv("HF_TPU_LOG_COMPILES", "yes")
     monkeypatch.delenv("HF_TPU_CHECK_INDICES", raising=False)
