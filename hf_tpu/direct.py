@@ -3,7 +3,7 @@
 `torch.compile(backend="tpu")` pays Dynamo's bytecode analysis and AOT autograd's functionalization before
 `hf_tpu.compile` traces the ATen graph they produce; for a model's forward that capture costs several times
 the trace itself, and no disk cache keeps it. Here the Python function runs once, as it is, on `tpu`
-tensors whose buffers hold JAX tracers, under the mode `hf_tpu.compile._Tracing` (every op goes through the
+tensors whose buffers hold JAX tracers, under the mode `hf_tpu.tracing.Tracing` (every op goes through the
 same dispatch and lowering table as eager execution and `torch.compile`'s graphs), and what it computed
 becomes one `jax.jit` program. The function's inputs are every `tpu` tensor it is given or declared to use:
 
@@ -82,12 +82,15 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import compile_log, disk_cache, loops, modes, remat
-from .compile import UNTRACEABLE, _Untraceable, donatable, finish_call, launching, loop_chunk
+# torch.compile's backend: its patches to Dynamo (a tpu optimizer made capturable, a tpu generator taken as a CPU
+# one) are in place before a call that falls back to Dynamo (`hf_tpu.compiled_modules`) has Dynamo trace anything
+from . import compile as dynamo_backend  # noqa: F401
 from .device_state import rng
 from .memory import buffer, donation, placement, tensor_views
 from .modes import device_errors
 from .trace_inputs import Inputs, Unkeyable, function_parts, key_text, prepare
 from .trace_program import Program, PythonStateChanged, renamed, restore, trace
+from .tracing import UNTRACEABLE, Untraceable, donatable, finish_call, launching, loop_chunk
 
 log = logging.getLogger("hf_tpu.compile")
 
@@ -138,17 +141,17 @@ def _expect_from_disk(key, device_index: int) -> str | None:
 def _traced_program(key, name: str, run, inputs: Inputs, arrays: list, description: str, inputs_text,
                     function: str, disk_digest: str | None, keep_changes: bool = False):
     """The program cached for `key`, traced now if there is none (its first compile then named `disk_digest` in
-    the disk cache); raises what a failed trace raised (and every later call with this key gets `_Untraceable` at
+    the disk cache); raises what a failed trace raised (and every later call with this key gets `Untraceable` at
     once, unless the trace raised `PythonStateChanged`: `keep_changes`, see `trace`). Every trace counts towards
     the site's limit, a failed one too."""
     program = _programs.get(key)
     if program is _NOT_TRACEABLE:
-        raise _Untraceable("an earlier call with these inputs could not be traced")
+        raise Untraceable("an earlier call with these inputs could not be traced")
     if program is not None:
         return program
     site = key[0]
     if _site_counts.get(site, 0) >= _PROGRAMS_PER_SITE:
-        raise _Untraceable(f"{_PROGRAMS_PER_SITE} programs were traced for it already")
+        raise Untraceable(f"{_PROGRAMS_PER_SITE} programs were traced for it already")
     started = time.perf_counter()
     pending = compile_log.begin(description, "hf_tpu.jit", function, started, captured=True,
                                 capture="Python trace")
@@ -530,15 +533,15 @@ def _wait_for_compile_ahead(program: Program) -> None:
 
 def _check_loopable(program: Program, carried: tuple, carried_slots: list) -> None:
     if set(carried_slots) & set(program.mutated):
-        raise _Untraceable("the step updates a carried tensor in place")
+        raise Untraceable("the step updates a carried tensor in place")
     if not device_errors.loop_can_fold(program.checks):  # a record of out-of-range indices rides along
-        raise _Untraceable("a while_loop step cannot check device values (a linalg error, an assert)")
+        raise Untraceable("a while_loop step cannot check device values (a linalg error, an assert)")
     kinds = [spec[0] for spec in program.outputs]
     if len(kinds) != len(carried) + 1 or any(kind != "new" for kind in kinds):
-        raise _Untraceable("a while_loop step must return as many tensors as it carries")
+        raise Untraceable("a while_loop step must return as many tensors as it carries")
     for t, (_, dtype) in zip(carried, program.outputs):  # each ("new", dtype)
         if dtype != t.dtype:
-            raise _Untraceable("a while_loop step must return tensors of the carried dtypes")
+            raise Untraceable("a while_loop step must return tensors of the carried dtypes")
 
 
 remat.install()

@@ -15,10 +15,10 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import constant_masks, modes, remat
-from .compile import _Tracing, _Untraceable, count_trace
 from .device_state import rng
 from .memory import buffer, donation, tensor_views
 from .trace_inputs import DEPTH, PLAIN_TENSOR_TYPES, VALUE_TYPES, Inputs, plain_object, same_value
+from .tracing import Tracing, Untraceable, count_trace
 
 def _python_state_changes(snapshot: list) -> list:
     """What a trace changed in the Python state it could see (attributes, list and dict contents)."""
@@ -59,7 +59,7 @@ def _added_value(value, inputs: Inputs, first_new_address: int, new_arrays: list
         return (kind.__name__, tuple(specs) if kind is dict else tuple(spec for _, spec in specs))
     if isinstance(value, VALUE_TYPES):
         return ("value", value)
-    raise _Untraceable(f"it adds a {type(value).__name__} to its Python state ({what}), which the program cannot "
+    raise Untraceable(f"it adds a {type(value).__name__} to its Python state ({what}), which the program cannot "
                        "replay")
 
 
@@ -162,7 +162,7 @@ def renamed(name: str, fn):
     return named
 
 
-class PythonStateChanged(_Untraceable):
+class PythonStateChanged(Untraceable):
     """A trace changed Python state the program cannot replay, and the changes were kept (`trace(keep_changes=
     True)`): `hf_tpu.direct.call` traces once more with them made, and undoes them (`changes`) if it falls back."""
 
@@ -173,7 +173,7 @@ class PythonStateChanged(_Untraceable):
 
 def trace(name: str, run, inputs: Inputs, arrays: list, keep_changes: bool = False) -> Program:
     """Run `run()` once with every input buffer holding a tracer; the program it makes. A change to the Python state
-    met (`_python_state_changes`) raises `_Untraceable`, the change undone, or, with `keep_changes` and values that
+    met (`_python_state_changes`) raises `Untraceable`, the change undone, or, with `keep_changes` and values that
     hold no tensor, `PythonStateChanged` with the change kept."""
     live = buffer.allocator.live
     # the arrays every buffer holds now, to find those the trace writes; not a tracer an earlier trace left in a
@@ -190,7 +190,7 @@ def trace(name: str, run, inputs: Inputs, arrays: list, keep_changes: bool = Fal
 
     def traced(input_arrays, rng_base):
         count_trace()
-        mode = _Tracing(rng_base)
+        mode = Tracing(rng_base)
         saved_mode = modes.replace_current(mode)
         compiling, torch.compiler._is_compiling_flag = torch.compiler._is_compiling_flag, True
         for buf, array in zip(inputs.buffers, input_arrays):
@@ -234,7 +234,7 @@ def trace(name: str, run, inputs: Inputs, arrays: list, keep_changes: bool = Fal
                 if failed or not keep_changes or any(map(_holds_tensors, _new_values(changes))):
                     restore(changes)
                     if not failed:
-                        raise _Untraceable(message)
+                        raise Untraceable(message)
                 else:
                     raise PythonStateChanged(message, changes)
 
@@ -265,7 +265,7 @@ def _output(leaf, inputs: Inputs, first_new_address: int, new_arrays: list, made
         if id(leaf) in inputs.tensor_index:
             return ("input", inputs.tensor_index[id(leaf)])
         if leaf.requires_grad:
-            raise _Untraceable("it returns a tensor that requires gradients (its backward would need the trace): "
+            raise Untraceable("it returns a tensor that requires gradients (its backward would need the trace): "
                                "return it detached, and run its backward inside the function")
         if leaf.device.type == "tpu":
             buf = buffer.buffer_of(leaf)
@@ -273,7 +273,7 @@ def _output(leaf, inputs: Inputs, first_new_address: int, new_arrays: list, made
                 made[id(leaf)] = len(made)
                 new_arrays.append(tensor_views.array_of(leaf, buf))
                 return ("new", leaf.dtype)
-        raise _Untraceable("it returns a view of an input tensor, or a CPU tensor")
+        raise Untraceable("it returns a view of an input tensor, or a CPU tensor")
     if id(leaf) in inputs.state_index:
         return ("state", inputs.state_index[id(leaf)])
     if isinstance(leaf, VALUE_TYPES):
@@ -281,7 +281,7 @@ def _output(leaf, inputs: Inputs, first_new_address: int, new_arrays: list, made
     arrays_before = len(new_arrays)
     spec = _made_object(leaf, inputs, first_new_address, new_arrays, made, depth)
     if spec is None or len(new_arrays) == arrays_before:  # holds no new tensor: it may be an object of the caller's
-        raise _Untraceable(f"it returns a {type(leaf).__name__}, which may hold tensors of the trace")
+        raise Untraceable(f"it returns a {type(leaf).__name__}, which may hold tensors of the trace")
     return spec
 
 
@@ -292,7 +292,7 @@ def _made_object(x, inputs: Inputs, first_new_address: int, new_arrays: list, ma
     Lists, tuples and dicts in it are rebuilt too; what holds no new tensor (a class, a config) is kept as it is.
     None for anything else (a container of another type, an object with slots or its own `__new__`)."""
     if depth > DEPTH:
-        raise _Untraceable("it returns objects nested too deep")
+        raise Untraceable("it returns objects nested too deep")
     kind = type(x)
     if kind in (list, tuple, dict):
         items = x.items() if kind is dict else enumerate(x)
@@ -369,7 +369,7 @@ def _check_nothing_else_written(live: dict, before: dict, inputs_by_id: set) -> 
     for buf in written:
         buf.array = before[buf.address]
     if written:
-        raise _Untraceable(f"it writes a tpu tensor that is not among its inputs ({tuple(written[0].shape)} "
+        raise Untraceable(f"it writes a tpu tensor that is not among its inputs ({tuple(written[0].shape)} "
                            f"{written[0].dtype}): pass it as an argument or hold it in a state object")
 
 
@@ -380,4 +380,4 @@ def _check_no_tensor_escaped(live: dict, first_new_address: int) -> None:
                 if address >= first_new_address and isinstance(buf._array, jax.core.Tracer)]
 
     if escaped() and (gc.collect() or True) and escaped():
-        raise _Untraceable("a tensor made in the trace is kept outside it (in an object that is not declared state)")
+        raise Untraceable("a tensor made in the trace is kept outside it (in an object that is not declared state)")
