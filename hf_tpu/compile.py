@@ -11,6 +11,7 @@ cannot be traced (an op without a lowering, a host read) runs in the eager mode 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -18,14 +19,42 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from . import compile_log, constant_masks, loops, modes, platform
+from . import compile_log, constant_masks, loop_chunks, modes, platform
 from .device_state import current, rng
 from .dispatch import _entry
 from .memory import buffer, donation, host_transfers, placement, tensor_views
 from .modes import device_errors
-from .tracing import UNTRACEABLE, Tracing, count_trace, donatable, finish_call, launching, loop_chunk
+from .loop_chunks import loop_chunk
+from .tracing import UNTRACEABLE, Tracing, count_trace, donatable, finish_call, launching
 
 log = logging.getLogger("hf_tpu.compile")
+
+
+class LoopRequest:
+    """What a compiled step needs to run as a loop (`looping`): the carried tensors (to find among the graph's
+    inputs) and `cond_fn` of them (whether the first iteration runs); `taken` once a graph ran the loop."""
+
+    def __init__(self, carried: tuple, keep_going: torch.Tensor):
+        self.carried = carried
+        self.keep_going = keep_going
+        self.taken = False
+
+
+# the loop request for the next compiled graph call; set only within `looping`
+_requested: list = [None]
+
+
+@contextlib.contextmanager
+def looping(carried: tuple, keep_going: torch.Tensor):
+    """Within: the next compiled graph called (the step `hf_tpu.while_loop` compiles with `torch.compile`) runs the
+    whole loop over `carried`, in chunks (`loop_chunks.run_in_chunks`), rather than one iteration, or raises
+    `loop_chunks.NotLoopable` before any iteration ran. Yields the `LoopRequest`, `taken` once a graph took it (a
+    step without a tensor op makes no graph: its call ran it once)."""
+    request = _requested[0] = LoopRequest(carried, keep_going)
+    try:
+        yield request
+    finally:
+        _requested[0] = None
 
 
 class _CompiledGraph:
@@ -112,8 +141,10 @@ class _CompiledGraph:
         return self.graphs_by_sizes[values]
 
     def __call__(self, *args):
-        if loops.pending[0] is not None:
-            return self._run_loop(args, loops.take_request())
+        request = _requested[0]
+        if request is not None:
+            _requested[0], request.taken = None, True
+            return self._run_loop(args, request)
         if self.eager:
             return self.gm(*args)
         modes.current().sync("a compiled graph runs")
@@ -206,7 +237,7 @@ class _CompiledGraph:
         if self.pending_compile is not None:
             compile_log.end(self.pending_compile, finished=False)
             self.pending_compile = None
-        raise loops.NotLoopable(reason)
+        raise loop_chunks.NotLoopable(reason)
 
     def _run_loop(self, args, request):
         if self.eager or not self.loopable:
@@ -240,11 +271,11 @@ class _CompiledGraph:
 
         try:
             with launching(device_index, f"a compiled loop of {len(self.gm.graph.nodes)} nodes"):
-                state = loops.run_in_chunks(launch, (overwritten, carried, keep_going), started,
-                                            lambda state: self._keep_interrupted_state(args, state[0]))
+                state = loop_chunks.run_in_chunks(launch, (overwritten, carried, keep_going), started,
+                                                  lambda state: self._keep_interrupted_state(args, state[0]))
         except (*UNTRACEABLE, ValueError) as e:
             compile_log.end()
-            raise loops.NotLoopable(f"{type(e).__name__}: {e}") from e
+            raise loop_chunks.NotLoopable(f"{type(e).__name__}: {e}") from e
         overwritten, (*carried, record), keep_going, _ = state
         metas, checks, _ = self._meta(arrays, values)
         sites = device_errors.loop_sites(checks)

@@ -81,16 +81,17 @@ import jax
 import torch
 from torch.utils import _pytree as pytree
 
-from . import compile_log, disk_cache, loops, modes, remat
+from . import compile_log, disk_cache, loop_chunks, modes, remat
 # torch.compile's backend: its patches to Dynamo (a tpu optimizer made capturable, a tpu generator taken as a CPU
 # one) are in place before a call that falls back to Dynamo (`hf_tpu.compiled_modules`) has Dynamo trace anything
 from . import compile as dynamo_backend  # noqa: F401
 from .device_state import rng
+from .loop_chunks import loop_chunk
 from .memory import buffer, donation, placement, tensor_views
 from .modes import device_errors
 from .trace_inputs import Inputs, Unkeyable, function_parts, key_text, prepare
 from .trace_program import Program, PythonStateChanged, renamed, restore, trace
-from .tracing import UNTRACEABLE, Untraceable, donatable, finish_call, launching, loop_chunk
+from .tracing import UNTRACEABLE, Untraceable, donatable, finish_call, launching
 
 log = logging.getLogger("hf_tpu.compile")
 
@@ -437,7 +438,7 @@ def _loop_step(cond_fn, body_fn):
 
 
 def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state, run: bool = True) -> tuple | None:
-    """`hf_tpu.while_loop` with its step traced straight into a program; raises `loops.NotLoopable` where it
+    """`hf_tpu.while_loop` with its step traced straight into a program; raises `loop_chunks.NotLoopable` where it
     cannot be (before any iteration ran). With `run=False`, the loop's XLA compile starts on a thread of its
     own (`compile_log.in_background`) and nothing runs: the first call that runs the program waits for it."""
     name = _name_of(body_fn)
@@ -447,12 +448,12 @@ def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state
     try:
         inputs, key = prepare(site, (body_fn, cond_fn), carried, {}, state)
     except (Unkeyable, TypeError) as e:
-        raise loops.NotLoopable(f"{type(e).__name__}: {e}") from e
+        raise loop_chunks.NotLoopable(f"{type(e).__name__}: {e}") from e
     disk_digest = _expect_from_disk(key, inputs.device_index) if _programs.get(key) is None else None
     carried_slots = [inputs.tensors[inputs.tensor_index[id(t)]][1] for t in carried]
     for t, slot in zip(carried, carried_slots):
         if inputs.users[slot] != 1 or tensor_views.view_of(t, inputs.buffers[slot]) is not None:
-            raise loops.NotLoopable("a carried tensor shares its storage with another input")
+            raise loop_chunks.NotLoopable("a carried tensor shares its storage with another input")
     arrays = _arrays(inputs)
     try:
         program = _traced_program(key, name, lambda: step(*carried), inputs, arrays, description,
@@ -462,7 +463,7 @@ def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state
     except UNTRACEABLE as e:
         compile_log.end(finished=False)
         _programs[key] = _NOT_TRACEABLE
-        raise loops.NotLoopable(f"{type(e).__name__}: {e}") from e
+        raise loop_chunks.NotLoopable(f"{type(e).__name__}: {e}") from e
     _own_arrays(inputs, program.mutated, arrays)
     mutated, others = donation.split(arrays, program.mutated)
     slots = tuple(slot - sum(m < slot for m in program.mutated) for slot in carried_slots)
@@ -487,7 +488,7 @@ def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state
 
     if not run:
         if not compiled_before:  # lowered as the first chunk's launch will be: the compile serves it
-            first = loops.first_chunk(mutated, carried_arrays, keep_going)
+            first = loop_chunks.first_chunk(mutated, carried_arrays, keep_going)
 
             def compile_ahead():
                 lowered = jitted.lower(first[0], others, key_data, slots, *first[1:])
@@ -505,12 +506,12 @@ def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state
 
     try:
         with launching(inputs.device_index, description):
-            final = loops.run_in_chunks(launch, (mutated, carried_arrays, keep_going),
-                                        lambda: rng.advance(inputs.device_index, program.draws), interrupted)
+            final = loop_chunks.run_in_chunks(launch, (mutated, carried_arrays, keep_going),
+                                              lambda: rng.advance(inputs.device_index, program.draws), interrupted)
     except (*UNTRACEABLE, ValueError) as e:
         compile_log.end()
         _programs[key] = _NOT_TRACEABLE
-        raise loops.NotLoopable(f"{type(e).__name__}: {e}") from e
+        raise loop_chunks.NotLoopable(f"{type(e).__name__}: {e}") from e
     for slot, array in zip(program.mutated, final[0]):
         inputs.buffers[slot].array = array
     *final_carried, record = final[1]

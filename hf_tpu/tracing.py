@@ -2,21 +2,18 @@
 `hf_tpu.jit` (`hf_tpu.direct`): the execution mode inside a trace (`Tracing`: ops run on tracers, random ops draw
 from a key input, a host read makes the trace fail), what a failed trace raises (`UNTRACEABLE`), and what a
 traced program's call does around its launch: donation of the arrays it overwrites, the random stream moved on and
-the device's checks made after it, XLA's out-of-memory error in PyTorch's terms, and one chunk of a device loop's
-iterations (`loop_chunk`)."""
+the device's checks made after it, XLA's out-of-memory error in PyTorch's terms."""
 
 from __future__ import annotations
 
 import contextlib
 
 import jax
-import jax.numpy as jnp
 import torch
 
 from . import counters, modes
 from .device_state import rng
 from .memory import buffer
-from .modes import device_errors
 
 _counters = counters.counters
 
@@ -112,34 +109,3 @@ def donatable(arrays) -> bool:
     is gone after the call), and none passed twice."""
     return bool(arrays) and all(buffer.allocator.holders(a) == 1 for a in arrays) \
         and len({id(a) for a in arrays}) == len(arrays)
-
-
-def loop_chunk(step, overwritten_arrays, other_arrays, rng_base, slots, carried, keep_going, count, steps):
-    """One chunk of a device loop (`hf_tpu.while_loop`): at most `steps` iterations from iteration `count` on.
-
-    `step(overwritten, others, key)` is one traced iteration: it returns ([the overwritten inputs' new
-    values, the new carried values, whether to go on], the values it checks, how it checks them: (dtype,
-    raise_if_bad) each); `slots` says where each carried value sits among `others` (None: the step does
-    not read it). `carried` ends with the loop's record of out-of-range indices, which the step does not
-    read: each iteration folds its own into it (`device_errors.fold_loop_step`)."""
-    limit = count + steps
-
-    def go_on(state):
-        return jnp.reshape(state[2], ()).astype(bool) & (state[3] < limit)
-
-    def iteration(state):
-        overwritten, (*carried, record), _, count = state
-        others = list(other_arrays)
-        for slot, array in zip(slots, carried):
-            if slot is not None:
-                others[slot] = array
-        # each iteration draws its random numbers from its own keys
-        results, checked, checks = step(list(overwritten), others, rng_base.at[3].add(count))
-        record = device_errors.fold_loop_step(record, checked, checks)
-        k, n = len(overwritten), len(carried)
-        if len(results) != k + n + 1 or any(r is None for r in results):
-            raise TypeError("a while_loop step must return as many tensors as it carries")
-        return results[:k], [*results[k:k + n], record], results[k + n], count + jnp.uint32(1)
-
-    state = (list(overwritten_arrays), list(carried), keep_going, count)
-    return jax.lax.while_loop(go_on, iteration, state)

@@ -1166,7 +1166,7 @@ def test_continuous_batching_takes_a_modest_share_of_the_hosts_memory_on_the_vir
     assert kept.max_memory_percent == 0.5
 
 
-# --- Ctrl-C stops the device loop: it runs in chunks the host launches one after another (hf_tpu/loops.py)
+# --- Ctrl-C stops the device loop: it runs in chunks the host launches one after another (hf_tpu/loop_chunks.py)
 
 _LONG_GENERATE = """
 import sys, time
