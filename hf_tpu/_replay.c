@@ -1,4 +1,4 @@
-/* The check `hf_tpu.direct._KeptWalk.replay` makes on every call of a traced prefill or decode loop:
+/* The check `hf_tpu.trace_inputs.KeptWalk.replay` makes on every call of a traced prefill or decode loop:
 whether the dicts a state walk read (each submodule's `__dict__`, `_parameters`, `_buffers`, `_modules`; a
 static cache's attributes) still hold the same keys, in the same order, and which entries now hold another
 object.

@@ -19,137 +19,42 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from . import compile_log, constant_masks, counters, loops, modes, platform
+from . import compile_log, constant_masks, loop_chunks, modes, platform
 from .device_state import current, rng
 from .dispatch import _entry
 from .memory import buffer, donation, host_transfers, placement, tensor_views
 from .modes import device_errors
+from .loop_chunks import loop_chunk
+from .tracing import UNTRACEABLE, Tracing, count_trace, donatable, finish_call, launching
 
 log = logging.getLogger("hf_tpu.compile")
-_counters = counters.counters
 
 
-class _Tracing:
-    """The execution mode inside a trace: programs run on tracers, randomness comes from an input."""
+class LoopRequest:
+    """What a compiled step needs to run as a loop (`looping`): the carried tensors (to find among the graph's
+    inputs) and `cond_fn` of them (whether the first iteration runs); `taken` once a graph ran the loop."""
 
-    kind = modes.ModeKind.TRACE
-
-    def __init__(self, rng_base):
-        self.mode = None
-        self.rng_base = rng_base
-        self.draws = 0  # random ops traced so far: the i-th takes the i-th offset from rng_base
-        self.checks = []  # (tensor, raise_if_bad) of each `modes.check_on_device` in the graph
-        self.index_record = None  # the trace's record of out-of-range indices, once an op checks one (`device_errors`)
-        self.replayed = None  # (saved key data, draws since) while `run_with_rng_state` replays an op
-        self.latest = None  # the results of the op traced last (`hf_tpu.remat` orders a recomputation after it)
-
-    def random_key(self, generator):
-        if generator is not None:
-            raise _Untraceable("a random op draws from its own torch.Generator")
-        if self.replayed is not None:  # inside `run_with_rng_state`: the recomputed op's own draws
-            state, n = self.replayed
-            self.replayed = (state, n + 1)
-            return rng.offset_key(state, n)
-        key = rng.offset_key(self.rng_base, self.draws)
-        self.draws += 1
-        return key
-
-    def next_key(self):
-        """The key the next random op will take (`run_and_save_rng_state` saves it)."""
-        return rng.offset_key(self.rng_base, self.draws)
-
-    def rng_state(self, index: int) -> torch.Tensor:
-        """`torch.tpu.get_rng_state()` inside the trace: the device's state as the next random op of the program
-        will find it (the call's state, as many offsets on as the trace has drawn)."""
-        return rng.get_state(index, ahead=self.draws)
-
-    def set_rng_state(self, state: torch.Tensor, index: int) -> None:
-        """`torch.tpu.set_rng_state(state)` inside the trace, to a state `rng_state` gave: the program's next random
-        op draws from it (`torch.utils.checkpoint` replays a forward's draws this way)."""
-        seed, offset = rng.state_values(state)
-        call_seed, call_offset = rng.state_values(rng.get_state(index))
-        if seed != call_seed or offset < call_offset:
-            raise _Untraceable("it sets the tpu random state to one the traced call did not reach")
-        self.draws = offset - call_offset
-
-    def execute(self, program, key, arrays, scalars, rng, device_index):
-        self.latest = program.nested(arrays, scalars, rng)
-        return self.latest
-
-    def sync(self, reason: str) -> None:
-        raise _Untraceable(reason)
+    def __init__(self, carried: tuple, keep_going: torch.Tensor):
+        self.carried = carried
+        self.keep_going = keep_going
+        self.taken = False
 
 
-class _Untraceable(Exception):
-    pass
-
-
-# what a trace that cannot be made raises: a host read or an unreplayable effect (`_Untraceable`), an op
-# without a lowering, a tracer where a concrete value is needed
-UNTRACEABLE = (_Untraceable, NotImplementedError, jax.errors.JAXTypeError, TypeError)
-
-
-def count_trace() -> None:
-    """One more program traced by `torch.compile` or `hf_tpu.jit` (`hf_tpu.metrics()["compiles"]`)."""
-    _counters["compiles"] += 1
-    _counters["compiles_by_mode"]["COMPILE"] += 1
-
-
-def finish_call(device_index: int, draws: int, checks: list, checked: list) -> None:
-    """After a traced program ran: the device's random stream moves past the offsets its random ops took,
-    and the values it checks (a linalg `info`, an assert's condition; `checks` holds each one's dtype and
-    `raise_if_bad`) are checked as eager ops check them."""
-    rng.advance(device_index, draws)
-    for (dtype, raise_if_bad), array in zip(checks, checked):
-        modes.check_on_device(buffer.new_tensor(array.shape, dtype, device_index, array), raise_if_bad)
+# the loop request for the next compiled graph call; set only within `looping`
+_requested: list = [None]
 
 
 @contextlib.contextmanager
-def launching(device_index: int, what: str):
-    """XLA's out-of-memory error of a traced program, as `torch.OutOfMemoryError` naming `what` ran."""
+def looping(carried: tuple, keep_going: torch.Tensor):
+    """Within: the next compiled graph called (the step `hf_tpu.while_loop` compiles with `torch.compile`) runs the
+    whole loop over `carried`, in chunks (`loop_chunks.run_in_chunks`), rather than one iteration, or raises
+    `loop_chunks.NotLoopable` before any iteration ran. Yields the `LoopRequest`, `taken` once a graph took it (a
+    step without a tensor op makes no graph: its call ran it once)."""
+    request = _requested[0] = LoopRequest(carried, keep_going)
     try:
-        yield
-    except modes.LAUNCH_ERRORS as e:
-        modes.raise_out_of_memory(e, device_index, what)
-        raise
-
-
-def donatable(arrays) -> bool:
-    """Whether arrays a program overwrites can be donated: each held by its own buffer only (a donated array
-    is gone after the call), and none passed twice."""
-    return bool(arrays) and all(buffer.allocator.holders(a) == 1 for a in arrays) \
-        and len({id(a) for a in arrays}) == len(arrays)
-
-
-def loop_chunk(step, overwritten_arrays, other_arrays, rng_base, slots, carried, keep_going, count, steps):
-    """One chunk of a device loop (`hf_tpu.while_loop`): at most `steps` iterations from iteration `count` on.
-
-    `step(overwritten, others, key)` is one traced iteration: it returns ([the overwritten inputs' new
-    values, the new carried values, whether to go on], the values it checks, how it checks them: (dtype,
-    raise_if_bad) each); `slots` says where each carried value sits among `others` (None: the step does
-    not read it). `carried` ends with the loop's record of out-of-range indices, which the step does not
-    read: each iteration folds its own into it (`device_errors.fold_loop_step`)."""
-    limit = count + steps
-
-    def go_on(state):
-        return jnp.reshape(state[2], ()).astype(bool) & (state[3] < limit)
-
-    def iteration(state):
-        overwritten, (*carried, record), _, count = state
-        others = list(other_arrays)
-        for slot, array in zip(slots, carried):
-            if slot is not None:
-                others[slot] = array
-        # each iteration draws its random numbers from its own keys
-        results, checked, checks = step(list(overwritten), others, rng_base.at[3].add(count))
-        record = device_errors.fold_loop_step(record, checked, checks)
-        k, n = len(overwritten), len(carried)
-        if len(results) != k + n + 1 or any(r is None for r in results):
-            raise TypeError("a while_loop step must return as many tensors as it carries")
-        return results[:k], [*results[k:k + n], record], results[k + n], count + jnp.uint32(1)
-
-    state = (list(overwritten_arrays), list(carried), keep_going, count)
-    return jax.lax.while_loop(go_on, iteration, state)
+        yield request
+    finally:
+        _requested[0] = None
 
 
 class _CompiledGraph:
@@ -198,7 +103,7 @@ class _CompiledGraph:
                 inputs.append(value)
             else:
                 inputs.append(buffer.new_tensor(array.shape, spec[0], spec[1], array))
-        tracer = _Tracing(rng_base)
+        tracer = Tracing(rng_base)
         saved = modes.replace_current(tracer)
         try:
             with torch.no_grad():
@@ -236,8 +141,10 @@ class _CompiledGraph:
         return self.graphs_by_sizes[values]
 
     def __call__(self, *args):
-        if loops.pending[0] is not None:
-            return self._run_loop(args, loops.take_request())
+        request = _requested[0]
+        if request is not None:
+            _requested[0], request.taken = None, True
+            return self._run_loop(args, request)
         if self.eager:
             return self.gm(*args)
         modes.current().sync("a compiled graph runs")
@@ -330,7 +237,7 @@ class _CompiledGraph:
         if self.pending_compile is not None:
             compile_log.end(self.pending_compile, finished=False)
             self.pending_compile = None
-        raise loops.NotLoopable(reason)
+        raise loop_chunks.NotLoopable(reason)
 
     def _run_loop(self, args, request):
         if self.eager or not self.loopable:
@@ -364,11 +271,11 @@ class _CompiledGraph:
 
         try:
             with launching(device_index, f"a compiled loop of {len(self.gm.graph.nodes)} nodes"):
-                state = loops.run_in_chunks(launch, (overwritten, carried, keep_going), started,
-                                            lambda state: self._keep_interrupted_state(args, state[0]))
+                state = loop_chunks.run_in_chunks(launch, (overwritten, carried, keep_going), started,
+                                                  lambda state: self._keep_interrupted_state(args, state[0]))
         except (*UNTRACEABLE, ValueError) as e:
             compile_log.end()
-            raise loops.NotLoopable(f"{type(e).__name__}: {e}") from e
+            raise loop_chunks.NotLoopable(f"{type(e).__name__}: {e}") from e
         overwritten, (*carried, record), keep_going, _ = state
         metas, checks, _ = self._meta(arrays, values)
         sites = device_errors.loop_sites(checks)

@@ -106,14 +106,14 @@ SHAPE_POLICIES: list = []
 
 @functools.cache
 def _module_inputs():
-    """The class walking a compiled module's call: `hf_tpu.jit`'s (`direct._Inputs`), with every module's Python
+    """The class walking a compiled module's call: `hf_tpu.jit`'s (`trace_inputs.Inputs`), with every module's Python
     attributes keyed and the objects among them and among the arguments walked as state (see the module's
     docstring). The compiled module is the first state object; its own hooks run outside the trace (`_call`), its
     submodules' inside. Made at the first call: `hf_tpu.direct` imports the tracing machinery, and adapters import
     this module at their library's import for `HOOKS_WITHIN_THE_CALL`."""
-    from . import direct
+    from . import trace_inputs
 
-    class ModuleInputs(direct._Inputs):
+    class ModuleInputs(trace_inputs.Inputs):
         def _module(self, m: torch.nn.Module):
             key = super()._module(m)
             if key[0] == "seen":
@@ -122,24 +122,24 @@ def _module_inputs():
             if m is not self.state[0]:
                 hooks = [attributes[name] for name in _HOOKS if name in attributes]
                 if any(map(_hooks_outside_the_call, hooks)):
-                    raise direct._Unkeyable(f"a {type(m).__name__} in it has hooks")
+                    raise trace_inputs.Unkeyable(f"a {type(m).__name__} in it has hooks")
                 if "forward" in attributes:
-                    raise direct._Unkeyable(f"a {type(m).__name__} in it has a forward of its own (a hook)")
+                    raise trace_inputs.Unkeyable(f"a {type(m).__name__} in it has a forward of its own (a hook)")
                 self.containers += hooks  # a kept walk is replayed only while they hold what they hold now
             extra = []
             for name, value in attributes.items():
                 if (name in _MODULE_INTERNALS or name in _HOOKS or name in NOT_READ_BY_FORWARD
                         or (type(value) is torch.Tensor and name[0] != "_")):  # the tensors `super()._module` keyed
                     continue
-                if isinstance(value, direct._VALUE_TYPES):
+                if isinstance(value, trace_inputs.VALUE_TYPES):
                     extra.append((name, type(value), value))
                 elif isinstance(value, (torch.Tensor, torch.nn.Module, list, tuple, dict)) \
-                        or direct._plain_object(value):
+                        or trace_inputs.plain_object(value):
                     extra.append((name, self.state_object(value, 1)))
             return (*key, tuple(extra))
 
         def argument(self, x, depth: int = 0):
-            if (not isinstance(x, (torch.Tensor, torch.nn.Module)) and direct._plain_object(x)
+            if (not isinstance(x, (torch.Tensor, torch.nn.Module)) and trace_inputs.plain_object(x)
                     and id(x) not in self.state_index):
                 self.state_index[id(x)] = len(self.state)
                 self.state.append(x)

@@ -12,7 +12,7 @@ inputs to the recomputation: `_CheckpointFrame.get_inputs` (the non-reentrant fo
 and `detach_variable` (the reentrant form).
 
 Random ops of a recomputation draw what the forward drew: inside a trace `torch.tpu.get_rng_state()` names
-the trace's next draw and `set_rng_state` moves it (`hf_tpu.compile._Tracing.rng_state`), so the
+the trace's next draw and `set_rng_state` moves it (`hf_tpu.tracing.Tracing.rng_state`), so the
 checkpoint's `fork_rng` replays the forward's draws as it does in eager execution.
 
 Under `torch.compile` none of this runs: AOT autograd puts the recomputation in the backward graph, a

@@ -100,14 +100,14 @@ def test_a_keys_digest_is_the_same_in_another_process_and_tells_keys_apart():
     """Code by file, name and line; types by name; plain values by repr; an identity-keyed object by its type."""
     code = """
         import torch, hf_tpu
-        from hf_tpu import direct, disk_cache
+        from hf_tpu import disk_cache, trace_inputs
         def f(x):
             return x
         Thing = type("Thing", (), {})
         device = hf_tpu.platform.jax_device(0)
         keys = [(f.__code__, (torch.float32, (2, 3)), 1.0, ("object", Thing())), (f.__code__, (torch.float32, (2, 3)), 1, None),
                 (f.__code__, (torch.bfloat16, (2, 3)), 1.0, None), (torch.nn.Linear, True, "a", torch.device("cpu"))]
-        print(" ".join(disk_cache._digest(direct._key_text(key), device) for key in keys))
+        print(" ".join(disk_cache._digest(trace_inputs.key_text(key), device) for key in keys))
     """
     env = cpu_process_env(HF_TPU_CACHE_DIR="")
     runs = [subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,

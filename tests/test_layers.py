@@ -21,10 +21,8 @@ ADAPTERS = ("hf_tpu.integrations", "hf_tpu.model_patches", "hf_tpu.cli")
 # public functions need no import of a core module; `compiled_modules` holds the registries an adapter fills)
 PUBLIC_CONTRACT = {"hf_tpu.settings", "hf_tpu.distributed", "hf_tpu.compiled_modules"}
 
-# (importer, imported): the imports against the drawing's order known today. Issue 61: `loops.py` calls
-# into `direct.py` from inside its functions (the compile.py/direct.py/loops.py circle, which a tracing
-# package is to remove). No other import may go up.
-KNOWN_UPWARD_IMPORTS = {("hf_tpu.loops", "hf_tpu.direct")}
+# (importer, imported): the imports against the drawing's order known today. None: no import may go up.
+KNOWN_UPWARD_IMPORTS = set()
 
 
 def _modules() -> dict:

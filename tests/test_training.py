@@ -663,7 +663,7 @@ def test_the_second_traced_step_runs_the_first_steps_compiled_program():
     """AdamW's moments and step counts, made by `torch.zeros` before the first trace, were arrays not committed to
     their device; the first step's results that replace them are, and JAX keys a jitted function by that: the
     second step lowered and compiled the whole program again (as long as the first step's compile)."""
-    from hf_tpu import direct
+    from hf_tpu import direct, trace_program
 
     direct.reset()
     torch.manual_seed(0)
@@ -678,7 +678,7 @@ def test_the_second_traced_step_runs_the_first_steps_compiled_program():
     step = hf_tpu.jit(step)
     for _ in range(3):
         step(torch.randn(4, 8, device="tpu"))
-    (program,) = [p for p in direct._programs.values() if isinstance(p, direct._Program)]
+    (program,) = [p for p in direct._programs.values() if isinstance(p, trace_program.Program)]
     assert program.jitted[True]._cache_size() == 1
 
 

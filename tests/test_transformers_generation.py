@@ -389,23 +389,23 @@ def test_a_warm_generate_walks_no_state_and_reads_no_signature_anew(models, monk
     of its own) and the decode loop alike, and the signatures Transformers reads are not computed again."""
     import inspect
 
-    from hf_tpu import direct
+    from hf_tpu import trace_inputs
 
     _, tpu = models
     prompt = PROMPT.to("tpu")
     for _ in range(2):
         tpu.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
     walked, signatures = [], []
-    state_object, module = direct._Inputs.state_object, direct._Inputs._module
-    monkeypatch.setattr(direct._Inputs, "state_object",
+    state_object, module = trace_inputs.Inputs.state_object, trace_inputs.Inputs._module
+    monkeypatch.setattr(trace_inputs.Inputs, "state_object",
                         lambda self, x, depth=0: walked.append(x) or state_object(self, x, depth))
-    monkeypatch.setattr(direct._Inputs, "_module", lambda self, m: walked.append(m) or module(self, m))
+    monkeypatch.setattr(trace_inputs.Inputs, "_module", lambda self, m: walked.append(m) or module(self, m))
     from_function = inspect._signature_from_function
     monkeypatch.setattr(inspect, "_signature_from_function",
                         lambda *args, **kwargs: signatures.append(args[1]) or from_function(*args, **kwargs))
     tpu.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
     # the decode loop's state also names a list of the warpers it calls (none here), walked each call
-    assert not [type(x).__name__ for x in walked if isinstance(x, torch.nn.Module) or direct._plain_object(x)]
+    assert not [type(x).__name__ for x in walked if isinstance(x, torch.nn.Module) or trace_inputs.plain_object(x)]
     assert not signatures
 
 
@@ -1166,7 +1166,7 @@ def test_continuous_batching_takes_a_modest_share_of_the_hosts_memory_on_the_vir
     assert kept.max_memory_percent == 0.5
 
 
-# --- Ctrl-C stops the device loop: it runs in chunks the host launches one after another (hf_tpu/loops.py)
+# --- Ctrl-C stops the device loop: it runs in chunks the host launches one after another (hf_tpu/loop_chunks.py)
 
 _LONG_GENERATE = """
 import sys, time

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hf_tpu
-from hf_tpu import direct
+from hf_tpu import direct, trace_inputs, trace_program
 from hf_tpu.memory import buffer
 
 
@@ -286,7 +286,7 @@ def test_a_host_read_falls_back_to_the_eager_function_with_its_result(fallbacks)
     for sign in (1, -1, 1):
         x = torch.full((3,), float(sign), device="tpu")
         assert torch.equal(traced(x).cpu(), clipped(x).cpu())
-    assert len(fallbacks()) == 1 and "_Untraceable" in fallbacks()[0]  # later calls know without tracing
+    assert len(fallbacks()) == 1 and "Untraceable" in fallbacks()[0]  # later calls know without tracing
 
 
 def test_a_tracer_an_earlier_failed_trace_left_behind_is_not_taken_for_a_write(fallbacks):
@@ -299,7 +299,7 @@ def test_a_tracer_an_earlier_failed_trace_left_behind_is_not_taken_for_a_write(f
 
     hf_tpu.jit(leaky)(torch.ones(2, device="tpu"))
     torch.testing.assert_close(hf_tpu.jit(lambda x: x * 3)(torch.ones(2, device="tpu")).cpu(), torch.full((2,), 3.0))
-    assert len(fallbacks()) == 1 and "_Untraceable" in fallbacks()[0]
+    assert len(fallbacks()) == 1 and "Untraceable" in fallbacks()[0]
 
 
 def test_the_fallback_runs_with_no_error_of_the_trace_in_flight():
@@ -467,7 +467,7 @@ def test_a_jax_object_in_the_state_is_not_searched(model, fallbacks):
             self.scale = torch.ones(4, device="tpu")
 
     holder = Holder()
-    assert not direct._plain_object(holder.mesh)
+    assert not trace_inputs.plain_object(holder.mesh)
     traced = hf_tpu.jit(lambda x: model(x) * holder.scale, state=(model, holder))
     x = torch.ones(2, 4, device="tpu")
     with torch.no_grad():
@@ -481,8 +481,8 @@ def _forward(model, x):
 
 def _full_walk_key(model, x):
     """The key of `_forward(model, x)` walked in full, the kept walks forgotten."""
-    direct._kept_walks.clear()
-    return direct._prepare("site", (_forward,), (model, x), {}, ())[1]
+    trace_inputs.kept_walks.clear()
+    return trace_inputs.prepare("site", (_forward,), (model, x), {}, ())[1]
 
 
 def _assert_same_inputs(inputs, full_inputs):
@@ -503,18 +503,18 @@ def _assert_keyed_as_walked_in_full(model, x, state, inputs=None, key=None):
     """A call's key and inputs (by default those of a call made now) are the full walk's, the kept walks
     forgotten."""
     if inputs is None:
-        inputs, key = direct._prepare("site", (_forward,), (model, x), _NO_KWARGS, state)
-    direct._kept_walks.clear()
-    full_inputs, full_key = direct._prepare("site", (_forward,), (model, x), _NO_KWARGS, state)
+        inputs, key = trace_inputs.prepare("site", (_forward,), (model, x), _NO_KWARGS, state)
+    trace_inputs.kept_walks.clear()
+    full_inputs, full_key = trace_inputs.prepare("site", (_forward,), (model, x), _NO_KWARGS, state)
     assert key == full_key
     _assert_same_inputs(inputs, full_inputs)
 
 
 def _walks_counted(monkeypatch) -> list:
     """The modules and state objects walked from now on (a replay walks none)."""
-    walked, module, state_object = [], direct._Inputs._module, direct._Inputs.state_object
-    monkeypatch.setattr(direct._Inputs, "_module", lambda self, m: walked.append(m) or module(self, m))
-    monkeypatch.setattr(direct._Inputs, "state_object",
+    walked, module, state_object = [], trace_inputs.Inputs._module, trace_inputs.Inputs.state_object
+    monkeypatch.setattr(trace_inputs.Inputs, "_module", lambda self, m: walked.append(m) or module(self, m))
+    monkeypatch.setattr(trace_inputs.Inputs, "state_object",
                         lambda self, x, depth=0: walked.append(x) or state_object(self, x, depth))
     return walked
 
@@ -527,9 +527,9 @@ def test_replayed_state_walks_give_the_full_walks_key_and_inputs(model, monkeypa
     cache = KVCache()
     state = (model, cache) if order == "model, cache" else (cache, model)
     x = torch.randn(2, 4, device="tpu")
-    full_inputs, full_key = direct._prepare("site", (_forward,), (model, x), _NO_KWARGS, state)
+    full_inputs, full_key = trace_inputs.prepare("site", (_forward,), (model, x), _NO_KWARGS, state)
     walked = _walks_counted(monkeypatch)
-    inputs, key = direct._prepare("site", (_forward,), (model, x), _NO_KWARGS, state)
+    inputs, key = trace_inputs.prepare("site", (_forward,), (model, x), _NO_KWARGS, state)
     assert not walked and key == full_key
     _assert_same_inputs(inputs, full_inputs)
 
@@ -544,10 +544,10 @@ def test_a_change_to_a_state_object_after_its_walk_was_kept_is_seen(model, monke
     cache = KVCache()
     cache.window = 4
     x = torch.randn(2, 4, device="tpu")
-    direct._prepare("site", (_forward,), (model, x), _NO_KWARGS, (model, cache))
+    trace_inputs.prepare("site", (_forward,), (model, x), _NO_KWARGS, (model, cache))
     layer = cache.layers[0]
     layer.update = lambda: None
-    direct._prepare("site", (_forward,), (model, x), _NO_KWARGS, (model, cache))  # kept with the function
+    trace_inputs.prepare("site", (_forward,), (model, x), _NO_KWARGS, (model, cache))  # kept with the function
     if change == "tensor replaced":
         layer.keys = torch.ones_like(layer.keys)
     elif change == "layer appended":
@@ -563,7 +563,7 @@ def test_a_change_to_a_state_object_after_its_walk_was_kept_is_seen(model, monke
     elif change == "function set":
         layer.update = lambda: None
     walked = _walks_counted(monkeypatch)
-    inputs, key = direct._prepare("site", (_forward,), (model, x), _NO_KWARGS, (model, cache))
+    inputs, key = trace_inputs.prepare("site", (_forward,), (model, x), _NO_KWARGS, (model, cache))
     assert (cache in walked) == (change not in ("function set", "nothing"))
     assert model not in walked  # the model's walk, before the cache's, replays
     monkeypatch.undo()
@@ -576,23 +576,23 @@ def test_a_state_walk_is_replayed_only_where_it_started(model, monkeypatch):
     is not replayed for a call that walks the cache first, nor for one whose model shares a tensor with it."""
     cache = KVCache()
     x = torch.randn(2, 4, device="tpu")
-    direct._prepare("site", (_forward,), (model, x), _NO_KWARGS, (model, cache))  # kept, after the model's
+    trace_inputs.prepare("site", (_forward,), (model, x), _NO_KWARGS, (model, cache))  # kept, after the model's
     _assert_keyed_as_walked_in_full(model, x, (cache,))
     # the model now holds one of the cache's tensors in place of a buffer of its own: the cache's walk starts where
     # it did, and its replay would add that buffer a second time
-    direct._prepare("site", (_forward,), (model, x), _NO_KWARGS, (model, cache))
+    trace_inputs.prepare("site", (_forward,), (model, x), _NO_KWARGS, (model, cache))
     model[0].bias = None
     model[0].register_buffer("keys", cache.layers[0].keys)
-    after_the_model = direct._Inputs((model, cache))
+    after_the_model = trace_inputs.Inputs((model, cache))
     after_the_model.root(model)
-    assert after_the_model.position() == direct._kept_walks[cache][0].start
+    assert after_the_model.position() == trace_inputs.kept_walks[cache][0].start
     walked = _walks_counted(monkeypatch)
-    direct._prepare("site", (_forward,), (model, x), _NO_KWARGS, (model, cache))
+    trace_inputs.prepare("site", (_forward,), (model, x), _NO_KWARGS, (model, cache))
     assert cache in walked
     monkeypatch.undo()
     _assert_keyed_as_walked_in_full(model, x, (model, cache))
     # a walk that met what an earlier one found is not kept: its key names those
-    assert cache not in direct._kept_walks
+    assert cache not in trace_inputs.kept_walks
 
 
 @torch.no_grad()
@@ -602,13 +602,13 @@ def test_a_module_attribute_set_again_to_an_equal_value_keeps_the_walk_replayed(
     long) and walk a 1.1B Llama's 215 modules again, 4.7 ms of the prefill's dispatch on a TPU v5e host."""
     x = torch.randn(2, 4, device="tpu")
     model.length = int("1152")
-    direct._prepare("site", (_forward,), (model, x), {}, ())  # walked, and kept
+    trace_inputs.prepare("site", (_forward,), (model, x), {}, ())  # walked, and kept
     walked = _walks_counted(monkeypatch)
     model.length = int("1152")  # equal, another object
-    direct._prepare("site", (_forward,), (model, x), {}, ())
+    trace_inputs.prepare("site", (_forward,), (model, x), {}, ())
     assert not walked
     model.length = 1153
-    direct._prepare("site", (_forward,), (model, x), {}, ())
+    trace_inputs.prepare("site", (_forward,), (model, x), {}, ())
     assert walked
 
 
@@ -649,7 +649,7 @@ def test_a_change_to_a_module_after_its_walk_was_kept_is_seen(model, change):
         first.in_features = 2
         x = torch.randn(2, 2, device="tpu")
     assert torch.allclose(traced(model, x).cpu(), _forward(model, x).cpu())
-    replayed = direct._prepare("site", (_forward,), (model, x), {}, ())[1]
+    replayed = trace_inputs.prepare("site", (_forward,), (model, x), {}, ())[1]
     assert replayed == _full_walk_key(model, x)
     # new weights of the same shapes run the same program (with those weights); the other changes key anew
     assert (replayed == key) == (change in ("new parameter", "parameter .data", "read as another dtype"))
@@ -684,11 +684,11 @@ def test_a_kept_walk_does_not_keep_its_module_or_cache_alive():
 
     model, cache = torch.nn.Sequential(torch.nn.Linear(4, 4)).to("tpu"), KVCache()
     hf_tpu.jit(_forward, state=(model, cache))(model, torch.randn(2, 4, device="tpu"))
-    assert model in direct._kept_walks and cache in direct._kept_walks
+    assert model in trace_inputs.kept_walks and cache in trace_inputs.kept_walks
     alive = weakref.ref(model), weakref.ref(cache)
     del model, cache
     gc.collect()
-    assert alive[0]() is None and alive[1]() is None and not len(direct._kept_walks)
+    assert alive[0]() is None and alive[1]() is None and not len(trace_inputs.kept_walks)
 
 
 @pytest.fixture
@@ -736,7 +736,7 @@ def test_while_the_device_compiles_a_call_returns_meanwhiles_result_and_then_run
             finish()
         assert torch.allclose(traced(model, x).cpu(), _forward(model, x).cpu())
         assert len(started) == 1 and len(on_host) == min(i + 1, 2)
-    (program,) = [p for p in direct._programs.values() if isinstance(p, direct._Program)]
+    (program,) = [p for p in direct._programs.values() if isinstance(p, trace_program.Program)]
     assert started[0][1] is program.device_compiles[False]
 
 
@@ -761,7 +761,7 @@ def test_a_key_traces_once_meanwhile_has_run_it_as_long_as_a_trace_takes(model, 
     assert torch.allclose(traced(model, x).cpu(), _forward(model, x).cpu())  # 20 s on the host: traced
     assert len(started) == 1 and len(on_host) == 4
     # the trace took far less than the 10 s `y` has spent on the host: its next call traces
-    assert direct._trace_seconds[direct._function_parts(_forward)[0]] < 10
+    assert direct._trace_seconds[trace_inputs.function_parts(_forward)[0]] < 10
     traced(model, y)
     assert len(started) == 2 and len(on_host) == 5
     finish()
@@ -794,7 +794,7 @@ def test_trace_after_is_a_number_of_seconds(trace_after):
 def test_a_call_key_is_hashed_once():
     """A call looks its key up more than once (the programs, the trace's own lookup): the tuple's hash of all of
     its parts is taken when the key is made, not at each lookup; an unhashable part raises `TypeError` there."""
-    from hf_tpu import direct
+    from hf_tpu import trace_inputs
 
     hashes = []
 
@@ -803,9 +803,10 @@ def test_a_call_key_is_hashed_once():
             hashes.append(1)
             return 7
 
-    key = direct._Key(("site", (Counted(), 1)))
+    key = trace_inputs.Key(("site", (Counted(), 1)))
     assert len(hashes) == 1
     assert {key: 1}[key] == 1 and hash(key) == hash(("site", (Counted(), 1)))
-    assert len(hashes) == 2 and key == ("site", key[1]) and direct._key_text(key) == direct._key_text(tuple(key))
+    assert len(hashes) == 2 and key == ("site", key[1])
+    assert trace_inputs.key_text(key) == trace_inputs.key_text(tuple(key))
     with pytest.raises(TypeError):
-        direct._Key(("site", ([],)))
+        trace_inputs.Key(("site", ([],)))

@@ -66,7 +66,7 @@ def test_a_loop_of_several_chunks_compiles_once(traced):
             self.weight = torch.nn.Parameter(torch.tensor([1.0], device="tpu"), requires_grad=False)
 
     counter = Counter()
-    iterations = 3 * hf_tpu.loops.ChunkSizes.FIRST  # three chunks at least
+    iterations = 3 * hf_tpu.loop_chunks.ChunkSizes.FIRST  # three chunks at least
     monitoring.register_event_duration_secs_listener(on_duration)
     try:
         x, i = hf_tpu.while_loop(_counting_to(iterations), lambda x, i: (x + counter.weight, i + 1),
