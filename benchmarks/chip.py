@@ -950,6 +950,7 @@ GROUPS = {  # name: (the worker, its default time limit in seconds)
 }
 # the compile groups run in one fresh disk cache of the parent's (`compile_again` finds what `compile` left in it),
 # and the environment each sets
+_HLO_READING_GROUPS = ("quant", "quant_prefill")  # they read XLA's optimized HLO of the programs they compile
 _COMPILE_GROUPS = {"compile": {}, "compile_again": {}, "compile_dynamo": {"HF_TPU_COMPILE_DIRECT": "0"}}
 TRAIN_GROUPS = ("train", "train_compile", "train_eager", "train_torchax", "train_trainer")
 # groups a run takes only when `--only` names them: each is most of a chip command's device time on its own
@@ -981,6 +982,8 @@ def _run_group(group: str, args, timeout: float, on_row) -> None:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if group in _COMPILE_GROUPS:
         env.update(_COMPILE_GROUPS[group], HF_TPU_CACHE_DIR=_compile_cache(args))
+    if group in _HLO_READING_GROUPS:  # a program loaded from the disk cache is not compiled, so XLA dumps no HLO
+        env["HF_TPU_CACHE_DIR"] = ""
     if args.profile:
         env["HF_TPU_BENCH_PROFILE"] = args.profile
     if args.dump_hlo:
