@@ -320,7 +320,7 @@ def report(at_the_call: bool = False) -> None:
             array = array.concrete
         if array is None:
             continue
-        if buffer.sharded_arrays_exist and buffer.is_sharded(array):
+        if buffer.sharded_arrays_exist and placement.is_sharded(array):
             array = _on_own_chip(array, device_index)
         site_id, value, detail = np.asarray(array).tolist()
         if site_id:
