@@ -55,6 +55,7 @@ from collections.abc import Callable
 import torch
 
 from . import modes, settings
+from .wrapping import wrap_once
 
 log = logging.getLogger("hf_tpu.compile")
 
@@ -342,15 +343,13 @@ def install() -> None:
     """`torch.compile` of a module's call with the `tpu` backend returns it behind the direct trace (`wrap`); once."""
     from torch._dynamo.eval_frame import OptimizeContext
 
-    original = OptimizeContext.__call__
-    if getattr(original, "_hf_tpu", False):
-        return
+    def behind_the_direct_trace(original):
+        def __call__(self, fn):
+            return wrap(self, fn, original(self, fn), original)
 
-    def __call__(self, fn):
-        return wrap(self, fn, original(self, fn), original)
+        return __call__
 
-    __call__._hf_tpu = True
-    OptimizeContext.__call__ = __call__
+    wrap_once(OptimizeContext, "__call__", behind_the_direct_trace)
 
 
 def wrap(context, fn, compiled, dynamo_call):

@@ -30,6 +30,7 @@ import torch.utils.checkpoint as torch_checkpoint
 
 from . import modes
 from .memory import buffer, tensor_views
+from .wrapping import wrap_once
 
 
 def behind_barrier(values):
@@ -88,7 +89,6 @@ def _wrap_get_inputs(original):
     def get_inputs(self):
         return behind_barrier(original(self))
 
-    get_inputs._hf_tpu = True
     return get_inputs
 
 
@@ -97,7 +97,6 @@ def _wrap_detach_variable(original):
     def detach_variable(inputs):
         return behind_barrier(original(inputs))
 
-    detach_variable._hf_tpu = True
     return detach_variable
 
 
@@ -109,7 +108,6 @@ def _wrap_without_reentrant(original):
             context_fn = _recomputed_under_the_forwards_modes(context_fn)
         return original(fn, preserve_rng_state, context_fn, *args, **kwargs)
 
-    generator._hf_tpu = True
     return generator
 
 
@@ -140,11 +138,6 @@ def _modes_entered(forward_modes: list, recompute):
 
 def install() -> None:
     """Put the barrier into PyTorch's checkpoint (once)."""
-    if not getattr(torch_checkpoint._checkpoint_without_reentrant_generator, "_hf_tpu", False):
-        torch_checkpoint._checkpoint_without_reentrant_generator = _wrap_without_reentrant(
-            torch_checkpoint._checkpoint_without_reentrant_generator)
-    frame = torch_checkpoint._CheckpointFrame
-    if not getattr(frame.get_inputs, "_hf_tpu", False):
-        frame.get_inputs = _wrap_get_inputs(frame.get_inputs)
-    if not getattr(torch_checkpoint.detach_variable, "_hf_tpu", False):
-        torch_checkpoint.detach_variable = _wrap_detach_variable(torch_checkpoint.detach_variable)
+    wrap_once(torch_checkpoint, "_checkpoint_without_reentrant_generator", _wrap_without_reentrant)
+    wrap_once(torch_checkpoint._CheckpointFrame, "get_inputs", _wrap_get_inputs)
+    wrap_once(torch_checkpoint, "detach_variable", _wrap_detach_variable)

@@ -10,9 +10,9 @@ hook that lives with the adapters.
 One module a library (`transformers/` and `accelerate/`, packages split by job; `diffusers.py`;
 `sentence_transformers.py`; `torchao.py`, for torchao's quantized tensors), with `attention.py`
 (`attn_implementation="tpu"`) and `output_capturing.py` (a helper both the Transformers and the Diffusers
-adapters use). Per-architecture patches are in `hf_tpu.model_patches`, below the adapters, with the one way
-every adapter wraps a library's function (`model_patches.wrapping.wrap_once`); the command line (`hf-tpu`, the
-sweep among it) is in `hf_tpu.cli`.
+adapters use). Per-architecture patches are in `hf_tpu.model_patches`, below the adapters; every adapter and patch wraps a
+library's function the core's one way (`hf_tpu.wrapping.wrap_once`); the command line (`hf-tpu`, the sweep among
+it) is in `hf_tpu.cli`.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import torch
 
 from hf_tpu import model_patches
 from hf_tpu.model_patches import DENOISERS
-from hf_tpu.model_patches.wrapping import is_tpu, module_on_tpu, original_of, wrap_once
+from hf_tpu.wrapping import is_tpu, module_on_tpu, original_of, wrap_once
 
 from .output_capturing import install_output_capturing_hooks
 

@@ -39,7 +39,7 @@ from torch.utils import _pytree as pytree
 
 import hf_tpu
 from hf_tpu import settings as _environment
-from hf_tpu.model_patches.wrapping import module_on_tpu, wrap_once
+from hf_tpu.wrapping import module_on_tpu, wrap_once
 
 log = logging.getLogger("hf_tpu.integrations")
 

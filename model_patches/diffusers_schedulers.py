@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 
-from .wrapping import is_tpu, wrap_once
+from hf_tpu.wrapping import is_tpu, wrap_once
 
 
 def _wrap_set_timesteps(original):

@@ -19,7 +19,7 @@ PACKAGES = {"hf_tpu": "hf_tpu", "integrations": "hf_tpu.integrations", "model_pa
 ADAPTERS = ("hf_tpu.integrations", "hf_tpu.model_patches", "hf_tpu.cli")
 # what an adapter may import of the core (architecture.md: torch.tpu, torch.accelerator and `hf_tpu`'s
 # public functions need no import of a core module; `compiled_modules` holds the registries an adapter fills)
-PUBLIC_CONTRACT = {"hf_tpu.settings", "hf_tpu.distributed", "hf_tpu.compiled_modules"}
+PUBLIC_CONTRACT = {"hf_tpu.settings", "hf_tpu.distributed", "hf_tpu.compiled_modules", "hf_tpu.wrapping"}
 
 # (importer, imported): the imports against the drawing's order known today. None: no import may go up.
 KNOWN_UPWARD_IMPORTS = set()

@@ -1,4 +1,4 @@
-"""The one way the adapters and the patches wrap a library's function (`hf_tpu.model_patches.wrapping`): once,
+"""The one way the adapters and the patches wrap a library's function (`hf_tpu.wrapping`): once,
 keeping the original, whatever the function is (a method, a classmethod, a property, a module's function, an
 object's method); and installing every adapter again wraps nothing twice."""
 
@@ -10,7 +10,7 @@ import types
 import pytest
 
 from hf_tpu import integrations
-from hf_tpu.model_patches.wrapping import ORIGINAL, is_tpu, original_of, wrap_once
+from hf_tpu.wrapping import ORIGINAL, is_tpu, original_of, wrap_once
 
 
 def _calls(tag):

@@ -30,7 +30,7 @@ import sys
 import torch
 
 import hf_tpu.distributed as dist
-from hf_tpu.model_patches.wrapping import wrap_once
+from hf_tpu.wrapping import wrap_once
 
 from .device import add_member
 

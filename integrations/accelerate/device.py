@@ -18,7 +18,7 @@ import warnings
 
 import torch
 
-from hf_tpu.model_patches.wrapping import wrap_once
+from hf_tpu.wrapping import wrap_once
 
 
 def _tpu_is_the_accelerator() -> bool:

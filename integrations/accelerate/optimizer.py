@@ -18,7 +18,7 @@ import sys
 
 import hf_tpu
 from hf_tpu import settings as _environment
-from hf_tpu.model_patches.wrapping import wrap_once
+from hf_tpu.wrapping import wrap_once
 
 _environment.register(
     _environment.Setting("HF_TPU_OPTIMIZER_TRACE", "bool", True, "Accelerate: run the optimizer's step "

@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from hf_tpu.model_patches.wrapping import wrap_once
+from hf_tpu.wrapping import wrap_once
 
 from .data_parallel import MULTI_TPU, wrap_everywhere
 

@@ -41,7 +41,7 @@ prefill and the loop's step with `torch.compile`) change these defaults; they ar
 
 from __future__ import annotations
 
-from hf_tpu.model_patches.wrapping import wrap_once
+from hf_tpu.wrapping import wrap_once
 
 from .. import attention
 from ..output_capturing import capturing_hooks_traced, install_output_capturing_hooks

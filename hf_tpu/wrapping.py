@@ -1,4 +1,5 @@
-"""How the adapters and the patches put a wrapper in place of a library's function: once, keeping the original.
+"""How hf-tpu puts a wrapper in place of a library's function: once, keeping the original. The core wraps
+PyTorch's (torch.compile's entry, the checkpoint's recomputation); the adapters and patches, Hugging Face's.
 
 An adapter installs when its library's module is imported, and again after a reload or when a class is
 defined later; a wrapper is put in place only where none of hf-tpu's is (`wrap_once`), so a function is never
