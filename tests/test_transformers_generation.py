@@ -1169,7 +1169,8 @@ def test_continuous_batching_takes_a_modest_share_of_the_hosts_memory_on_the_vir
 # --- Ctrl-C stops the device loop: it runs in chunks the host launches one after another (hf_tpu/loop_chunks.py)
 
 _LONG_GENERATE = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a process that inherits SIGINT ignored keeps ignoring it
 import torch
 import hf_tpu
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -1182,8 +1183,8 @@ prompt = torch.tensor([[3, 14, 15, 92, 65]], device="tpu")
 model.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None)  # compiles the prefill and the loop
 print("started", flush=True)
 try:
-    model.generate(prompt, max_new_tokens=16000, do_sample=False, eos_token_id=None)
-    print("finished", flush=True)
+    out = model.generate(prompt, max_new_tokens=16000, do_sample=False, eos_token_id=None)
+    print("finished", out.shape[1] - prompt.shape[1], "tokens", flush=True)
 except KeyboardInterrupt:
     interrupted = time.time()
     assert (torch.ones(2, device="tpu") + 1).cpu().tolist() == [2.0, 2.0]
