@@ -54,6 +54,7 @@ def measure(config: dict, layers: int, batch: int, length: int, recipe: str, che
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from benchmarks.training import training_step
     from hf_tpu import direct
 
     torch.manual_seed(0)
@@ -63,15 +64,7 @@ def measure(config: dict, layers: int, batch: int, length: int, recipe: str, che
         model.gradient_checkpointing_enable()
     model.train().to("tpu")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=True)
-    autocast = recipe == "mixed"
-
-    def step(ids):
-        with torch.autocast("tpu", dtype=torch.bfloat16, enabled=autocast):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
+    step = training_step(model, opt, autocast=recipe == "mixed")
 
     ids = torch.randint(0, config["vocab_size"], (batch, length)).to("tpu")
     start = time.perf_counter()

@@ -159,6 +159,22 @@ def _compile_split(compiled: dict) -> dict:
     return split
 
 
+def training_step(model, opt, autocast: bool):
+    """One training step of a causal LM on token ids, as a user writes it: the forward (under bfloat16 autocast for
+    the mixed recipe), the backward, the optimizer's update; it returns the loss, detached."""
+    import torch
+
+    def step(ids):
+        with torch.autocast("tpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return step
+
+
 def _hf_tpu_row(spec: dict, rows, row: dict, mode: str) -> None:
     import torch
 
@@ -174,16 +190,7 @@ def _hf_tpu_row(spec: dict, rows, row: dict, mode: str) -> None:
     model.train().to("tpu")
     opt = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY, foreach=True)
     ids = _ids(config["vocab_size"], row["batch"], row["length"]).to("tpu")
-    autocast = row["recipe"] == "mixed"
-
-    def step(ids):
-        with torch.autocast("tpu", dtype=torch.bfloat16, enabled=autocast):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
+    step = training_step(model, opt, autocast=row["recipe"] == "mixed")
     lowered = None
     if mode == "jit":
         jitted = hf_tpu.jit(step)

@@ -24,8 +24,6 @@ def _tiny_llama():
 
 def _train(model, batches, jit):
     """Losses and final parameters of `STEPS` AdamW steps over `batches`, each step traced whole where `jit`."""
-
-
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
 
     def step(ids):
