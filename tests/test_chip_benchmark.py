@@ -343,9 +343,16 @@ def test_the_train_report_puts_each_way_beside_torchax():
 def test_the_train_memory_arithmetic_of_the_rows():
     """The 1.1B's bfloat16 parameters, gradients and moments (8 bytes a parameter) fit a v5e with its checkpointed
     activations; the mixed recipe's float32 ones (16 bytes, 17.6 GB) do not, before any activation."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     from benchmarks import training
 
     models = chip.SIZES["1b"]["train"]["models"]
+    for name, config in models.items():  # the arithmetic counts what Transformers builds (on meta: no memory)
+        with torch.device("meta"):
+            built = LlamaForCausalLM(LlamaConfig(**config))
+        assert training.parameters(config) == sum(p.numel() for p in built.parameters()), name
     assert 1.09e9 < training.parameters(models["1.1b"]) < 1.11e9
     assert 0.46e9 < training.parameters(models["0.44b"]) < 0.48e9
     v5e = 15.75 * 2**30
