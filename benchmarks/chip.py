@@ -104,11 +104,19 @@ SIZES["tiny"]["train"] = dict(models={"tiny": training.TINY}, steps=2,
 SIZES["1b"].update(flux=dict(num_layers=6, num_single_layers=12, attention_head_dim=128, num_attention_heads=12,
                              joint_attention_dim=4096, pooled_projection_dim=768, in_channels=64,
                              axes_dims_rope=[16, 56, 56]),
-                   flux_images=[(512, 512), (768, 768)], flux_text=512, train_layers=4)
+                   denoiser_images=[(512, 512), (768, 768)], flux_text=512, train_layers=4)
 SIZES["tiny"].update(flux=dict(num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
                                joint_attention_dim=32, pooled_projection_dim=16, in_channels=4,
                                axes_dims_rope=[4, 4, 8]),
-                     flux_images=[(32, 32), (48, 48)], flux_text=16, train_layers=1)
+                     denoiser_images=[(32, 32), (48, 48)], flux_text=16, train_layers=1)
+# and a Stable-Diffusion-1.5-shaped UNet (0.86B parameters; its text encoder's 77 states of 768) at 512x512 (64x64
+# latents) and 768x768
+SIZES["1b"].update(unet=dict(block_out_channels=(320, 640, 1280, 1280), layers_per_block=2, cross_attention_dim=768,
+                             attention_head_dim=8, sample_size=64), unet_text=(77, 768))
+SIZES["tiny"].update(unet=dict(block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=32,
+                               attention_head_dim=8, sample_size=8, norm_num_groups=16,
+                               down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                               up_block_types=("UpBlock2D", "CrossAttnUpBlock2D")), unet_text=(8, 32))
 # the quantization groups (`benchmarks.quant`): a 7B Llama-2-shaped model (6.7B parameters, 13.5 GB in bfloat16)
 # and a Qwen3-8B-shaped one of 40 layers (9.0B parameters, 18 GB in bfloat16: more than a v5e holds)
 _LLAMA_7B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
@@ -742,11 +750,55 @@ def _flux_transformer(spec: dict, device: str):
     return transformer, inputs
 
 
+def _sd_unet(spec: dict, device: str):
+    """The Stable-Diffusion-shaped UNet (`spec["unet"]`) in bfloat16 on `device`, and a function of (height, width)
+    giving the inputs a StableDiffusionPipeline hands it at that image size: the latents (8x the VAE's
+    downsampling), the timestep and the prompt's text-encoder states."""
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(**spec["unet"]).to(torch.bfloat16).to(device)
+    text_tokens, text_width = spec["unet_text"]
+
+    def inputs(height: int, width: int) -> dict:
+        g = torch.Generator().manual_seed(height * 7 + width)
+        tensors = dict(sample=torch.randn(1, 4, height // 8, width // 8, generator=g),
+                       encoder_hidden_states=torch.randn(1, text_tokens, text_width, generator=g))
+        tensors = {k: v.to(torch.bfloat16).to(device) for k, v in tensors.items()}
+        return dict(tensors, timestep=torch.tensor(500).to(device), return_dict=False)
+
+    return unet, inputs
+
+
+def _denoiser_rows(rows: _Rows, side: str, what: str, module, inputs, images) -> None:
+    """A Diffusers denoiser's first and warm calls at each image size: compiled as a Diffusers user compiles it
+    (`torch.compile(pipe.transformer, backend="tpu")`), then run eagerly (defer-and-fuse, the default mode) for
+    the warm call a compiled one is measured against."""
+    import torch
+
+    compiled = torch.compile(module, backend="tpu")
+    for how, fn in ((side, compiled), ("hf-tpu eager", module)):
+        if how == "hf-tpu eager" and "Dynamo" in side:
+            continue  # `compile` measures it
+        for height, width in images:
+            arguments = inputs(height, width)
+
+            def denoise():
+                with torch.no_grad():
+                    out = fn(**arguments)[0]
+                torch.accelerator.synchronize()
+                return out
+
+            _compile_row(rows, how, what, denoise, height=height, width=width)
+
+
 def _group_compile(spec: dict, rows: _Rows) -> None:
     """First calls and where their time went (`_compile_row`): the Llama's compiled forward at each shape of the grid
     (each batch at its lengths longest first: a shorter prompt after a longer one is the second shape the design
-    serves), a training step, and a Flux-shaped transformer compiled as a Diffusers user does
-    (`torch.compile(pipe.transformer, backend="tpu")`) at two image sizes. The parent runs it in a fresh disk cache
+    serves), a training step, and a Flux-shaped transformer and a Stable-Diffusion-shaped UNet compiled as a
+    Diffusers user does (`torch.compile(pipe.transformer, backend="tpu")`) at two image sizes, beside their eager
+    calls. The parent runs it in a fresh disk cache
     (`compile`), again in a second process with that cache warm (`compile_again`), and with Dynamo for every call
     (`compile_dynamo`, HF_TPU_COMPILE_DIRECT=0)."""
     import torch
@@ -772,18 +824,10 @@ def _group_compile(spec: dict, rows: _Rows) -> None:
             _compile_row(rows, side, "training step", _train_step(spec), batch=1, length=spec["lengths"][0])
         except torch.OutOfMemoryError as e:
             rows.out_of_memory("compile training step", e)
-    transformer, inputs = _flux_transformer(spec, "tpu")
-    compiled = torch.compile(transformer, backend="tpu")
-    for height, width in spec["flux_images"]:
-        arguments = inputs(height, width)
-
-        def denoise():
-            with torch.no_grad():
-                out = compiled(**arguments)[0]
-            torch.accelerator.synchronize()
-            return out
-
-        _compile_row(rows, side, "flux transformer", denoise, height=height, width=width)
+    for what, build in (("flux transformer", _flux_transformer), ("sd unet", _sd_unet)):
+        module, inputs = build(spec, "tpu")
+        _denoiser_rows(rows, side, what, module, inputs, spec["denoiser_images"])
+        del module, inputs
 
 
 def settings_direct() -> bool:
@@ -944,8 +988,8 @@ GROUPS = {  # name: (the worker, its default time limit in seconds)
     "quant": (_group_quant, 570),
     "quant_prefill": (_group_quant_prefill, 570),
     "quant_big": (_group_quant_big, 570),
-    "compile": (_group_compile, 420),
-    "compile_again": (_group_compile, 300),
+    "compile": (_group_compile, 570),
+    "compile_again": (_group_compile, 420),
     "compile_dynamo": (_group_compile, 540),
 }
 # the compile groups run in one fresh disk cache of the parent's (`compile_again` finds what `compile` left in it),
@@ -1219,7 +1263,8 @@ def report(results: list, spec: dict) -> str:
         out.append(trained)
     compiles = by("compile")
     if compiles:
-        out.append("first calls, where the time goes (s): capture is Dynamo and AOT autograd; Python trace, "
+        out.append("first calls, where the time goes (s): capture is the rest beyond the compiles and a warm call "
+                   "(Dynamo and AOT autograd where they ran, the ops' dispatch in eager mode); Python trace, "
                    "hf_tpu.jit's trace of the module's Python; trace, JAX's trace of the program compiled")
         out.append(_table(["group", "side", "what", "shape", "first call", "capture", "Python trace", "trace",
                            "lowering", "XLA", "warm ms"],
