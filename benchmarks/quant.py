@@ -86,7 +86,8 @@ _INTEGER = ("s4", "u4", "s8", "u8")
 
 
 def _computations(text: str) -> dict:
-    """{computation: {instruction: (dtype, elements, op, operand names)}} of an HLO module's text."""
+    """{computation: {instruction: (dtype, elements, op, operand names)}} of an HLO module's text; the root's name
+    under the key None."""
     computations, current = {}, None
     for line in text.splitlines():
         match = _COMPUTATION.match(line)
@@ -101,6 +102,8 @@ def _computations(text: str) -> dict:
                 elements *= int(n)
             operands = re.findall(r"%([\w.\-]+)", rest.split("),", 1)[0])
             current[name] = (dtype.lstrip("("), elements, op, operands)
+            if line.lstrip().startswith("ROOT "):
+                current[None] = name
     return computations
 
 
@@ -116,28 +119,63 @@ def _integer_source(instructions: dict, name: str, seen: set) -> bool:
     return op in _ON_THE_WAY and any(_integer_source(instructions, o, seen) for o in operands)
 
 
+def _product_operands(instructions: dict, name: str) -> list | None:
+    """The two operands of a product: a dot's or a convolution's, or those of the multiply a reduce sums (XLA on
+    a TPU writes a product with one row, a batch-1 decode step's every linear layer, as an elementwise multiply
+    by the broadcast row and a reduce over the contracted dimension: a matrix-vector product on the vector unit);
+    None for any other instruction."""
+    _, _, op, operands = instructions[name]
+    if op in ("dot", "convolution"):
+        return operands[:2]
+    if op != "reduce" or not operands:
+        return None
+    summed, seen = operands[0], set()
+    while summed in instructions and summed not in seen:  # through the conversion of the product to its dtype
+        seen.add(summed)
+        _, _, op, inner = instructions[summed]
+        if op == "multiply":
+            return inner[:2]
+        if op not in ("convert", "bitcast", "copy") or not inner:
+            return None
+        summed = inner[0]
+    return None
+
+
+def _written(instructions: dict) -> list:
+    """(dtype, elements) of each array a computation returns (its root, or each of a tuple root's elements)."""
+    root = instructions.get(None)
+    if root is None:
+        return []
+    dtype, elements, op, operands = instructions[root]
+    return ([(instructions[o][0], instructions[o][1], o) for o in operands if o in instructions] if op == "tuple"
+            else [(dtype, elements, root)])
+
+
 def hlo_summary(text: str, least_elements: int) -> dict:
-    """What XLA made of the products of a program whose weights are quantized: `products` (dots and convolutions),
-    `int8_products` (of int8 operands), `fused_conversions` (products whose operand is an integer array converted
-    inside the product's own fusion), and `written_dequantized` (computations that convert an integer array of at
-    least `least_elements` to floats and hold no product: a dequantized weight written to memory, with its
+    """What XLA made of the products of a program whose weights are quantized: `products` (dots, convolutions, and
+    reduces of a multiply, XLA's form of a product with one row, `_product_operands`), `int8_products` (of int8
+    operands), `fused_conversions` (products reading an integer array inside their own fusion: as an operand, or
+    converted to floats there), and `written_dequantized` (computations that return a float array of at least
+    `least_elements` computed from an integer array: a dequantized weight written to memory, with its
     `written_bytes`)."""
     summary = dict(products=0, int8_products=0, fused_conversions=0, written_dequantized=0, written_bytes=0)
     for instructions in _computations(text).values():
-        products = [(n, i) for n, i in instructions.items() if i[2] in ("dot", "convolution")]
-        for name, (_, _, _, operands) in products:
+        for name in [n for n in instructions if n is not None]:
+            operands = _product_operands(instructions, name)
+            if operands is None:
+                continue
+            kinds = [instructions[o][0] for o in operands if o in instructions]
+            if instructions[name][2] == "reduce" and not any(_integer_source(instructions, o, set())
+                                                             for o in operands):
+                continue  # a reduce of a product of floats: a product only where it reads a quantized weight
             summary["products"] += 1
-            kinds = [instructions[o][0] for o in operands[:2] if o in instructions]
             if kinds and all(k in ("s8", "u8") for k in kinds):
                 summary["int8_products"] += 1
-            elif any(instructions.get(o, ("",))[0] not in _INTEGER and _integer_source(instructions, o, set())
-                     for o in operands[:2]):
+            elif any(_integer_source(instructions, o, set()) for o in operands):
                 summary["fused_conversions"] += 1
-        if products:
-            continue
-        for name, (dtype, elements, op, operands) in instructions.items():
-            if (op == "convert" and dtype in ("bf16", "f32", "f16") and elements >= least_elements
-                    and any(instructions.get(o, ("",))[0] in _INTEGER for o in operands)):
+        for dtype, elements, name in _written(instructions):
+            if (dtype in ("bf16", "f32", "f16") and elements >= least_elements
+                    and _integer_source(instructions, name, set())):
                 summary["written_dequantized"] += 1
                 summary["written_bytes"] += elements * (4 if dtype == "f32" else 2)
     return summary
@@ -483,7 +521,7 @@ def describe(row: dict, hbm: float | None) -> str | None:
         return (f"[quant] {row['variant']} prefill {row['batch']}x{row['length']}: {row['seconds'] * 1e3:.2f} ms")
     if section == "quant_hlo":
         return (f"[quant] {row['variant']} {row['program']}: {row['products']} products, {row['int8_products']} of "
-                f"int8 x int8, {row['fused_conversions']} converting their weight inside the product; "
+                f"int8 x int8, {row['fused_conversions']} reading their integer weight inside the product; "
                 f"{row['written_dequantized']} dequantized weights written ({row['written_bytes'] / 1e6:.1f} MB)")
     if section == "quant_written":
         return (f"[quant_big] {row['model']}: {row['bytes'] / 1e9:.1f} GB bfloat16 checkpoint written in "

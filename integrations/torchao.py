@@ -10,6 +10,8 @@ sees through the subclass (its inner tensors are the program's inputs). What the
 - in strict eager, where each op would be a program of its own (the conversion writing a bfloat16 copy of the
   weight), each torchao `F.linear` and each weight's quantization (`from_hp`) run through `hf_tpu.jit`: one
   program per shape;
+- torchao's int8 weight-only product on tpu with the int8 data converted as it lies, not through a transposed
+  view (`_int8_weight_only_linear`);
 - torchao's int8 activation product on tpu computed as its CPU path computes it (`_int_mm`, then the scales),
   without the host read of the activation its other path makes;
 - torchao's default int4 layout (`Int4Tensor`) quantized and multiplied without mslk, its CUDA-only kernels.
@@ -101,6 +103,45 @@ def _int4_without_mslk() -> None:
     int4_tensor.Int4Tensor.implements_torch_function(torch.nn.functional.linear)(_int4_linear)
 
 
+# --- Int8 weights (`Int8WeightOnlyConfig`): the conversion of the int8 data, not of its transposed view
+
+
+def _int8_weight_only_linear(implementation):
+    """torchao's `F.linear` of an `Int8Tensor` (`implementation`), with its weight-only product of per-row scales
+    on tpu as `F.linear(x, qdata.to(x.dtype)) * scale`: the same numbers as torchao's `mm(x, qdata.t().to(x.dtype))
+    * scale`, with the conversion of the int8 data as it lies. The core reads a transposed view taken whole
+    (`qdata.t()`, which the conversion reads) through an optimization barrier (`tensor_views.read`): a transposed
+    int8 copy of every weight, which in a decode loop XLA hoists out of the loop (once a chunk of steps, and a
+    second copy of the weights in memory) and in a prefill writes at every call. The linear layer's product takes
+    its weight's transposition in the product's own dimensions, so the weight is read as int8 in place. Every other
+    case (activations quantized too, a pre-scale, groups, other devices) is torchao's."""
+
+    @functools.wraps(implementation)
+    def linear(func, types, args, kwargs):
+        x, weight = args[0], args[1]
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        if (weight.device.type != "tpu" or weight.act_quant_kwargs is not None or weight.act_pre_scale is not None
+                or weight.block_size[-1] < weight.qdata.shape[-1]):
+            return implementation(func, types, args, kwargs)
+        y = torch.nn.functional.linear(x, weight.qdata.to(x.dtype)) * weight.scale.to(x.dtype).flatten()
+        return (y if bias is None else y + bias).to(x.dtype)
+
+    linear.hf_tpu_int8_linear = True
+    return linear
+
+
+def _int8_weight_only_on_tpu() -> None:
+    """`Int8Tensor`'s `F.linear` (and `aten.linear`) replaced by `_int8_weight_only_linear` over torchao's own, once."""
+    from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor
+
+    implementation = Int8Tensor._TORCH_FN_TABLE[Int8Tensor][torch.nn.functional.linear]
+    if getattr(getattr(implementation, "hf_tpu_wraps", implementation), "hf_tpu_int8_linear", False):
+        return
+    linear = _int8_weight_only_linear(getattr(implementation, "hf_tpu_wraps", implementation))
+    Int8Tensor.implements(torch.ops.aten.linear.default)(linear)
+    Int8Tensor.implements_torch_function(torch.nn.functional.linear)(linear)
+
+
 def _int_scaled_matmul_on_tpu(int_scaled_matmul):
     """torchao's `int_scaled_matmul(a, b, scales)` (int8 activations times int8 weights, rows scaled), as its CPU
     path computes it where the operands are on tpu: `_int_mm` (the int8 matrix unit) then the scales. torchao's
@@ -135,7 +176,8 @@ def _quantized_as_one_program(from_hp):
 
 
 def install(module) -> None:
-    """Give torchao's `Int4Tensor` what it lacks without mslk (`_int4_without_mslk`), its int8 product a tpu path
+    """Give torchao's `Int4Tensor` what it lacks without mslk (`_int4_without_mslk`), its int8 weight-only product
+    the int8 data as it lies (`_int8_weight_only_on_tpu`), its int8 product a tpu path
     (`_int_scaled_matmul_on_tpu`), then wrap the `F.linear` and
     `from_hp` of every torchao tensor subclass defined so far (`_one_program_on_tpu`, `_quantized_as_one_program`);
     what is wrapped already is left as it is."""
@@ -143,6 +185,7 @@ def install(module) -> None:
     from torchao.utils import TorchAOBaseTensor
 
     _int4_without_mslk()
+    _int8_weight_only_on_tpu()
     if not hasattr(int8_tensor.int_scaled_matmul, "hf_tpu_wraps"):
         int8_tensor.int_scaled_matmul = _int_scaled_matmul_on_tpu(int8_tensor.int_scaled_matmul)
 

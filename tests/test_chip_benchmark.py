@@ -399,7 +399,9 @@ def test_tiny_quantization_run_reports_each_form_beside_bfloat16(tmp_path):
 
 def test_the_hlo_summary_tells_fused_conversions_from_written_weights():
     """What `quant_hlo` rows count, on HLO as a TPU's XLA prints it: a product converting its int8 weight inside its
-    own fusion, a product of int8 operands, and (as XLA:CPU does) an int8 weight converted to floats on its own."""
+    own fusion, a product of one row as the v5e's XLA writes it (a multiply by the broadcast row and a reduce, the
+    int8 weight converted inside: read as int8, not a dequantized weight written), a product of int8 operands,
+    and (as XLA:CPU does) an int8 weight converted to floats on its own."""
     from benchmarks.quant import hlo_summary
 
     text = """HloModule jit_loop_body
@@ -414,6 +416,22 @@ def test_the_hlo_summary_tells_fused_conversions_from_written_weights():
   %param_1.1 = s8[2048,2048]{1,0} parameter(1)
   ROOT %convolution.5 = s32[64,2048]{1,0} convolution(s8[64,2048]{1,0} %param_0.1, s8[2048,2048]{1,0} %param_1.1)
 }
+%fused_computation.6 (param_0.7: s8[8192,2048], param_1.7: f32[8192]) -> bf16[2048] {
+  %param_1.7 = f32[8192]{0:T(1024)S(1)} parameter(1)
+  %broadcast.12 = f32[8192,2048]{1,0:T(8,128)} broadcast(%param_1.7), dimensions={0}
+  %param_0.7 = s8[8192,2048]{1,0:T(8,128)(4,1)S(1)} parameter(0)
+  %convert.14 = f32[8192,2048]{1,0:T(8,128)} convert(%param_0.7)
+  %multiply.5 = f32[8192,2048]{1,0:T(8,128)} multiply(%broadcast.12, %convert.14)
+  %constant.1 = f32[]{:T(128)} constant(0)
+  ROOT %reduce.5 = bf16[2048]{0:T(1024)(128)(2,1)S(1)} reduce(%multiply.5, %constant.1), dimensions={0}, to_apply=%add
+}
+%fused_computation.2 (param_0.2: bf16[2048]) -> f32[] {
+  %param_0.2 = bf16[2048]{0} parameter(0)
+  %convert.2 = f32[2048]{0} convert(%param_0.2)
+  %multiply.2 = f32[2048]{0} multiply(%convert.2, %convert.2)
+  %constant.2 = f32[] constant(0)
+  ROOT %reduce.2 = f32[] reduce(%multiply.2, %constant.2), dimensions={0}, to_apply=%add
+}
 %fused_computation.3 (param_0.8: s8[256,512]) -> f32[512,256] {
   %param_0.8 = s8[256,512]{1,0} parameter(0)
   %transpose.4 = s8[512,256]{0,1} transpose(%param_0.8), dimensions={1,0}
@@ -424,7 +442,7 @@ ENTRY %main (p0: bf16[1,2048]) -> f32[1,8192] {
   ROOT %fusion.1 = f32[1,8192]{1,0} fusion(%p0), kind=kOutput, calls=%fused_computation.7
 }
 """
-    assert hlo_summary(text, least_elements=1024) == dict(products=2, int8_products=1, fused_conversions=1,
+    assert hlo_summary(text, least_elements=1024) == dict(products=3, int8_products=1, fused_conversions=2,
                                                           written_dequantized=1, written_bytes=512 * 256 * 4)
 
 

@@ -215,3 +215,28 @@ def test_minilm_int8_embeddings_keep_their_direction():
     for name, least in (("int8_weight_only", 0.999), ("int8_activations_and_weights", 0.995)):
         quantized = embeddings(quantization_config=TorchAoConfig(_configs()[name]))
         assert torch.nn.functional.cosine_similarity(quantized, reference).min() >= least, name
+
+
+def test_an_int8_weight_only_product_converts_the_int8_data_as_it_lies():
+    """torchao's weight-only product converts `qdata.t()`, a transposed view: read as such, the program transposes
+    the int8 weight behind an optimization barrier, a copy XLA on a TPU writes at every call (hoisted out of a
+    decode loop: once a chunk and a second copy of the weights). On tpu the int8 data is converted as it lies and
+    the product takes the transposition; the result is the CPU's."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 128, bias=True, dtype=torch.bfloat16)
+    quantize_(layer, Int8WeightOnlyConfig())
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = layer(x)
+    layer.to("tpu")
+    on_tpu = x.to("tpu")
+
+    def forward(x):
+        return layer(x)
+
+    with torch.no_grad():
+        text = direct.lower(forward, (on_tpu,), {}, state=(layer,)).as_text()
+        assert "optimization_barrier" not in text
+        torch.testing.assert_close(hf_tpu.jit(forward, state=(layer,))(on_tpu).cpu(), expected, atol=0, rtol=0)
