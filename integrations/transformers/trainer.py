@@ -40,7 +40,7 @@ def _untraced_because(trainer) -> str | None:
 def _gradients_made(parameters: list) -> None:
     """A zero `.grad` for each parameter, all made by one program: the Trainer's `zero_grad()` leaves none, and
     made one by one (`torch.zeros_like`) they were an op each, arrays the micro step then copied before it could
-    take them (a factory's arrays are not committed to their device, and equal small ones share one upload)."""
+    take them (an eager op's results from an empty tensor are not committed to their device)."""
     for parameter in parameters:
         parameter.grad = torch.zeros_like(parameter)
 
