@@ -16,6 +16,7 @@ from torch._prims_common import elementwise_dtypes
 
 from .. import dtypes
 from ..dispatch import LOWERINGS, lowering
+from .reduce import NORM_ORDERS
 
 aten = torch.ops.aten
 
@@ -99,8 +100,12 @@ for _name in ("addcmul", "addcdiv"):
     _register(_name, _mapped(_element_lowering(_name), value_keyword="value"))
 
 
-@lowering(aten._foreach_norm.Scalar)
+@lowering(aten._foreach_norm.Scalar, static_values={"ord": NORM_ORDERS})
 def _foreach_norm(self, ord=2, dtype=None):
+    """Each tensor's norm, the order compiled in as `linalg_vector_norm`'s is (`clip_grad_norm_`'s 2): a traced
+    order chose each tensor's case by a switch, which kept every magnitude in float32 for it, two reads and a
+    write of each gradient beside the sum's one read, and six branches a tensor to compile (a 1.1B model's 147
+    gradients: 882)."""
     vector_norm = LOWERINGS[aten.linalg_vector_norm.default].fn
     return [vector_norm(x, ord, None, False, dtype=dtype) for x in self]
 

@@ -238,11 +238,11 @@ def logsumexp(self, dim, keepdim=False):
 
 
 # The orders with a computation of their own: compiled in when passed (`static_values`), each as its case.
-_NORM_ORDERS = frozenset({math.inf, -math.inf, 0, 1, 2})
+NORM_ORDERS = frozenset({math.inf, -math.inf, 0, 1, 2})
 
 
 def _vector_norm(x, ord, dim, keepdim, dtype):
-    """`ord` is a Python number for the orders in _NORM_ORDERS, and the program computes that order's norm
+    """`ord` is a Python number for the orders in NORM_ORDERS, and the program computes that order's norm
     alone. Any other order is traced (dispatch keys a Scalar by its type, not its value): its program takes
     it as an input and picks the case with a switch, so that one program serves them all."""
     magnitudes = jnp.abs(_accumulator(x, dtype))
@@ -263,13 +263,13 @@ def _vector_norm(x, ord, dim, keepdim, dtype):
     return jax.lax.switch(branch, [*cases.values(), general])
 
 
-@lowering(aten.linalg_vector_norm.default, static_values={"ord": _NORM_ORDERS})
+@lowering(aten.linalg_vector_norm.default, static_values={"ord": NORM_ORDERS})
 def linalg_vector_norm(self, ord=2, dim=None, keepdim=False, *, dtype=None):
     return _vector_norm(self, ord, dim, keepdim, dtype)
 
 
 @lowering(aten.norm.Scalar, aten.norm.ScalarOpt_dim, aten.norm.ScalarOpt_dim_dtype, aten.norm.ScalarOpt_dtype,
-          static_values={"p": _NORM_ORDERS})
+          static_values={"p": NORM_ORDERS})
 def norm(self, p=2, dim=None, keepdim=False, *, dtype=None):
     return _vector_norm(self, 2 if p is None else p, dim, keepdim, dtype)
 

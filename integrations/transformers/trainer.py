@@ -37,15 +37,28 @@ def _untraced_because(trainer) -> str | None:
     return None
 
 
+def _gradients_made(parameters: list) -> None:
+    """A zero `.grad` for each parameter, all made by one program: the Trainer's `zero_grad()` leaves none, and
+    made one by one (`torch.zeros_like`) they were an op each, arrays the micro step then copied before it could
+    take them (an eager op's results from an empty tensor are not committed to their device)."""
+    for parameter in parameters:
+        parameter.grad = torch.zeros_like(parameter)
+
+
+_traced_gradients_made = hf_tpu.jit(_gradients_made)
+
+
 def _wrap_training_step(original):
     @functools.wraps(original)
     def training_step(self, model, inputs, num_items_in_batch=None):
         """The Trainer's own `training_step` (forward, loss, `accelerator.backward`), traced by `hf_tpu.jit` into one
-        program: a checkpointed layer is recomputed in it, and the gradients accumulate on the device, added in
-        place, never read on the host. Every trainable parameter has a `.grad` before the call (zeros after
-        `zero_grad()`), so the first micro-batch of each accumulation runs the program the others run: one trace
-        and one compile. A step the trace cannot take (a subclass's `compute_loss` that reads a value on the host)
-        runs as the Trainer runs it, with a log line saying why."""
+        program: a checkpointed layer is recomputed in it, and the gradients stay on the device, never read on the
+        host. Without accumulation each micro-batch is its optimizer step's only one: `zero_grad()` left no `.grad`,
+        and the program sets them (its outputs). With accumulation every trainable parameter gets a zero `.grad`
+        before the first micro-batch of each window (`_gradients_made`), so that micro-batch runs the program the
+        others run, which adds to them in place: one trace and one compile of the forward and backward. A step the
+        trace cannot take (a subclass's `compute_loss` that reads a value on the host) runs as the Trainer runs it,
+        with a log line saying why."""
         if self.args.device.type != "tpu":
             return original(self, model, inputs, num_items_in_batch)
         reason = _untraced_because(self)
@@ -57,9 +70,10 @@ def _wrap_training_step(original):
         traced = self.__dict__.get("_hf_tpu_training_step")
         if traced is None:
             traced = self._hf_tpu_training_step = hf_tpu.jit(functools.partial(original, self))
-        for parameter in model.parameters():
-            if parameter.requires_grad and parameter.grad is None:
-                parameter.grad = torch.zeros_like(parameter)
+        if self.args.gradient_accumulation_steps > 1:
+            missing = [p for p in model.parameters() if p.requires_grad and p.grad is None]
+            if missing:
+                _traced_gradients_made(missing)
         return traced(model, inputs, num_items_in_batch)
 
     return training_step

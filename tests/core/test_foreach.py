@@ -113,3 +113,18 @@ def test_adamw_steps_are_one_op_per_list_and_compile_once():
             o.zero_grad()
     for p, q in zip(model.parameters(), tpu_model.parameters()):
         torch.testing.assert_close(q.detach().cpu(), p.detach(), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("order", [2.0, float("inf"), 3.0])
+def test_a_foreach_norm_of_an_order_with_its_own_case_compiles_that_case_alone(order):
+    """`clip_grad_norm_`'s `_foreach_norm(grads, 2.0)` traced its order, as dispatch traces a Scalar: each
+    tensor's norm was a switch over every order, which kept the tensor's magnitudes in float32 for it (on a v5e,
+    six times the gradients' bytes moved, and six branches a tensor to compile). An order with a case of its own
+    (`linalg_vector_norm`'s) is compiled in, as there; any other is still an input of one program."""
+    from hf_tpu import direct
+
+    xs = _lists(1, torch.bfloat16)
+    tpu = _tpu(xs)
+    text = direct.lower(lambda tensors: torch._foreach_norm(tensors, order), (tpu,), {}).as_text()
+    assert ("stablehlo.case" in text) == (order == 3.0)
+    _assert_lists_equal(torch._foreach_norm(xs, order), torch._foreach_norm(tpu, order), atol=1e-2)
