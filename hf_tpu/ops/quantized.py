@@ -90,9 +90,9 @@ def _split_over_chips(*arrays) -> bool:
 
 def _takes_kernel(input, qdata, scale, zero_point, group_size) -> bool:
     """Whether this call runs the Pallas kernel (`hf_tpu.kernels.int4_matmul`): where Pallas is enabled
-    (`hf_tpu.kernels.selection`), for the decode shapes it takes, in float32 only below the "highest" matmul
-    precision, and not on operands split over several chips: XLA's partitioner cannot split a Mosaic kernel's
-    call (it would need a `shard_map` around it), so a tensor-parallel layer keeps the XLA form."""
+    (`hf_tpu.kernels.selection`), for the shapes it takes (decode's rows and prefill's), in float32 only below the
+    "highest" matmul precision, and not on operands split over several chips: XLA's partitioner cannot split a
+    Mosaic kernel's call (it would need a `shard_map` around it), so a tensor-parallel layer keeps the XLA form."""
     if not kernel_selection.pallas_enabled():
         return False
     if input.dtype == jnp.float32 and matmul_precision() == jax.lax.Precision.HIGHEST:
@@ -104,7 +104,7 @@ def _takes_kernel(input, qdata, scale, zero_point, group_size) -> bool:
 
 @lowering(torch.ops.hf_tpu.int4_linear.default)
 def int4_linear(input, qdata, scale, zero_point, group_size):
-    """On a TPU, for decode's few rows, the Pallas kernel (`_takes_kernel`): XLA on the chip does not fuse the
+    """On a TPU the Pallas kernel, for any number of rows (`_takes_kernel`): XLA on the chip does not fuse the
     nibbles' unpacking and scaling into `two_products` and writes a dequantized copy of every weight at every
     call. Every other call: `two_products`."""
     if _takes_kernel(input, qdata, scale, zero_point, group_size):
