@@ -1,35 +1,42 @@
-"""Products with packed int4 weights for decode on a TPU (`hf_tpu::int4_linear`), and their reference.
+"""Products with packed int4 weights on a TPU (`hf_tpu::int4_linear`), for decode and prefill, and their reference.
 
 `x @ W.T` for `W[n, k] = q[n, k] * scale[k // group, n] + zero_point[k // group, n]`, with `q` the signed 4-bit
 integers two to a byte of `qdata` (N, K/2), column `2j` in the low nibble of byte `j` (torchao's `Int4Tensor`,
 `hf_tpu.ops.quantized`). XLA on the chip does not fuse the unpacking, conversion and scaling of the nibbles into
 its product: it writes a dequantized copy of every weight at every call (3.9 GB a decode step of the 1.1B Llama,
-whose packed weights are 352 MB). This kernel reads each tile of packed bytes once, into VMEM, and unpacks it
-there into both products. `jax.experimental.pallas.ops.tpu` has no kernel for this layout.
+whose packed weights are 352 MB). This kernel reads each tile of packed bytes into VMEM and unpacks it there into
+both products. `jax.experimental.pallas.ops.tpu` has no kernel for this layout.
 
-The grid is (N blocks, K blocks), K innermost: each step reads a (block_n, block_k / 2) tile of bytes, unpacks
-its low and high nibbles (the even and the odd input features) into two operands in `x`'s dtype, and multiplies
-them on the matrix unit by the input's even and odd features. The scales apply per group of input features,
-and a group is a slice of the tile's minor (lane) dimension: rather than scaling each weight (which needs the
-scales spread along the lanes, a transpose of their (groups, N) layout), the kernel factors the group out of
-the product. The input rows are stacked once per group of the block, each copy zero outside its group's
-features, so one product gives every group's partial result, (groups x rows, block_n); each is scaled by its
-group's scale row and the zero point times the group's input sum is added:
+The grid is (row blocks, N blocks, K blocks), K innermost: each step reads a (block_n, block_k / 2) tile of
+bytes, unpacks its low and high nibbles (the even and the odd input features) and multiplies them on the matrix
+unit by the input's even and odd features. The output block stays in VMEM across the K steps, accumulated in
+float32. The scales apply per group of input features, a slice of the tile's minor (lane) dimension, in one of
+two forms (`_kernel`'s `apply_groups`):
 
-    out[m, n] = sum_g scale[g, n] * sum_{k in g} x[m, k] q[n, k] + zero_point[g, n] * sum_{k in g} x[m, k]
+- `_stacked_groups` (decode, up to `DECODE_ROWS` rows, one row block): rather than scaling each weight (which
+  needs the scales spread along the lanes), the group is factored out of the product. The input rows are stacked
+  once per group of the block, each copy zero outside its group's features, so one product gives every group's
+  partial result, (groups x rows, block_n); each is scaled by its group's scale row and the zero point times the
+  group's input sum is added:
 
-The weight tile is loaded into the matrix unit once for all the stacked rows, so they cost no weight traffic;
-a block holds as many groups as fit one 128-row pass beside the input's rows (padded to 8), two passes where
-one holds no legal block (`_PREFERRED_STACKED_ROWS`, `_STACKED_ROWS`): 16 groups for one to eight rows. The
-output block stays in VMEM across the K steps, accumulated in float32.
+      out[m, n] = sum_g scale[g, n] * sum_{k in g} x[m, k] q[n, k] + zero_point[g, n] * sum_{k in g} x[m, k]
+
+  The weight tile is loaded into the matrix unit once for all the stacked rows, so they cost no weight traffic;
+  a block holds as many groups as fit one 128-row pass beside the input's rows (padded to 8), two passes where
+  one holds no legal block (`_PREFERRED_STACKED_ROWS`, `_STACKED_ROWS`): 16 groups for one to eight rows.
+- `_scaled_weight` (prefill, more rows, blocks of `_ROW_BLOCK`): stacking would multiply the matrix unit's work
+  by the group count, so the tile is dequantized in VMEM as the reference does (in float32, rounded once to x's
+  dtype), each group's scale column spread over its lanes by selects, then multiplied by the block's rows. The
+  unpacking and scaling are paid once per row block; a block holds the fewest groups that make
+  `_SCALED_BLOCK_BYTES` (each group costs two selects a byte).
 
 Block sizes: block_k is that many groups (and a multiple of 256 input features, 128 bytes, the lane width),
 or the whole K; block_n the widest of 2048, 1024, 512, 256, 128 that divides N and keeps a tile of bytes
-within `_TILE_BYTES` (its unpacked int32 and two operands take 8 bytes of VMEM a byte). Scales and zero points
-come as (groups, block_n) blocks of the K block's groups: the (groups, N) arrays viewed as (K blocks, groups, N).
+within `_TILE_BYTES`. Scales and zero points come as blocks of the K block's groups: the (groups, N) arrays
+viewed as (K blocks, groups, N) for the stacked form and (K blocks, N, groups) for the scaled one.
 
-Shape rules (`unsupported` says which one a call breaks): x float32 or bfloat16 with at most `MAX_ROWS` rows,
-N a multiple of 128, and a K block that the group size allows (above).
+Shape rules (`unsupported` says which one a call breaks): x float32 or bfloat16, N a multiple of 128, and a K
+block that the group size allows (above).
 """
 
 from __future__ import annotations
