@@ -58,6 +58,10 @@ _TILE_BYTES = 2 << 20  # packed bytes of one weight tile (unpacked in VMEM it ta
 _ROW_BLOCK = 256  # input rows of a prefill block: the weight tile is unpacked and scaled once for them (x's
 # float32 block is read once per N block and the weight once per row block: 256 rows x 2048 columns read both alike)
 _SCALED_BLOCK_BYTES = 256  # packed bytes of a prefill K block at least (512 features), where the groups allow
+PREFILL_ROWS = 1024  # at most this many rows take the kernel: each row block unpacks every weight tile again on
+# the vector unit (about 1.4 ms for the 1.1B's packed weights by its throughput), so past four blocks XLA's product
+# of a dequantized weight (written once a call: about 8 ms for the 1.1B's at the HBM's bandwidth) costs less. An
+# estimate: `python -m benchmarks.int4_kernel --batches 128,1024,2048` on the chip times both forms at each side
 
 
 def _rows(m: int, multiple: int = SUBLANES) -> int:
@@ -102,6 +106,8 @@ def unsupported(x, qdata, scale, zero_point, group_size) -> str | None:
     rows = 1
     for size in x.shape[:-1]:
         rows *= size
+    if rows > PREFILL_ROWS:
+        return f"{rows} rows: more than {PREFILL_ROWS} unpack each weight tile more often than a dequantized copy costs"
     out_features, in_features = qdata.shape[0], 2 * qdata.shape[1]
     if out_features % LANES:
         return f"{out_features} output features must be a multiple of {LANES}"

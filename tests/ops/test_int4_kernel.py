@@ -89,7 +89,8 @@ def test_the_reference_is_the_ops_cpu_reference():
 
 @pytest.mark.parametrize("shape, group_size, reason", [
     ((1, 512), 64, None),
-    ((8192, 512), 64, None),  # prefill rows: the prefill form takes any number
+    ((1024, 512), 64, None),  # prefill rows: the prefill form, up to PREFILL_ROWS
+    ((8192, 512), 64, "more than 1024"),  # past it, a dequantized copy costs less than unpacking every row block
     ((1, 96), 32, None),  # 3 groups of 16 bytes: one K block of the whole K (a full dimension)
     # 5 groups of 16 bytes, 64 rows: 5 x 64 stacked rows are too many, one group's 16 bytes fill no lanes
     ((64, 160), 32, "no K block of whole groups"),
