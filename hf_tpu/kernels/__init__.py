@@ -6,7 +6,7 @@ One module a kernel, each with its reference computation beside it:
     flash_attention.py  prefill attention (JAX's splash attention): GQA, causal and sliding-window
                         patterns that skip hidden blocks, soft-cap, boolean masks; forward and backward
     grouped_matmul.py   MoE grouped products (JAX's megablox gmm and tgmm) behind `aten::_grouped_mm`
-    int4_matmul.py      decode products with packed int4 weights behind `hf_tpu::int4_linear`: the bytes
+    int4_matmul.py      decode and prefill products with packed int4 weights behind `hf_tpu::int4_linear`: the bytes
                         unpacked in VMEM into both nibbles' products (ours: no library kernel reads this layout)
     registry.py         `register`: a user's kernel for an op, per platform
 

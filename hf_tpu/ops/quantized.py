@@ -14,10 +14,13 @@ float32) for the weight `W[n, k] = q[n, k] * scale[k // group_size, n] + zero_po
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import torch
 
+from .. import platform
 from ..dispatch import lowering
 from ..kernels import int4_matmul as int4_kernel
 from ..kernels import selection as kernel_selection
@@ -90,9 +93,9 @@ def _split_over_chips(*arrays) -> bool:
 
 def _takes_kernel(input, qdata, scale, zero_point, group_size) -> bool:
     """Whether this call runs the Pallas kernel (`hf_tpu.kernels.int4_matmul`): where Pallas is enabled
-    (`hf_tpu.kernels.selection`), for the decode shapes it takes, in float32 only below the "highest" matmul
-    precision, and not on operands split over several chips: XLA's partitioner cannot split a Mosaic kernel's
-    call (it would need a `shard_map` around it), so a tensor-parallel layer keeps the XLA form."""
+    (`hf_tpu.kernels.selection`), for the shapes it takes (decode's rows and prefill's), in float32 only below the
+    "highest" matmul precision, and not on operands split over several chips: XLA's partitioner cannot split a
+    Mosaic kernel's call (it would need a `shard_map` around it), so a tensor-parallel layer keeps the XLA form."""
     if not kernel_selection.pallas_enabled():
         return False
     if input.dtype == jnp.float32 and matmul_precision() == jax.lax.Precision.HIGHEST:
@@ -104,12 +107,36 @@ def _takes_kernel(input, qdata, scale, zero_point, group_size) -> bool:
 
 @lowering(torch.ops.hf_tpu.int4_linear.default)
 def int4_linear(input, qdata, scale, zero_point, group_size):
-    """On a TPU, for decode's few rows, the Pallas kernel (`_takes_kernel`): XLA on the chip does not fuse the
+    """On a TPU the Pallas kernel, for any number of rows (`_takes_kernel`): XLA on the chip does not fuse the
     nibbles' unpacking and scaling into `two_products` and writes a dequantized copy of every weight at every
-    call. Every other call: `two_products`."""
+    call. Where the kernel cannot serve: on a TPU, for fewer rows than half a group, `grouped_products`, which
+    writes no weight; every other call, `two_products`."""
     if _takes_kernel(input, qdata, scale, zero_point, group_size):
         return int4_kernel.int4_matmul(input, qdata, scale, zero_point, group_size)
+    if platform.name() == "tpu" and 2 * math.prod(input.shape[:-1]) < group_size:
+        return grouped_products(input, qdata, scale, zero_point, group_size)
     return two_products(input, qdata, scale, zero_point, group_size)
+
+
+def grouped_products(input, qdata, scale, zero_point, group_size):
+    """The groups as a batch dimension of the product, their scales applied to its partial results
+    (`out = sum_g scale_g * (x_g . q_g) + zero_point_g * sum(x_g)`, as the kernel's decode form computes it): the
+    weight operands are the nibbles converted to the input's dtype, a conversion XLA on a TPU fuses into the
+    product, so no dequantized weight is written. The partial results, (groups, rows, N) in float32, are written
+    instead: fewer bytes than a bfloat16 weight (N, K) while rows are fewer than half a group."""
+    out_features, half = qdata.shape
+    group_half = group_size // 2
+    groups = half // group_half
+    dtype = input.dtype
+    x = input.reshape(-1, 2 * half)
+    even, odd = (x[:, parity::2].reshape(-1, groups, group_half) for parity in (0, 1))
+    low, high = (n.reshape(out_features, groups, group_half).astype(dtype) for n in _nibbles(qdata))
+    numbers = (((2,), (2,)), ((1,), (1,)))  # (rows, groups, k) x (N, groups, k) -> (groups, rows, N)
+    partial = dot(even, low, numbers, epilogue=True) + dot(odd, high, numbers, epilogue=True)
+    scaled = jnp.sum(partial * scale.astype(jnp.float32)[:, None, :], axis=0)
+    sums = jnp.sum(even.astype(jnp.float32) + odd.astype(jnp.float32), axis=-1)  # (rows, groups)
+    shifted = jnp.dot(sums, zero_point.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return (scaled + shifted).astype(dtype).reshape(*input.shape[:-1], out_features)
 
 
 def two_products(input, qdata, scale, zero_point, group_size):

@@ -1,12 +1,13 @@
-"""The int4 decode kernel (`hf_tpu.kernels.int4_matmul`), in Pallas interpret mode on the CPU and compiled by
-Mosaic on a TPU: against its jnp reference and against `hf_tpu::int4_linear`'s CPU reference through the op
-(`HF_TPU_KERNELS=pallas`); which calls take it (decode rows, one chip) and which keep the XLA lowering.
+"""The int4 kernel (`hf_tpu.kernels.int4_matmul`), in Pallas interpret mode on the CPU and compiled by Mosaic on a
+TPU: its decode form (stacked groups) and its prefill form (a scaled weight tile, several row blocks) against its
+jnp reference, against `hf_tpu::int4_linear`'s CPU reference through the op (`HF_TPU_KERNELS=pallas`) and
+against torchao's CPU linear; which calls take it (one chip) and which keep the XLA lowering.
 
 Tolerances, as shares of the largest output: float32 at 1e-5 off a TPU (the same products summed in another
 order: the kernel scales each group's partial product, the reference each weight) and 2e-3 on one (the matrix
 unit's float32 products may pass through bfloat16; the op takes the kernel for float32 only below the "highest"
 precision); bfloat16 at 1.5e-2 (the reference rounds each dequantized weight to bfloat16, the kernel scales in
-float32, and the output is rounded once).
+float32, and the output is rounded once; the prefill form rounds each weight as the reference does).
 """
 
 from __future__ import annotations
@@ -53,6 +54,21 @@ def test_the_kernel_matches_its_reference_in_bfloat16(group_size, groups_per_blo
     _assert_close(actual, kernel.reference(*operands, group_size), jnp.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("rows, group_size, block_m, groups_per_block, block_n", [
+    (65, 128, None, None, None),  # one row block of 72 padded rows; the prefill K block: 4 groups, 512 features
+    (130, 32, 72, 8, 128),  # two row blocks, two N blocks, two K blocks
+    (300, 64, None, 16, None),  # two row blocks of 256 (the last one padded), one K block of every group
+])
+def test_the_prefill_form_matches_its_reference(dtype, rows, group_size, block_m, groups_per_block, block_n):
+    """More than `DECODE_ROWS` rows: the weight tile scaled in VMEM, a row grid axis."""
+    operands = _operands(rows, 256, 1024, group_size, dtype, seed=rows)
+    actual = kernel.int4_matmul(*operands, group_size, block_m=block_m, groups_per_block=groups_per_block,
+                                block_n=block_n)
+    assert actual.shape == (rows, 256) and actual.dtype == dtype
+    _assert_close(actual, kernel.reference(*operands, group_size), dtype)
+
+
 @pytest.mark.parametrize("group_size", [32, 128])
 def test_the_kernel_matches_its_reference_in_float32_with_leading_dimensions(group_size):
     x, *weight = _operands(6, 128, 512, group_size, jnp.float32)
@@ -72,8 +88,9 @@ def test_the_reference_is_the_ops_cpu_reference():
 
 
 @pytest.mark.parametrize("shape, group_size, reason", [
-    ((65, 512), 64, "65 input rows"),
     ((1, 512), 64, None),
+    ((1024, 512), 64, None),  # prefill rows: the prefill form, up to PREFILL_ROWS
+    ((8192, 512), 64, "more than 1024"),  # past it, a dequantized copy costs less than unpacking every row block
     ((1, 96), 32, None),  # 3 groups of 16 bytes: one K block of the whole K (a full dimension)
     # 5 groups of 16 bytes, 64 rows: 5 x 64 stacked rows are too many, one group's 16 bytes fill no lanes
     ((64, 160), 32, "no K block of whole groups"),
@@ -127,26 +144,46 @@ def float32_precision():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_op_takes_the_kernel_for_decode_rows_and_matches_the_cpu(kernel_calls, float32_precision, dtype):
+@pytest.mark.parametrize("rows", [3, 80])
+def test_the_op_takes_the_kernel_for_decode_and_prefill_rows_and_matches_the_cpu(kernel_calls, float32_precision,
+                                                                                 dtype, rows):
     """float32 takes it below the "highest" precision (PyTorch's default keeps the XLA lowering, as the other
     kernels do: the kernel's products are not guaranteed full float32 precision on the chip)."""
     use, calls = kernel_calls
     use("pallas")
     float32_precision("high")
-    x, qdata, scale, zero_point, group_size = _torch_operands(3, dtype)
+    x, qdata, scale, zero_point, group_size = _torch_operands(rows, dtype)
     expected = torch.ops.hf_tpu.int4_linear(x, qdata, scale, zero_point, group_size)
     actual = torch.ops.hf_tpu.int4_linear(x.to("tpu"), qdata.to("tpu"), scale.to("tpu"), zero_point.to("tpu"),
                                           group_size)
-    assert calls == [(3, 512)]
+    assert calls == [(rows, 512)]
     _assert_close(actual.cpu().float().numpy(), expected.float().numpy(), jnp.bfloat16 if dtype == torch.bfloat16
                   else jnp.float32)
 
 
-def test_prefill_rows_highest_float32_and_xla_mode_keep_the_xla_lowering(kernel_calls):
+def test_a_torchao_int4_linear_takes_the_kernel_for_a_prompt_and_gives_the_cpus_result(kernel_calls):
+    """A linear layer quantized by torchao's `Int4WeightOnlyConfig` (the adapter's quantizer and `F.linear`):
+    a prompt of 2 x 40 rows through the prefill form, against the same layer on the CPU."""
+    pytest.importorskip("torchao", reason="the int4 layer is torchao's (pip install torchao)")
+    from torchao.quantization import Int4WeightOnlyConfig, quantize_
+
+    use, calls = kernel_calls
+    use("pallas")
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(256, 128, bias=False, dtype=torch.bfloat16)
+    quantize_(layer, Int4WeightOnlyConfig(group_size=64))
+    x = torch.randn(2, 40, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = layer(x)
+        actual = layer.to("tpu")(x.to("tpu")).cpu()
+    assert calls == [(2, 40, 256)]
+    _assert_close(actual.float().numpy(), expected.float().numpy(), jnp.bfloat16)
+
+
+def test_highest_float32_and_xla_mode_keep_the_xla_lowering(kernel_calls):
     use, calls = kernel_calls
     use("pallas")
     x, *weight, group_size = _torch_operands(80)
-    torch.ops.hf_tpu.int4_linear(x.to("tpu"), *(w.to("tpu") for w in weight), group_size).cpu()
     assert torch.get_float32_matmul_precision() == "highest"
     torch.ops.hf_tpu.int4_linear(x[:2].float().to("tpu"), *(w.float().to("tpu") if w.is_floating_point()
                                                            else w.to("tpu") for w in weight), group_size).cpu()

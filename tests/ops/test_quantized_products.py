@@ -57,3 +57,24 @@ def test_bad_shapes_raise_the_same_error_on_both_devices(device, bad, message):
     x = torch.randn(3, bad.get("in_features", 64))
     with pytest.raises(RuntimeError, match=message):
         torch.ops.hf_tpu.int4_linear(*(t.to(device) for t in (x, qdata, scale, zero_point)), group_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("packed_dtype", [torch.int8, torch.uint8])
+def test_the_grouped_form_matches_the_reference(dtype, packed_dtype):
+    """`grouped_products`, the XLA form a TPU takes for a few rows where the kernel cannot serve (a weight split
+    over chips, float32 at the "highest" precision): the scales applied to each group's partial product."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from hf_tpu.ops.quantized import grouped_products
+
+    qdata, scale, zero_point, group_size = _weight(dtype=dtype, packed_dtype=packed_dtype)
+    x = torch.randn(2, 3, 64, dtype=dtype)
+    expected = torch.ops.hf_tpu.int4_linear(x, qdata, scale, zero_point, group_size)
+    as_jax = lambda t: jnp.asarray(t.view(torch.int16).numpy()).view(jnp.bfloat16) if t.dtype == torch.bfloat16 \
+        else jnp.asarray(t.numpy())  # noqa: E731
+    actual = grouped_products(*(as_jax(t) for t in (x, qdata, scale, zero_point)), group_size)
+    assert actual.shape == (2, 3, 16) and actual.dtype == as_jax(x).dtype
+    torch.testing.assert_close(torch.from_numpy(np.asarray(actual, np.float32)), expected.float(),
+                               **_TOLERANCE[dtype])
