@@ -124,3 +124,33 @@ def test_torch_compile_gives_the_cpus_loss_and_gradient():
     torch.testing.assert_close(loss.cpu(), expected_loss, **_TOLERANCES[torch.bfloat16])
     torch.testing.assert_close(grad.cpu(), expected_grad, **_TOLERANCES[torch.bfloat16])
 
+
+def test_a_traced_step_saves_the_bfloat16_logits_and_no_float32_rows_by_classes():
+    """A language model's loss (bfloat16 logits upcast to float32, then `cross_entropy`) in a traced step: what the
+    forward keeps for the backward passes an optimization barrier (`hf_tpu.remat.saved_values_materialized`), and
+    that is the bfloat16 logits alone, with no float32 value of the logits' shape (PyTorch's composite saved the
+    float32 log-probabilities). The step's loss and gradient equal the CPU's."""
+    rows, hidden, classes = 16, 8, 24
+    torch.manual_seed(0)
+    head = torch.randn(classes, hidden, dtype=torch.bfloat16)
+    x, target = torch.randn(rows, hidden, dtype=torch.bfloat16), torch.randint(0, classes, (rows,))
+
+    def run(device, jit):
+        weight = head.to(device).requires_grad_()
+
+        def step(x, target):
+            loss = F.cross_entropy((x @ weight.T).float(), target)
+            loss.backward()
+            return loss.detach()
+
+        step = hf_tpu.jit(step) if jit else step
+        return step(x.to(device), target.to(device)), weight.grad, step
+
+    loss, grad, step = run("tpu", jit=True)
+    barriers = [line for line in step.lower(x.to("tpu"), target.to("tpu")).as_text().splitlines()
+                if "optimization_barrier" in line]
+    assert any(f"tensor<{rows}x{classes}xbf16>" in line for line in barriers), barriers
+    assert not any(f"tensor<{rows}x{classes}xf32>" in line for line in barriers), barriers
+    expected_loss, expected_grad, _ = run("cpu", jit=False)
+    torch.testing.assert_close(loss.cpu(), expected_loss, **_TOLERANCES[torch.bfloat16])
+    torch.testing.assert_close(grad.cpu(), expected_grad, rtol=1.6e-2, atol=1e-2)
