@@ -36,7 +36,7 @@ def _fused_applies(self, target, weight, label_smoothing) -> bool:
     """Whether `hf_tpu::cross_entropy` computes this `cross_entropy_loss` call: class indices (int64) for a batch of
     rows of floating logits, optional per-class weights that need no gradient, a smoothing PyTorch accepts. What
     it leaves out takes PyTorch's decomposition, which also raises PyTorch's errors for bad input."""
-    if self.dim() != 2 or not self.dtype.is_floating_point or self.dtype == torch.float64 or 0 in self.shape:
+    if self.dim() != 2 or not self.dtype.is_floating_point or 0 in self.shape:
         return False
     if target.dtype != torch.int64 or target.shape != self.shape[:1] or target.device != self.device:
         return False
@@ -49,6 +49,9 @@ def _fused_applies(self, target, weight, label_smoothing) -> bool:
 @backend_choice(aten.cross_entropy_loss.default)
 def _cross_entropy_loss(self, target, weight=None, reduction=_REDUCTION_MEAN, ignore_index=-100, label_smoothing=0.0):
     if _fused_applies(self, target, weight, label_smoothing):
+        if torch.is_autocast_enabled("tpu") and self.dtype in (torch.bfloat16, torch.float16):
+            # autocast runs the composite's log_softmax and nll_loss in float32: so does the op (a float32 loss)
+            self, weight = self.float(), None if weight is None else weight.float()
         return torch.ops.hf_tpu.cross_entropy(self, target, weight, reduction, ignore_index, label_smoothing)[0]
     return aten.cross_entropy_loss.default.decompose(self, target, weight, reduction, ignore_index, label_smoothing)
 

@@ -3,7 +3,7 @@ option the fused op takes, in each way a program runs (strict eager, defer-and-f
 step); calls it leaves to PyTorch's decomposition give the CPU's results too; and a traced training step keeps
 neither the log-probabilities nor a float32 copy of bfloat16 logits for the backward.
 
-Tolerances: float32, 1e-5 (the same operations in another order); bfloat16 logits, where CPU rounds the
+Tolerances: float64, 1e-7; float32, 1e-5 (the same operations in another order); bfloat16 logits, where CPU rounds the
 log-probabilities and their gradient to bfloat16 and the fused op rounds only its results, 2 units in the last
 place of the loss (rtol 1.6e-2) and 4e-3 on gradients of magnitude below 1."""
 
@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 import hf_tpu
 
-_TOLERANCES = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=4e-3)}
+_TOLERANCES = {torch.float64: dict(rtol=1e-7, atol=1e-7), torch.float32: dict(rtol=1e-5, atol=1e-5),
+               torch.bfloat16: dict(rtol=1.6e-2, atol=4e-3)}
 
 _OPTIONS = {
     "mean": dict(),
@@ -66,6 +67,20 @@ def test_the_fused_loss_and_gradient_equal_the_cpus(name, dtype, mode):
 def test_a_float32_upcast_of_bfloat16_logits_as_a_language_models_loss_makes_it():
     logits, target, _ = _case(torch.bfloat16, {})
     _assert_like_cpu(logits, target, {}, fn=lambda x, t: F.cross_entropy(x.float(), t))
+
+
+def test_float64_logits_give_the_cpus_loss_and_gradient():
+    _assert_like_cpu(*_case(torch.float64, _OPTIONS["weights, smoothing, mean"]))
+
+
+def test_under_autocast_the_loss_of_bfloat16_logits_is_float32_as_pytorchs_composite_makes_it():
+    logits, target, _ = _case(torch.bfloat16, {})
+    expected_loss, expected_grad = _loss_and_grad(logits, target, {}, "cpu", lambda x, t: F.cross_entropy(x.float(), t))
+    with torch.autocast("tpu", dtype=torch.bfloat16):
+        loss, grad = _loss_and_grad(logits, target, {}, "tpu")
+    assert loss.dtype == torch.float32 and "hf_tpu_cross_entropy" in type(loss.grad_fn).__name__
+    torch.testing.assert_close(loss.cpu(), expected_loss, **_TOLERANCES[torch.float32])
+    torch.testing.assert_close(grad.cpu(), expected_grad, **_TOLERANCES[torch.bfloat16])
 
 
 def test_every_target_ignored_gives_the_cpus_nan_loss_and_zero_gradient():
