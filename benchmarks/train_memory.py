@@ -14,6 +14,8 @@ one term per layer).
 Needs libtpu importable (`pip install --target DIR libtpu`, then `PYTHONPATH=DIR`); run with `JAX_PLATFORMS=cpu`.
 
 Run: JAX_PLATFORMS=cpu PYTHONPATH=DIR python -m benchmarks.train_memory --model 1.1b --layers 2,4
+(`--composite-loss` for PyTorch's cross-entropy in place of hf-tpu's; `--loss-only` for the loss alone, which
+`--topology cpu` compiles for the host's CPU without libtpu)
 """
 
 from __future__ import annotations
@@ -83,6 +85,32 @@ def measure(config: dict, layers: int, batch: int, length: int, recipe: str, che
     return dict(figures, trace_seconds=traced, compile_seconds=compiled)
 
 
+def measure_loss(config: dict, batch: int, length: int, device) -> dict:
+    """XLA's memory analysis (bytes) of the loss alone in a traced step: the head's product of bfloat16 hidden states
+    and the causal LM loss as Transformers computes it (the logits cast to float32, then `cross_entropy`), with its
+    backward; `device` None compiles it for the host's CPU."""
+    import torch
+    import torch.nn.functional as F
+
+    from hf_tpu import direct
+
+    torch.manual_seed(0)
+    tokens, vocab = batch * length, config["vocab_size"]
+    head = (torch.randn(vocab, config["hidden_size"], dtype=torch.bfloat16) * 0.02).to("tpu").requires_grad_()
+    hidden = torch.randn(tokens, config["hidden_size"], dtype=torch.bfloat16).to("tpu")
+    labels = torch.randint(0, vocab, (tokens,)).to("tpu")
+
+    def step(hidden, labels):
+        loss = F.cross_entropy((hidden @ head.T).float(), labels)
+        loss.backward()
+        return loss.detach()
+
+    with as_on_a_tpu() if device is not None else contextlib.nullcontext():
+        executable = direct.lower(step, (hidden, labels), {}, device=device).compile()
+    analysis = executable.memory_analysis()
+    return {name: getattr(analysis, f"{name}_size_in_bytes") for name in ("argument", "output", "alias", "temp")}
+
+
 def main(argv=None) -> None:
     from benchmarks import chip, training
 
@@ -99,13 +127,28 @@ def main(argv=None) -> None:
     parser.add_argument("--without-saved-barrier", action="store_true",
                         help="the values the forward saves for the backward not passed through an optimization "
                              "barrier (hf_tpu.remat.saved_values_materialized), to see what the barrier saves")
+    parser.add_argument("--composite-loss", action="store_true",
+                        help="cross_entropy as PyTorch's composite (log_softmax, nll_loss) instead of hf-tpu's op "
+                             "(hf_tpu.ops.cross_entropy), to see what the op saves")
+    parser.add_argument("--loss-only", action="store_true",
+                        help="compile the head's product and the loss alone (--topology cpu: for the host's CPU)")
     args = parser.parse_args(argv)
+    if args.composite_loss:
+        from hf_tpu.ops import cross_entropy
+
+        cross_entropy._fused_applies = lambda *args: False
     if args.without_saved_barrier:
         from hf_tpu import remat
 
         remat.saved_values_materialized = lambda input_buffers: contextlib.nullcontext()
     config = chip.SIZES["1b"]["train"]["models"][args.model]
-    device = _topology_device(args.topology)
+    device = None if args.topology == "cpu" else _topology_device(args.topology)
+    if args.loss_only:
+        figures = measure_loss(config, args.batch, args.length, device)
+        print(f"the loss of {args.model} alone ({'composite' if args.composite_loss else 'hf-tpu'}), "
+              f"{args.batch}x{args.length} on {args.topology}: "
+              + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in figures.items()), flush=True)
+        return
     depths = [int(n) for n in args.layers.split(",")]
     checkpointing = not args.no_checkpointing
     rows = {}

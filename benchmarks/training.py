@@ -82,8 +82,8 @@ def train_memory(config: dict, batch: int, length: int, recipe: str, checkpointi
     """Bytes a training step holds at its peak, by part: parameters, gradients and AdamW's two moments (in the
     parameters' dtype: bfloat16 for `bf16`, float32 for `mixed`, which also holds bfloat16 copies of the weights
     its autocast made), the activations kept for the backward (a checkpointed layer's input alone, and one
-    layer's whole activations while it is recomputed), and the loss's logits: bfloat16, and the float32
-    log-probabilities and their gradient."""
+    layer's whole activations while it is recomputed), and the loss's logits and their gradient, both bfloat16
+    (`hf_tpu.ops.cross_entropy`: no float32 log-probabilities, the gradient made in the logits' dtype)."""
     n = parameters(config)
     weight = 2 if recipe == "bf16" else 4
     tokens = batch * length
@@ -93,7 +93,7 @@ def train_memory(config: dict, batch: int, length: int, recipe: str, checkpointi
     if recipe == "mixed":
         parts["bf16 weight copies"] = 2 * n
     parts["activations"] = tokens * (layers * 2 * h + layer if checkpointing else layers * layer)
-    parts["logits"] = tokens * config["vocab_size"] * (2 + 4 + 4)
+    parts["logits"] = tokens * config["vocab_size"] * (2 + 2)
     return parts
 
 

@@ -77,7 +77,15 @@ def saved_values_materialized(input_buffers):
         buf = buffer.buffer_of(t)
         if buf in input_buffers or not isinstance(buf.value(), jax.core.Tracer):
             return t
-        (array,) = jax.lax.optimization_barrier((tensor_views.array_of(t, buf),))
+        mode = modes.current()
+        narrow = mode.narrower(buf.value()) if mode.kind is modes.ModeKind.TRACE else None
+        if narrow is not None:
+            # a widened value (bfloat16 logits cast to float32 for the loss) is kept as what it was widened from,
+            # half the bytes, and widened again where the backward reads it, in the fusion that reads it
+            (narrow,) = jax.lax.optimization_barrier((narrow,))
+            array = tensor_views.array_of(t, buf, narrow.astype(buf.value().dtype))
+        else:
+            (array,) = jax.lax.optimization_barrier((tensor_views.array_of(t, buf),))
         return buffer.new_tensor(array.shape, t.dtype, t.device.index, array)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -31,6 +31,17 @@ class Tracing:
         self.index_record = None  # the trace's record of out-of-range indices, once an op checks one (`device_errors`)
         self.replayed = None  # (saved key data, draws since) while `run_with_rng_state` replays an op
         self.latest = None  # the results of the op traced last (`hf_tpu.remat` orders a recomputation after it)
+        self.widened = {}  # id of a traced array that widens another (bfloat16 -> float32) -> (it, the narrower array)
+
+    def note_widening(self, wide, narrow) -> None:
+        """`wide` (a traced array) is `narrow` cast to a wider floating dtype, exactly: a value the forward saves
+        for the backward is kept as `narrow` (`hf_tpu.remat.saved_values_materialized`)."""
+        self.widened[id(wide)] = (wide, narrow)
+
+    def narrower(self, wide):
+        """The array `wide` was widened from (`note_widening`), or None."""
+        entry = self.widened.get(id(wide))
+        return entry[1] if entry is not None and entry[0] is wide else None
 
     def random_key(self, generator):
         if generator is not None:

@@ -189,7 +189,7 @@ def _flat(name):  # take, put: indices into the flattened tensor, negative ones 
     return rule
 
 
-def _nll_loss(values):  # nll_loss_forward, nll_loss2d_forward: the first target out of range and not ignored
+def _nll_loss(values):  # nll_loss_forward, nll_loss2d_forward, hf_tpu::cross_entropy: the first target out of range and not ignored
     self, target, ignore_index = values[0], values[1], values[4]
     if target.numel() == 0:
         return None
@@ -244,6 +244,7 @@ RULES = {
     "put": _flat("put"),
     "nll_loss_forward": _nll_loss,
     "nll_loss2d_forward": _nll_loss,
+    "cross_entropy": _nll_loss,
     "bincount": _bincount,
     "one_hot": _one_hot,
 }

@@ -345,17 +345,18 @@ def read(array, view: View | None, start=None):
 _READERS: dict = {}  # view -> jitted read: a tensor read outside a program is one launch
 
 
-def array_of(t: torch.Tensor, buf: Buffer | None = None):
-    """A tpu tensor's value as one array: its buffer's, read through the tensor's view (inside a trace
-    too, where the buffer holds a tracer)."""
+def array_of(t: torch.Tensor, buf: Buffer | None = None, value=None):
+    """A tpu tensor's value as one array: its buffer's (or `value`, an array of the buffer's shape and dtype in
+    its place), read through the tensor's view (inside a trace too, where the buffer holds a tracer)."""
     buf = buffer_of(t) if buf is None else buf
-    view, start = keyed_view(view_of(t, buf), buf.shape, buf.dtype)
+    view, start = keyed_view(view_of(t, buf), buf.shape, buf.dtype)  # may lay the buffer out anew: read it after
+    value = buf.value() if value is None else value
     if view is None:
-        return buf.value()
+        return value
     reader = _READERS.get(view)
     if reader is None:
         reader = _READERS[view] = jax.jit(functools.partial(read, view=view))
-    return reader(buf.value()) if start is None else reader(buf.value(), start=start)
+    return reader(value) if start is None else reader(value, start=start)
 
 
 def write(array, view: View | None, value, start=None):

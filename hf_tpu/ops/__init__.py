@@ -4,6 +4,7 @@
 from . import (  # noqa: F401
     attention,
     conv,
+    cross_entropy,
     ctc,
     distances,
     elementwise,

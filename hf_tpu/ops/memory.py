@@ -187,7 +187,17 @@ def to_copy(sig, values):
         value = placement.place(tensor_views.array_of(self), platform.jax_device(index))
         self = buffer.new_tensor(self.shape, self.dtype, index, value)
     # a cast on the device is an op like any other: recorded in DEFER_AND_FUSE, never a sync
-    return dispatch.run_lowered(dispatch.signature(aten._to_copy.default), [self, dtype] + [None] * 5)
+    result = dispatch.run_lowered(dispatch.signature(aten._to_copy.default), [self, dtype] + [None] * 5)
+    mode = modes.current()
+    if mode.kind is modes.ModeKind.TRACE and _widens(self.dtype, dtype):
+        mode.note_widening(buffer.buffer_of(result).value(), tensor_views.array_of(self))
+    return result
+
+
+def _widens(source: torch.dtype, target: torch.dtype) -> bool:
+    """Whether a cast from `source` to `target` is a widening one, which keeps every value exactly in more bytes
+    (bfloat16 or float16 to float32, float32 to float64)."""
+    return source.is_floating_point and target.is_floating_point and target.itemsize > source.itemsize
 
 
 @lowering(aten._to_copy.default)
