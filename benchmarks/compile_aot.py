@@ -7,8 +7,10 @@ against torchax's functional call under `jax.value_and_grad` with optax's `adamw
 lowered for a device of JAX's topology descriptions and compiled by libtpu's compiler on the host
 (`benchmarks.train_memory`), with few layers: each depth of `--layers` in a process of its own (torchax's must not
 import hf_tpu, which sets JAX's flags), and the seconds extrapolated to the model's depth (a compile is a
-constant plus a term per layer), in wall seconds and in the process's CPU seconds (steadier on a shared host).
-The host's compile is slower than the chip's host, so the ratio is the figure to quote.
+constant plus a term per layer), in wall seconds and in the process's CPU seconds (steadier on a shared host),
+beside the compiler's stages as libtpu logs them, the persistent-cache entry JAX would write, and XLA's cost
+analysis of the compiled program (its FLOPs and bytes: what a change does to the step's run time). The host's
+compile does not track the chip's per layer (`docs/design/compile-latency.md`): quote it as this host's.
 
 Needs libtpu (`pip install --target DIR libtpu`) and, for the torchax side, torchax and optax importable:
     JAX_PLATFORMS=cpu PYTHONPATH=LIBTPU_DIR:TORCHAX_DIR python -m benchmarks.compile_aot --program train --layers 2,4
@@ -169,7 +171,8 @@ def worker(side: str, program: str, model: str, layers: int, batch: int, length:
     cost = (executable.cost_analysis() or {})
     if isinstance(cost, list):
         cost = cost[0] if cost else {}
-    return dict(side=side, layers=layers, lowering_seconds=lowering, compile_seconds=compiling, compile_cpu_seconds=compiling_cpu,
+    return dict(side=side, layers=layers, lowering_seconds=lowering, compile_seconds=compiling,
+                compile_cpu_seconds=compiling_cpu,
                 cache_entry_seconds=cache_write, cache_entry_bytes=len(entry),
                 flops=cost.get("flops"), bytes_accessed=cost.get("bytes accessed"))
 
@@ -215,7 +218,9 @@ def main(argv=None) -> None:
                   f"lowering {row['lowering_seconds']:.1f} s, XLA compile {row['compile_seconds']:.1f} s "
                   f"({row['compile_cpu_seconds']:.1f} s of CPU); its persistent-cache entry "
                   f"{row['cache_entry_bytes'] / 2**20:.0f} MiB made in {row['cache_entry_seconds']:.1f} s"
-                  + "".join(f"; {stage} {seconds:.1f} s" for stage, seconds in row["stages"].items()), flush=True)
+                  + "".join(f"; {stage} {seconds:.1f} s" for stage, seconds in row["stages"].items())
+                  + (f"; XLA's cost analysis {row['flops'] / 1e12:.2f} TFLOP, {row['bytes_accessed'] / 2**30:.1f} GiB "
+                     "accessed" if row["flops"] else ""), flush=True)
     if len(depths) != 2:
         return
     from benchmarks import chip
