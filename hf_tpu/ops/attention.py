@@ -268,7 +268,8 @@ def _flash_attention_with_logsumexp_cpu(query, key, value, attn_mask=None, scale
     probs, capped = _reference_probs(query, key_rep, attn_mask, scale, is_causal, sliding_window, softcap)
     visible = _reference_visible(*capped.shape[-2:], is_causal, sliding_window, query.device)
     if attn_mask is not None:
-        capped = capped.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool else capped + attn_mask.float()
+        capped = (capped.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool
+                  else capped + attn_mask.float())
     logsumexp = capped.masked_fill(~visible, -math.inf).logsumexp(-1)
     return (probs @ _repeat_heads(value, groups).float()).to(query.dtype), logsumexp
 
