@@ -243,6 +243,47 @@ def gradients(grad_out, query, key, value, attn_mask=None, **options):
     return pullback(grad_out.astype(query.dtype))
 
 
+@selection.in_32_bit_mode
+def gradients_from_saved(grad_out, query, key, value, out, logsumexp, *, scale, is_causal=False, sliding_window=0,
+                         softcap=0.0, query_offset=0, block=None, interpret=None):
+    """`gradients` for a call without a mask, from the output and float32 logsumexp its forward returned
+    (`flash_attention(..., with_logsumexp=True)`): splash's backward kernels (dq, dkv) run on them as the
+    residuals of its `custom_vjp`, where `jax.vjp` would run the forward kernel once more to make them. The
+    same values reach the same kernels; a training step runs one attention kernel fewer a layer, and compiles
+    one fewer (XLA compiles each kernel call of a program on its own)."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash_kernel
+
+    heads, q_len, k_len = query.shape[1], query.shape[2], key.shape[2]
+    interpret = selection.interpret() if interpret is None else interpret
+    kernel = splash.make_splash_mha(
+        _static_mask(heads, q_len, k_len, is_causal, sliding_window, query_offset),
+        block_sizes=block_sizes(q_len, k_len, block), head_shards=1, q_seq_shards=1,
+        attn_logits_soft_cap=softcap if softcap > 0 else None, interpret=interpret)
+    options = kernel.kwargs
+
+    def collapsed(info):  # as `splash_attention_kernel._splash_attention` hands the mask blocks to the kernels
+        if info is None or info.partial_mask_blocks is None:
+            return info
+        return info._replace(partial_mask_blocks=info.partial_mask_blocks.reshape(
+            -1, *info.partial_mask_blocks.shape[-2:]))
+
+    def one_element(query, key, value, out, logsumexp, grad_out):
+        residuals = (query, key, value, None, None, out, logsumexp, collapsed(kernel.dq_mask_info),
+                     collapsed(kernel.dkv_mask_info))
+        grads = splash_kernel._splash_attention_bwd(
+            False, options["mask_value"], options["is_mqa"], options["block_sizes"],
+            options["residual_checkpoint_name"], options["mask_function"], options["attn_logits_soft_cap"],
+            options["interpret"], residuals, grad_out)
+        return grads[3:6]  # (query, key, value) of (mask infos, query, key, value, segment ids, sinks)
+
+    scaled = (query * jnp.asarray(scale, jnp.float32)).astype(query.dtype)  # what `flash_attention` gave the kernel
+    grad_scaled, grad_key, grad_value = jax.vmap(one_element)(scaled, key, value, out.astype(query.dtype), logsumexp,
+                                                               grad_out.astype(query.dtype))
+    grad_query = (grad_scaled.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)).astype(query.dtype)
+    return grad_query, grad_key.astype(key.dtype), grad_value.astype(value.dtype)
+
+
 def reference(query, key, value, attn_mask=None, *, scale, is_causal=False, sliding_window=0, softcap=0.0,
               query_offset=0, with_logsumexp=False):
     """The same computation in plain JAX, float32, with the whole score matrix: what the kernel is

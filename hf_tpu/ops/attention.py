@@ -179,6 +179,14 @@ _library.define("flash_attention" + _SCHEMA + " -> Tensor")
 _library.define(
     "flash_attention_backward(Tensor grad_out, " + _SCHEMA[1:] + " -> (Tensor, Tensor, Tensor)"
 )
+# what the op's derivative runs (`_FlashAttentionWithGradient`): the forward that also returns the float32
+# logsumexp (batch, heads, query) of each row's scores, and the backward that reads it and the output instead of
+# running the forward again
+_library.define("flash_attention_with_logsumexp" + _SCHEMA + " -> (Tensor, Tensor)")
+_library.define(
+    "flash_attention_backward_saved(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "
+    "Tensor logsumexp, " + _SCHEMA[len("(Tensor query, Tensor key, Tensor value, "):] + " -> (Tensor, Tensor, Tensor)"
+)
 
 
 def _check_inputs(query, key, value, attn_mask):
@@ -251,6 +259,28 @@ def _flash_attention_cpu(query, key, value, attn_mask=None, scale=None, is_causa
     return (probs @ _repeat_heads(value, groups).float()).to(query.dtype)
 
 
+@torch.library.impl("hf_tpu::flash_attention_with_logsumexp", "cpu", lib=_library)
+def _flash_attention_with_logsumexp_cpu(query, key, value, attn_mask=None, scale=None, is_causal=False,
+                                        sliding_window=0, softcap=0.0):
+    _check_inputs(query, key, value, attn_mask)
+    groups = query.shape[1] // key.shape[1]
+    key_rep = _repeat_heads(key, groups)
+    probs, capped = _reference_probs(query, key_rep, attn_mask, scale, is_causal, sliding_window, softcap)
+    visible = _reference_visible(*capped.shape[-2:], is_causal, sliding_window, query.device)
+    if attn_mask is not None:
+        capped = (capped.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool
+                  else capped + attn_mask.float())
+    logsumexp = capped.masked_fill(~visible, -math.inf).logsumexp(-1)
+    return (probs @ _repeat_heads(value, groups).float()).to(query.dtype), logsumexp
+
+
+@torch.library.impl("hf_tpu::flash_attention_backward_saved", "cpu", lib=_library)
+def _flash_attention_backward_saved_cpu(grad_out, query, key, value, out, logsumexp, attn_mask=None, scale=None,
+                                        is_causal=False, sliding_window=0, softcap=0.0):
+    return torch.ops.hf_tpu.flash_attention_backward(grad_out, query, key, value, attn_mask, scale, is_causal,
+                                                     sliding_window, softcap)
+
+
 @torch.library.impl("hf_tpu::flash_attention_backward", "cpu", lib=_library)
 def _flash_attention_backward_cpu(grad_out, query, key, value, attn_mask=None, scale=None, is_causal=False,
                                   sliding_window=0, softcap=0.0):
@@ -284,6 +314,19 @@ def _flash_attention_backward_fake(grad_out, query, key, value, attn_mask=None, 
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
+@torch.library.register_fake("hf_tpu::flash_attention_with_logsumexp", lib=_library)
+def _flash_attention_with_logsumexp_fake(query, key, value, attn_mask=None, scale=None, is_causal=False,
+                                         sliding_window=0, softcap=0.0):
+    _check_inputs(query, key, value, attn_mask)
+    return query.new_empty(query.shape[:-1] + value.shape[-1:]), query.new_empty(query.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.register_fake("hf_tpu::flash_attention_backward_saved", lib=_library)
+def _flash_attention_backward_saved_fake(grad_out, query, key, value, out, logsumexp, attn_mask=None, scale=None,
+                                         is_causal=False, sliding_window=0, softcap=0.0):
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
 def _setup_context(ctx, inputs, output):
     query, key, value, attn_mask, *ctx.options = inputs
     if attn_mask is not None and attn_mask.requires_grad:
@@ -291,16 +334,33 @@ def _setup_context(ctx, inputs, output):
             "hf_tpu.flash_attention gives no gradient to attn_mask; pass a mask that does not require grad "
             "(or use F.scaled_dot_product_attention for a learned bias)"
         )
-    ctx.save_for_backward(query, key, value, attn_mask)
+    out, logsumexp = output
+    ctx.save_for_backward(query, key, value, out, logsumexp, attn_mask)
 
 
-def _backward(ctx, grad_out):
-    query, key, value, attn_mask = ctx.saved_tensors
-    grads = torch.ops.hf_tpu.flash_attention_backward(grad_out, query, key, value, attn_mask, *ctx.options)
+def _backward(ctx, grad_out, _grad_logsumexp):
+    query, key, value, out, logsumexp, attn_mask = ctx.saved_tensors
+    grads = torch.ops.hf_tpu.flash_attention_backward_saved(grad_out, query, key, value, out, logsumexp, attn_mask,
+                                                            *ctx.options)
     return *grads, None, None, None, None, None
 
 
-torch.library.register_autograd("hf_tpu::flash_attention", _backward, setup_context=_setup_context, lib=_library)
+torch.library.register_autograd("hf_tpu::flash_attention_with_logsumexp", _backward, setup_context=_setup_context,
+                                lib=_library)
+
+
+@torch.library.impl("hf_tpu::flash_attention", "Autograd", lib=_library)
+def _flash_attention_autograd(query, key, value, attn_mask=None, scale=None, is_causal=False, sliding_window=0,
+                              softcap=0.0):
+    """The op's derivative: a call that needs one runs the forward that keeps the logsumexp, whose backward reads
+    it and the output (one attention forward a backward fewer: in a checkpointed training step, 4 attention
+    kernels a layer instead of 5); any other call runs the op itself."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        return torch.ops.hf_tpu.flash_attention_with_logsumexp(query, key, value, attn_mask, scale, is_causal,
+                                                               sliding_window, softcap)[0]
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.hf_tpu.flash_attention(query, key, value, attn_mask, scale, is_causal, sliding_window,
+                                                softcap)
 
 
 # --- The blocked computation, in JAX (the tpu lowerings).
@@ -421,17 +481,53 @@ def flash_attention(query, key, value, attn_mask=None, scale=None, is_causal=Fal
     return _heads_first(out)
 
 
+@lowering(torch.ops.hf_tpu.flash_attention_with_logsumexp.default)
+def flash_attention_with_logsumexp(query, key, value, attn_mask=None, scale=None, is_causal=False, sliding_window=0,
+                                   softcap=0.0):
+    options = _kernel_options(query, key, value, attn_mask, scale, is_causal, sliding_window, softcap)
+    if options is not None:
+        return flash_kernel.flash_attention(query, key, value, with_logsumexp=True, **options)
+    out, logsumexp = _blocked_attention(query, key, value, attn_mask, scale, is_causal, sliding_window, softcap)
+    return _heads_first(out).astype(query.dtype), _heads_first(logsumexp)
+
+
 @lowering(torch.ops.hf_tpu.flash_attention_backward.default)
 def flash_attention_backward(grad_out, query, key, value, attn_mask=None, scale=None, is_causal=False,
                              sliding_window=0, softcap=0.0):
-    """FlashAttention's backward: the forward pass again for the logsumexp, then one scan over key
-    blocks in which each block's probabilities are rebuilt from it. The derivative of the scores
-    (scale, soft-cap) is `jax.vjp` of the same `_block_scores` the forward uses. Where the forward
-    takes the Pallas kernel, so does the backward (the kernel's own)."""
+    """FlashAttention's backward without the forward's logsumexp: the forward pass again to make it, then
+    `flash_attention_backward_saved`'s. Where the forward takes the Pallas kernel, so does the backward (the
+    kernel's own)."""
     options = _kernel_options(query, key, value, attn_mask, scale, is_causal, sliding_window, softcap)
     if options is not None:
         return flash_kernel.gradients(grad_out, query, key, value, **options)
     out, logsumexp = _blocked_attention(query, key, value, attn_mask, scale, is_causal, sliding_window, softcap)
+    return _blocked_attention_backward(grad_out, query, key, value, out, logsumexp, attn_mask, scale, is_causal,
+                                       sliding_window, softcap)
+
+
+@lowering(torch.ops.hf_tpu.flash_attention_backward_saved.default)
+def flash_attention_backward_saved(grad_out, query, key, value, out, logsumexp, attn_mask=None, scale=None,
+                                   is_causal=False, sliding_window=0, softcap=0.0):
+    """FlashAttention's backward from the forward's output and logsumexp (`flash_attention_with_logsumexp`). The
+    Pallas kernel's backward kernels take them as they are, where there is no mask (with one, the kernel's
+    backward runs its forward again: a masked kernel call hides rows the saved logsumexp does not say)."""
+    options = _kernel_options(query, key, value, attn_mask, scale, is_causal, sliding_window, softcap)
+    if options is not None:
+        if attn_mask is None:
+            del options["attn_mask"]
+            return flash_kernel.gradients_from_saved(grad_out, query, key, value, out, logsumexp, **options)
+        return flash_kernel.gradients(grad_out, query, key, value, **options)
+    groups = query.shape[1] // key.shape[1]
+    grouped = lambda x: x.reshape(x.shape[0], key.shape[1], groups, *x.shape[2:])
+    return _blocked_attention_backward(grad_out, query, key, value, grouped(_opmath(out)), grouped(logsumexp),
+                                       attn_mask, scale, is_causal, sliding_window, softcap)
+
+
+def _blocked_attention_backward(grad_out, query, key, value, out, logsumexp, attn_mask, scale, is_causal,
+                                sliding_window, softcap):
+    """One scan over key blocks in which each block's probabilities are rebuilt from the forward's logsumexp;
+    `out` and `logsumexp` grouped as `_blocked_attention` returns them. The derivative of the scores (scale,
+    soft-cap) is `jax.vjp` of the same `_block_scores` the forward uses."""
     blocks = _Blocks(query, key, value, attn_mask)
     scale = _default_scale(query, scale)
     grad_out = _opmath(grad_out).reshape(out.shape)

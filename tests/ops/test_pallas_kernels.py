@@ -53,7 +53,8 @@ def kernel_calls(monkeypatch):
 
         monkeypatch.setattr(module, name, counted)
 
-    for module, name in ((flash, "flash_attention"), (flash, "gradients"), (grouped_matmul, "gmm"),
+    for module, name in ((flash, "flash_attention"), (flash, "gradients"), (flash, "gradients_from_saved"),
+                         (grouped_matmul, "gmm"),
                          (grouped_matmul, "tgmm")):
         counting(module, name)
     return counts
@@ -120,6 +121,10 @@ def test_flash_attention_kernel_matches_reference_forward_and_backward(case):
     _, pullback = jax.vjp(lambda q, k, v: flash.reference(q, k, v, mask, **options), q, k, v)
     for got, expected in zip(grads, pullback(grad_out)):
         np.testing.assert_allclose(got, expected, atol=5e-5, rtol=5e-5)
+    if mask is None:  # the backward from the forward's output and logsumexp: the same kernels on the same values
+        saved = flash.gradients_from_saved(grad_out, q, k, v, out, logsumexp, interpret=True, **options)
+        for got, expected in zip(saved, grads):
+            np.testing.assert_allclose(got, expected, atol=1e-6, rtol=1e-6)
 
 
 def test_masks_are_matched_to_a_pattern_with_hidden_keys_or_left_to_the_dynamic_mask():
@@ -243,6 +248,21 @@ def test_hf_tpu_flash_attention_takes_the_kernel_forward_and_backward(kernel_mod
 
     xla, pallas = _run_both(kernel_mode, run)
     assert kernel_calls == {"flash_attention": 2, "gradients": 1}  # the forward, and the one the gradient runs
+    for got, want in zip(pallas, xla):
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+def test_hf_tpu_flash_attention_backward_reads_the_forwards_logsumexp(kernel_mode, kernel_calls):
+    """Without a mask the backward's kernels take the forward's output and logsumexp: the attention's forward runs
+    once (a checkpointed layer's recomputation aside), not again inside the backward."""
+    q, k, v = _torch_qkv(4, 2, 128, 128)
+
+    def run():
+        return _forward_and_grads(lambda q, k, v: torch.ops.hf_tpu.flash_attention(q, k, v, None, None, True),
+                                  (q, k, v))
+
+    xla, pallas = _run_both(kernel_mode, run)
+    assert kernel_calls == {"flash_attention": 1, "gradients_from_saved": 1}
     for got, want in zip(pallas, xla):
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 

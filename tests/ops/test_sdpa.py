@@ -10,7 +10,7 @@ import hf_tpu
 from tests.util import assert_same, to_cpu
 
 FUSED = "ScaledDotProductFlashAttentionForCpuBackward0"
-GROUPED = "GeneratedBackwardFor_hf_tpu_flash_attention_defaultBackward"
+GROUPED = "GeneratedBackwardFor_hf_tpu_flash_attention_with_logsumexp_defaultBackward"
 
 
 def qkv(*shapes, dtype=torch.float32):
