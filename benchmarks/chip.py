@@ -773,8 +773,8 @@ def _sd_unet(spec: dict, device: str):
 
 def _denoiser_rows(rows: _Rows, side: str, what: str, module, inputs, images) -> None:
     """A Diffusers denoiser's first and warm calls at each image size: compiled as a Diffusers user compiles it
-    (`torch.compile(pipe.transformer, backend="tpu")`), then run eagerly (defer-and-fuse, the default mode) for
-    the warm call a compiled one is measured against."""
+    (`torch.compile(pipe.transformer, backend="tpu")`), then run eagerly (in the process's mode: strict eager
+    unless HF_TPU_EAGER_MODE says otherwise) for the warm call a compiled one is measured against."""
     import torch
 
     compiled = torch.compile(module, backend="tpu")
