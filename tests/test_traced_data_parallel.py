@@ -5,10 +5,12 @@ by XLA; the losses and parameters are the CPU's. The test runs this file as a sc
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
 import hf_tpu  # noqa: F401 - the tpu device
+from tests.util import causal_lm_step
 
 STEPS, BATCH, LENGTH = 3, 8, 8
 
@@ -26,21 +28,15 @@ def _train(model, batches, jit):
     """Losses and final parameters of `STEPS` AdamW steps over `batches`, each step traced whole where `jit`."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
 
-    def step(ids):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    step = hf_tpu.jit(step) if jit else step
+    step = causal_lm_step(model, opt, jit)
     losses = torch.stack([step(ids).cpu() for ids in batches])
     return losses, {name: p.detach().cpu() for name, p in model.named_parameters()}, opt
 
 
 def test_a_traced_step_over_eight_chips_trains_as_the_cpu():
     env = dict(os.environ, HF_TPU_NUM_DEVICES="8", HF_TPU_PLATFORM="cpu")
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "tests.test_traced_data_parallel"], cwd=Path(__file__).parents[1],
+                          env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "a traced step over 8 chips matches the CPU" in done.stdout
 

@@ -7,6 +7,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import hf_tpu
+from tests.util import causal_lm_step
 
 
 def _tiny_llama():
@@ -537,14 +538,7 @@ def _traced_training(device, steps, make_opt, checkpointing=None, dropout=0.0, j
     opt = make_opt(model.parameters())
     lrs = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + step)) if schedule else None
 
-    def step(ids):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    step = hf_tpu.jit(step) if jit else step
+    step = causal_lm_step(model, opt, jit)
     data = torch.randint(0, 64, (steps, 2, length), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(5)
     losses = []

@@ -75,3 +75,17 @@ def cpu_process_env(**env) -> dict:
     process holds a chip, another that starts JAX on it fails on libtpu's lock; the process's own
     variables (`env`) come last."""
     return {**os.environ, "HF_TPU_PLATFORM": "cpu", "JAX_PLATFORMS": "cpu", **env}
+
+
+def causal_lm_step(model, opt, jit: bool):
+    """A user's training step of a causal LM (forward with labels, backward, the optimizer's step, its gradients
+    cleared), returning the loss detached; traced whole by `hf_tpu.jit` where `jit`."""
+
+    def step(ids):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return hf_tpu.jit(step) if jit else step
