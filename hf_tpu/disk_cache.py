@@ -14,7 +14,13 @@ or wrote the executable under, with the compile options it was built with. At a 
 an equal call, that executable is read and deserialised on a thread; when JAX then asks its disk cache for a key
 (`jax._src.compiler._cache_read`), the call's program gets the loaded executable if JAX's key is the one named.
 The key JAX computed is the check: a stale or wrong name costs a load that is thrown away, never another
-program. Where the disk cache is off, nothing here runs.
+program.
+
+The write is the other half: JAX serialises, compresses and writes a program it compiled before the call that
+compiled it may run it, and a large program takes seconds to write (the 1.1B Llama's checkpointed training step is
+345 MB of TPU program). The write is handed to a thread (`_cache_write`); the call runs meanwhile, and the
+process waits for the writes at exit (the pool's thread is joined then), so the next process finds them.
+Where the disk cache is off, nothing here runs.
 """
 
 from __future__ import annotations
@@ -43,7 +49,9 @@ _lock = threading.Lock()
 _pending: dict = {}  # digest -> (JAX key, device id, future of (executable, compile time) or None)
 _written: dict = {}  # digest -> the entry on disk, as read or last written by this process
 _loader: concurrent.futures.ThreadPoolExecutor | None = None
-_jax_read = None  # JAX's `compiler._cache_read`, wrapped by `_cache_read` from the first `expect`
+_writer: concurrent.futures.ThreadPoolExecutor | None = None
+_jax_read = None  # JAX's `compiler._cache_read`, wrapped by `_cache_read`
+_jax_write = None  # JAX's `compiler._cache_write`, wrapped by `_cache_write`
 
 
 def enabled() -> bool:
@@ -156,8 +164,8 @@ def _load(cache_key: str, options: bytes, device):
 def _forget_threads_in_child() -> None:
     """A forked child has none of its parent's threads: a pool whose threads are gone would never run its loads, and
     a load waited for would never end. The child starts its own pool, with a lock no parent thread may hold."""
-    global _loader, _lock
-    _loader, _lock = None, threading.Lock()
+    global _loader, _writer, _lock
+    _loader, _writer, _lock = None, None, threading.Lock()
     _pending.clear()
 
 
@@ -165,17 +173,33 @@ os.register_at_fork(after_in_child=_forget_threads_in_child)
 
 
 def _hook_jax() -> bool:
-    """Wrap JAX's disk-cache read once; False with another JAX, whose internals differ (nothing is loaded ahead)."""
-    global _jax_read
+    """Wrap JAX's disk-cache read and write once; False with another JAX, whose internals differ (nothing is loaded
+    ahead, and JAX writes as it does)."""
+    global _jax_read, _jax_write
     with _lock:
         if _jax_read is None:
             from jax._src import compiler
 
-            if not callable(getattr(compiler, "_cache_read", None)):
+            if not (callable(getattr(compiler, "_cache_read", None))
+                    and callable(getattr(compiler, "_cache_write", None))):
                 return False
-            _jax_read = compiler._cache_read
-            compiler._cache_read = _cache_read
+            _jax_read, _jax_write = compiler._cache_read, compiler._cache_write
+            compiler._cache_read, compiler._cache_write = _cache_read, _cache_write
     return True
+
+
+def _cache_write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks) -> None:
+    """JAX's disk-cache write of a program it just compiled, on a thread of its own: one at a time, in the order
+    compiled. JAX's write reports its own errors (as warnings); anything else it raises is logged."""
+    global _writer
+    with _lock:
+        if _writer is None:
+            _writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hf_tpu disk cache write")
+        written = _writer.submit(_jax_write, cache_key, compile_time_secs, module_name, backend, executable,
+                                 host_callbacks)
+    written.add_done_callback(lambda future: future.exception() is None or log.warning(
+        "hf_tpu: %s was not written to the disk cache (%s: %s)", module_name, type(future.exception()).__name__,
+        future.exception()))
 
 
 def _cache_read(module_name, cache_key, compile_options, backend, executable_devices):
@@ -200,3 +224,7 @@ def _cache_read(module_name, cache_key, compile_options, backend, executable_dev
     if len(devices) == 1:  # a program over several chips is not loaded ahead (`_load` places it on one)
         _write_entry(digest, cache_key, compile_options)
     return loaded
+
+
+if platform.cache_dir():
+    _hook_jax()

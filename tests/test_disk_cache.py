@@ -96,6 +96,30 @@ def test_without_a_disk_cache_nothing_is_written_or_loaded_ahead(tmp_path, monke
     assert not disk_cache.enabled()
 
 
+def test_a_first_call_runs_before_its_program_is_written_and_the_process_waits_for_the_write(tmp_path):
+    """JAX's write of a program (serialise, compress, write: seconds for a large one) runs on a thread: the call
+    that compiled the program returns first, and the process's exit waits for the write, so the next process finds
+    the program."""
+    code = """
+        import json, time, jax, jax.numpy as jnp, hf_tpu
+        from hf_tpu import disk_cache
+        jax_write = disk_cache._jax_write
+        def slow_write(cache_key, compile_time, module_name, *args):
+            time.sleep(3 if module_name == "jit__lambda" else 0)
+            jax_write(cache_key, compile_time, module_name, *args)
+        disk_cache._jax_write = slow_write
+        start = time.perf_counter()
+        jax.block_until_ready(jax.jit(lambda x: jnp.tanh(x) * 3)(jnp.ones(8)))
+        print(json.dumps({"first_call": time.perf_counter() - start}))
+    """
+    cache = tmp_path / "cache"
+    run = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, cwd=ROOT,
+                         env=cpu_process_env(HF_TPU_NUM_DEVICES="1", HF_TPU_CACHE_DIR=str(cache)), timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1])["first_call"] < 2.5
+    assert glob.glob(os.path.join(cache, "xla", "jit__lambda-*")), os.listdir(cache)
+
+
 def test_a_keys_digest_is_the_same_in_another_process_and_tells_keys_apart():
     """Code by file, name and line; types by name; plain values by repr; an identity-keyed object by its type."""
     code = """
