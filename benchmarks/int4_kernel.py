@@ -149,7 +149,8 @@ def measure(model: dict, batches, group: int, iters: int, interpret: bool, forms
     return results
 
 
-def sweep(model: dict, batches, group: int, iters: int, interpret: bool) -> list:
+def sweep(model: dict, batches, group: int, iters: int, interpret: bool, tiles_kb=(512, 1024, 2048, 4096),
+          stacked=(128, 256)) -> list:
     """The kernel alone at each tile size (packed bytes) and limit on stacked rows, beside its defaults: which
     block sizes the chip prefers. Lines as `report`'s, without the bf16 column."""
     from hf_tpu.kernels import int4_matmul
@@ -157,8 +158,8 @@ def sweep(model: dict, batches, group: int, iters: int, interpret: bool) -> list
     defaults = int4_matmul._TILE_BYTES, int4_matmul._PREFERRED_STACKED_ROWS
     lines = []
     try:
-        for tile_bytes in (512 << 10, 1 << 20, 2 << 20, 4 << 20):
-            for stacked_rows in (128, 256):
+        for tile_bytes in (kb << 10 for kb in tiles_kb):
+            for stacked_rows in stacked:
                 int4_matmul._TILE_BYTES, int4_matmul._PREFERRED_STACKED_ROWS = tile_bytes, stacked_rows
                 for form, batch, seconds, held in measure(model, batches, group, iters, interpret, ("int4 Pallas",)):
                     lines.append(f"tile {tile_bytes >> 10:5d} KB, stacked rows {stacked_rows}: batch {batch:3d} "
@@ -186,6 +187,9 @@ def main(argv=None) -> None:
     parser.add_argument("--iters", type=int, default=None, help="timed calls per form (default 20, --sweep 10, "
                         "--tiny 2)")
     parser.add_argument("--sweep", action="store_true", help="the kernel alone at other block sizes, no other form")
+    parser.add_argument("--tiles-kb", default="512,1024,2048,4096", help="--sweep's tile sizes (KB of packed bytes)")
+    parser.add_argument("--stacked-rows", default="128,256", help="--sweep's limits on stacked rows (at one to eight "
+                        "rows, 8 x the groups of a K block: 32 is 4 groups, 128 is 16)")
     parser.add_argument("--forms", default=",".join(FORMS), help=f"comma-separated forms of {FORMS + INT8_FORMS} "
                         "(default: the first four); bf16 among them for the speed against it")
     args = parser.parse_args(argv)
@@ -197,7 +201,8 @@ def main(argv=None) -> None:
     iters = args.iters or (2 if args.tiny else 10 if args.sweep else 20)
     check(model, args.group, interpret)
     if args.sweep:
-        sweep(model, batches, args.group, iters, interpret)
+        sweep(model, batches, args.group, iters, interpret, [int(n) for n in args.tiles_kb.split(",")],
+              [int(n) for n in args.stacked_rows.split(",")])
         return
     forms = tuple(args.forms.split(","))
     unknown = set(forms) - set(FORMS + INT8_FORMS)
