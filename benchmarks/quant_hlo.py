@@ -74,8 +74,8 @@ def _fused_reads(text: str, fused: str) -> dict:
         types[name] = sum(b for b, _ in _arrays(type_text))
         if op == "parameter":
             numbers[name] = int(re.match(r"(\d+)", rest).group(1))
-        for operand in re.findall(r"%([\w.\-]+)", rest.split("),", 1)[0]):
-            users.setdefault(operand, []).append((op, name))
+        for position, operand in enumerate(re.findall(r"%([\w.\-]+)", rest.split("),", 1)[0])):
+            users.setdefault(operand, []).append((op if position == 0 else None, name))  # a slice's indices: read
     return {number: sum(types[user] for _, user in users[name]) for name, number in numbers.items()
             if users.get(name) and all(op in _SLICES for op, _ in users[name])}
 
