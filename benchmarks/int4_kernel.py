@@ -3,11 +3,17 @@
     python -m benchmarks.int4_kernel            # on the chip: the 1.1B's shapes, batch 1 and 8 (about a minute)
     python -m benchmarks.int4_kernel --tiny     # anywhere: tiny shapes, the kernel in Pallas interpret mode off a TPU
     python -m benchmarks.int4_kernel --sweep    # the kernel alone at other tile sizes and stacked-row limits
+    python -m benchmarks.int4_kernel --forms "bf16,int8,int8 MXU,int8 transposed" --batches 1   # int8's forms
 
 Each form computes the same chain of products (attention's four projections and the MLP, no LM head) with its
 weights held as: "bf16" (a product of bfloat16 weights), "int8" (int8 converted inside the product, then scaled
 per row), "int4 XLA" (`hf_tpu::int4_linear`'s XLA form: two products over the packed bytes) and "int4 Pallas"
-(`hf_tpu.kernels.int4_matmul`, which the op's lowering picks on a TPU). Printed per form and batch: ms per call,
+(`hf_tpu.kernels.int4_matmul`, which the op's lowering picks on a TPU). At one row XLA's TPU compiler rewrites
+a product into an elementwise multiply and a reduce on the vector unit, each int8 weight converted to float32 there
+(`int8`: about 75% of the HBM's bandwidth on a v5e in generate()); two more int8 forms time the alternatives:
+"int8 MXU" (the rows padded to 8, so the product stays a dot on the matrix unit, which reads the int8 operand
+itself) and "int8 transposed" (the weight stored (in, out): the reduce runs over the sublanes, not across the
+lanes). Printed per form and batch: ms per call,
 GB/s of the bytes the weights hold (what a call must read at least), and the speed against bf16's. Both int4
 forms are checked against the kernel's reference on two of the products first.
 """
@@ -23,6 +29,7 @@ import time
 LLAMA_1B = dict(hidden=2048, intermediate=5632, heads=32, kv_heads=4, head_dim=64, layers=16)
 TINY = dict(hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=64, layers=2)
 FORMS = ("bf16", "int8", "int4 XLA", "int4 Pallas")
+INT8_FORMS = ("int8 MXU", "int8 transposed")
 
 
 def _shapes(model: dict) -> list:
@@ -40,8 +47,11 @@ def _weights(form: str, shape: tuple, key, group: int):
     out_features, in_features = shape
     if form == "bf16":
         return (jax.random.normal(key, shape, jnp.bfloat16) * 0.02,)
-    if form == "int8":
+    if form in ("int8", "int8 MXU"):
         return (jax.random.randint(key, shape, -127, 128, jnp.int8), jnp.full((out_features, 1), 1e-3, jnp.bfloat16))
+    if form == "int8 transposed":
+        return (jax.random.randint(key, shape[::-1], -127, 128, jnp.int8), jnp.full((1, out_features), 1e-3,
+                                                                                  jnp.bfloat16))
     groups = (in_features // group, out_features)
     scale_key, zero_key = jax.random.split(jax.random.fold_in(key, 1))
     return (jax.random.randint(key, (out_features, in_features // 2), -128, 128, jnp.int8),
@@ -50,6 +60,8 @@ def _weights(form: str, shape: tuple, key, group: int):
 
 
 def _product(form: str, group: int, interpret: bool):
+    import jax.numpy as jnp
+
     from hf_tpu.kernels.int4_matmul import int4_matmul
     from hf_tpu.ops.quantized import two_products
 
@@ -58,6 +70,12 @@ def _product(form: str, group: int, interpret: bool):
             return x @ w[0].T
         if form == "int8":
             return (x @ w[0].T.astype(x.dtype)) * w[1][:, 0]
+        if form == "int8 MXU":  # padded rows: XLA rewrites a product of one row before it drops the padding
+            rows = x.shape[0]
+            padded = jnp.pad(x, ((0, -rows % 8), (0, 0)))
+            return (padded @ w[0].T.astype(x.dtype))[:rows] * w[1][:, 0]
+        if form == "int8 transposed":
+            return (x @ w[0].astype(x.dtype)) * w[1][0]
         if form == "int4 XLA":
             return two_products(x, *w, group)
         return int4_matmul(x, *w, group, interpret=interpret)
@@ -131,7 +149,8 @@ def measure(model: dict, batches, group: int, iters: int, interpret: bool, forms
     return results
 
 
-def sweep(model: dict, batches, group: int, iters: int, interpret: bool) -> list:
+def sweep(model: dict, batches, group: int, iters: int, interpret: bool, tiles_kb=(512, 1024, 2048, 4096),
+          stacked=(128, 256)) -> list:
     """The kernel alone at each tile size (packed bytes) and limit on stacked rows, beside its defaults: which
     block sizes the chip prefers. Lines as `report`'s, without the bf16 column."""
     from hf_tpu.kernels import int4_matmul
@@ -139,8 +158,8 @@ def sweep(model: dict, batches, group: int, iters: int, interpret: bool) -> list
     defaults = int4_matmul._TILE_BYTES, int4_matmul._PREFERRED_STACKED_ROWS
     lines = []
     try:
-        for tile_bytes in (512 << 10, 1 << 20, 2 << 20, 4 << 20):
-            for stacked_rows in (128, 256):
+        for tile_bytes in (kb << 10 for kb in tiles_kb):
+            for stacked_rows in stacked:
                 int4_matmul._TILE_BYTES, int4_matmul._PREFERRED_STACKED_ROWS = tile_bytes, stacked_rows
                 for form, batch, seconds, held in measure(model, batches, group, iters, interpret, ("int4 Pallas",)):
                     lines.append(f"tile {tile_bytes >> 10:5d} KB, stacked rows {stacked_rows}: batch {batch:3d} "
@@ -153,8 +172,8 @@ def sweep(model: dict, batches, group: int, iters: int, interpret: bool) -> list
 
 def report(results: list) -> list:
     bf16 = {batch: seconds for form, batch, seconds, _ in results if form == "bf16"}
-    return [f"{form:12s} batch {batch:3d}: {seconds * 1e3:8.3f} ms  {held / seconds / 1e9:7.1f} GB/s of "
-            f"{held / 1e6:.1f} MB held  {bf16[batch] / seconds:5.2f}x bf16"
+    return [f"{form:14s} batch {batch:3d}: {seconds * 1e3:8.3f} ms  {held / seconds / 1e9:7.1f} GB/s of "
+            f"{held / 1e6:.1f} MB held" + (f"  {bf16[batch] / seconds:5.2f}x bf16" if batch in bf16 else "")
             for form, batch, seconds, held in results]
 
 
@@ -168,6 +187,11 @@ def main(argv=None) -> None:
     parser.add_argument("--iters", type=int, default=None, help="timed calls per form (default 20, --sweep 10, "
                         "--tiny 2)")
     parser.add_argument("--sweep", action="store_true", help="the kernel alone at other block sizes, no other form")
+    parser.add_argument("--tiles-kb", default="512,1024,2048,4096", help="--sweep's tile sizes (KB of packed bytes)")
+    parser.add_argument("--stacked-rows", default="128,256", help="--sweep's limits on stacked rows (at one to eight "
+                        "rows, 8 x the groups of a K block: 32 is 4 groups, 128 is 16)")
+    parser.add_argument("--forms", default=",".join(FORMS), help=f"comma-separated forms of {FORMS + INT8_FORMS} "
+                        "(default: the first four); bf16 among them for the speed against it")
     args = parser.parse_args(argv)
     model = TINY if args.tiny else LLAMA_1B
     interpret = jax.devices()[0].platform != "tpu"
@@ -177,9 +201,14 @@ def main(argv=None) -> None:
     iters = args.iters or (2 if args.tiny else 10 if args.sweep else 20)
     check(model, args.group, interpret)
     if args.sweep:
-        sweep(model, batches, args.group, iters, interpret)
+        sweep(model, batches, args.group, iters, interpret, [int(n) for n in args.tiles_kb.split(",")],
+              [int(n) for n in args.stacked_rows.split(",")])
         return
-    print("\n".join(report(measure(model, batches, args.group, iters, interpret))))
+    forms = tuple(args.forms.split(","))
+    unknown = set(forms) - set(FORMS + INT8_FORMS)
+    if unknown:
+        parser.error(f"unknown forms {sorted(unknown)}: choose among {FORMS + INT8_FORMS}")
+    print("\n".join(report(measure(model, batches, args.group, iters, interpret, forms))))
 
 
 if __name__ == "__main__":

@@ -437,10 +437,14 @@ def _loop_step(cond_fn, body_fn):
     return step
 
 
-def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state, run: bool = True) -> tuple | None:
+def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state, run: bool = True,
+               lower_for=None):
     """`hf_tpu.while_loop` with its step traced straight into a program; raises `loop_chunks.NotLoopable` where it
     cannot be (before any iteration ran). With `run=False`, the loop's XLA compile starts on a thread of its
-    own (`compile_log.in_background`) and nothing runs: the first call that runs the program waits for it."""
+    own (`compile_log.in_background`) and nothing runs: the first call that runs the program waits for it.
+    With `lower_for` (a JAX device, as `lower`'s `device`), nothing runs or compiles either: the loop's first
+    chunk, lowered for that device from the inputs' shapes alone, is returned as JAX's `Lowered` (what XLA makes
+    of the decode loop on a TPU, read on a machine without one: `benchmarks.quant_hlo --decode`)."""
     name = _name_of(body_fn)
     description = f"the direct trace of the while_loop step `{name}`"
     site = ("while_loop", function_parts(body_fn)[0], function_parts(cond_fn)[0])
@@ -486,6 +490,12 @@ def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state
         with disk_cache.compiling(disk_digest):
             return jitted(loop_state[0], others, key_data, slots, *loop_state[1:], steps)
 
+    if lower_for is not None:
+        sharding = jax.sharding.SingleDeviceSharding(lower_for)
+        first = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                             (loop_chunks.first_chunk(mutated, carried_arrays, keep_going), others, key_data))
+        (overwritten, *rest), others_shapes, key_shape = first
+        return jitted.lower(overwritten, others_shapes, key_shape, slots, *rest)
     if not run:
         if not compiled_before:  # lowered as the first chunk's launch will be: the compile serves it
             first = loop_chunks.first_chunk(mutated, carried_arrays, keep_going)

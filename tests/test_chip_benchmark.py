@@ -446,6 +446,56 @@ ENTRY %main (p0: bf16[1,2048]) -> f32[1,8192] {
                                                           written_dequantized=1, written_bytes=512 * 256 * 4)
 
 
+def test_a_loop_iterations_hbm_bytes_count_what_crosses_between_hbm_and_vmem():
+    """`quant_hlo --decode`'s bytes an iteration moves, on a while loop's body as the v5e's XLA prints it: an int8
+    weight read from HBM by its product (its result in VMEM, `S(1)`: not counted), a weight prefetched into VMEM
+    by an asynchronous slice (its slice, once; the product reading it in VMEM: nothing more), an embedding row
+    sliced inside a fusion (the row and its index, not the table), a KV cache copied into VMEM (once) and its token
+    updated in place there (the token, read and written), and 64-bit integers' halves (nothing)."""
+    from benchmarks.quant_hlo import loop_body_traffic
+
+    text = """HloModule jit_loop_body
+%fused_computation.1 (param_0: bf16[32000,2048], param_1: s32[]) -> f32[1,2048] {
+  %param_0 = bf16[32000,2048]{1,0:T(8,128)(2,1)} parameter(0)
+  %param_1 = s32[]{:T(128)} parameter(1)
+  %constant.1 = s32[]{:T(128)} constant(0)
+  %dynamic-slice.1 = bf16[1,2048]{1,0:T(2,128)(2,1)} dynamic-slice(%param_0, %param_1, %constant.1)
+  ROOT %convert.1 = f32[1,2048]{1,0:T(1,128)S(1)} convert(%dynamic-slice.1)
+}
+%fused_computation.2 (param_0.2: s8[5632,2048], param_1.2: f32[1,2048]) -> bf16[5632] {
+  %param_0.2 = s8[5632,2048]{1,0:T(32,128)(4,1)} parameter(0)
+  %param_1.2 = f32[1,2048]{1,0:T(1,128)S(1)} parameter(1)
+  ROOT %reduce.2 = bf16[5632]{0:T(1024)(128)(2,1)S(1)} reduce(%param_0.2, %param_1.2), dimensions={1}
+}
+%body (state: (bf16[32000,2048], s8[5632,2048], s8[2048,5632], bf16[1,4,256,64], s64[])) -> (bf16[32000,2048]) {
+  %state = (bf16[32000,2048], s8[5632,2048], s8[2048,5632], bf16[1,4,256,64], s64[]) parameter(0)
+  %get-tuple-element.1 = bf16[32000,2048]{1,0:T(8,128)(2,1)} get-tuple-element(%state), index=0
+  %get-tuple-element.2 = s8[5632,2048]{1,0:T(32,128)(4,1)} get-tuple-element(%state), index=1
+  %get-tuple-element.3 = s8[2048,5632]{1,0:T(32,128)(4,1)} get-tuple-element(%state), index=2
+  %get-tuple-element.4 = bf16[1,4,256,64]{2,3,1,0:T(8,128)(2,1)} get-tuple-element(%state), index=3
+  %get-tuple-element.5 = s64[]{:T(128)} get-tuple-element(%state), index=4
+  %custom-call.1 = u32[]{:T(128)} custom-call(%get-tuple-element.5), custom_call_target="X64SplitLow"
+  %bitcast.1 = s32[]{:T(128)} bitcast(%custom-call.1)
+  %fusion.1 = f32[1,2048]{1,0:T(1,128)S(1)} fusion(%get-tuple-element.1, %bitcast.1), kind=kLoop, calls=%fused_computation.1
+  %fusion.2 = bf16[5632]{0:T(1024)(128)(2,1)S(1)} fusion(%get-tuple-element.2, %fusion.1), kind=kLoop, calls=%fused_computation.2
+  %slice-start.1 = ((s8[2048,5632]{1,0:T(32,128)(4,1)}), s8[1024,5632]{1,0:T(32,128)(4,1)S(1)}, s32[]{:S(2)}) slice-start(%get-tuple-element.3), slice={[0:1024], [0:5632]}
+  %slice-done.1 = s8[1024,5632]{1,0:T(32,128)(4,1)S(1)} slice-done(%slice-start.1)
+  %copy-start.1 = (bf16[1,4,256,64]{2,3,1,0:T(8,128)(2,1)S(1)}, bf16[1,4,256,64]{2,3,1,0:T(8,128)(2,1)}, u32[]{:S(2)}) copy-start(%get-tuple-element.4)
+  %copy-done.1 = bf16[1,4,256,64]{2,3,1,0:T(8,128)(2,1)S(1)} copy-done(%copy-start.1)
+  %token.1 = bf16[1,4,1,64]{3,1,2,0:T(4,128)(2,1)S(1)} reshape(%fusion.2)
+  %dynamic-update-slice.1 = bf16[1,4,256,64]{2,3,1,0:T(8,128)(2,1)S(1)} dynamic-update-slice(%copy-done.1, %token.1, %bitcast.1, %bitcast.1, %bitcast.1, %bitcast.1)
+  ROOT %tuple.1 = (bf16[32000,2048]) tuple(%get-tuple-element.1)
+}
+ENTRY %main (p: (bf16[32000,2048], s8[5632,2048], s8[2048,5632], bf16[1,4,256,64], s64[])) -> (bf16[32000,2048]) {
+  %p = (bf16[32000,2048], s8[5632,2048], s8[2048,5632], bf16[1,4,256,64], s64[]) parameter(0)
+  ROOT %while.1 = (bf16[32000,2048]) while(%p), condition=%condition, body=%body
+}
+"""
+    row, index, weight, prefetched = 2048 * 2, 4, 5632 * 2048, 1024 * 5632
+    cache, token = 4 * 256 * 64 * 2, 4 * 64 * 2
+    assert loop_body_traffic(text) == row + index + weight + prefetched + cache + 2 * token
+
+
 def test_a_random_checkpoint_is_written_a_layer_a_file_and_stops_at_its_time_limit(tmp_path):
     import pytest
 

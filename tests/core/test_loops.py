@@ -120,6 +120,35 @@ def test_a_loop_compiled_ahead_is_run_later_without_another_compile():
     assert loop_compiles == ["hf_tpu background compile"], loop_compiles
 
 
+def test_a_loop_lowered_for_a_device_is_returned_and_runs_nothing():
+    """`direct.while_loop(..., lower_for=device)` returns the loop's first chunk lowered for that device from the
+    inputs' shapes (what `benchmarks.quant_hlo --decode` compiles for a v5e): a while loop over the step, whose
+    compiled program reads the state's weight; the state keeps its values."""
+    import jax
+
+    from hf_tpu import direct
+
+    class Scale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.full((4, 4), 0.5, device="tpu"), requires_grad=False)
+
+    scale = Scale()
+
+    def project(x, i):
+        return x @ scale.weight, i + 1
+
+    cond = _counting_to(5)
+    carried = (torch.ones(4, device="tpu"), torch.tensor([0], device="tpu"))
+    with torch.no_grad():
+        lowered = direct.while_loop(cond, project, carried, cond(*carried), (scale,), run=False,
+                                    lower_for=jax.devices("cpu")[0])
+    text = lowered.compile().as_text()
+    assert " while(" in text and "f32[4,4]" in text
+    torch.testing.assert_close(carried[0].cpu(), torch.ones(4))
+    torch.testing.assert_close(scale.weight.cpu(), torch.full((4, 4), 0.5))
+
+
 def test_a_loop_asked_ahead_without_state_compiles_nothing():
     carried = (torch.zeros(2, device="tpu"), torch.tensor([0], device="tpu"))
     hf_tpu.reset_metrics()
