@@ -439,7 +439,11 @@ def _blocked_attention(query, key, value, attn_mask, scale, is_causal, sliding_w
         finite_max = jnp.where(jnp.isneginf(new_max), 0.0, new_max)  # all hidden so far: keep exp() at 0
         probs = jnp.exp(scores - finite_max[..., None])
         rescale = jnp.exp(running_max - finite_max)
-        acc = acc * rescale[..., None] + jnp.einsum("bhgqk,bhkd->bhgqd", probs, values,
+        # The probabilities meet the values in the values' dtype, as in PyTorch's CPU flash attention and splash:
+        # a float32 operand would make a bfloat16 model's product float32 at "highest" precision, which XLA on
+        # a TPU computes as several bfloat16 passes (on the v5e a fifth more program for the attention, whose
+        # compile tracks its size). The running sum and the accumulator stay float32.
+        acc = acc * rescale[..., None] + jnp.einsum("bhgqk,bhkd->bhgqd", probs.astype(values.dtype), values,
                                                     precision=matmul_precision(),
                                                     preferred_element_type=jnp.float32)
         return (new_max, running_sum * rescale + probs.sum(-1), acc), None

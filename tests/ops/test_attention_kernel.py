@@ -3,6 +3,7 @@ and on tpu (the blocked lowering), forward and backward, eager, deferred and com
 
 import logging
 import math
+import re
 
 import pytest
 import torch
@@ -151,3 +152,22 @@ def test_mask_requiring_grad_is_refused():
     bias = torch.zeros(2, 2, 5, 7, requires_grad=True)
     with pytest.raises(NotImplementedError, match="no gradient to attn_mask"):
         flash_attention(query, key, value, bias)
+
+
+@pytest.mark.parametrize("k_len", [8, 2 * KV_BLOCK], ids=["one_block", "blocks"])
+def test_low_precision_probabilities_meet_the_values_in_their_dtype(k_len):
+    """The scan's probability-value product takes bfloat16 operands for bfloat16 values (as PyTorch's CPU flash
+    attention and splash do), not a float32 product at "highest" precision, which XLA on a TPU computes in
+    several bfloat16 passes: more program to compile and more time to run."""
+    from hf_tpu import direct
+
+    query = torch.randn(1, 4, 8, 16, dtype=torch.bfloat16).to("tpu")
+    key, value = (torch.randn(1, 2, k_len, 16, dtype=torch.bfloat16).to("tpu") for _ in range(2))
+
+    def attend(query, key, value):
+        return flash_attention(query, key, value, is_causal=True)
+
+    text = direct.lower(attend, (query, key, value), {}).as_text()
+    operands = [re.search(r": \((.*)\) ->", line).group(1) for line in text.splitlines()
+                if "stablehlo.dot_general" in line]
+    assert len(operands) == 2 and all("f32" not in types for types in operands), operands
