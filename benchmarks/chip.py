@@ -48,6 +48,7 @@ Run: python -m benchmarks.chip                              (the 1.1B and MoE mo
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import json
 import os
@@ -1093,7 +1094,11 @@ def describe(row: dict, spec: dict, limits: dict | None = None) -> str:
     if section == "skipped":
         return f"[{row['group']}] skipped {row['row']}: {row['reason']}"
     if section == "run":
-        return f"[run] --size {row['size']}, batches {row['batches']}, lengths {row['lengths']}, {row['started']}"
+        line = f"[run] --size {row['size']}, batches {row['batches']}, lengths {row['lengths']}, {row['started']}"
+        if row.get("zstandard") is False:  # an install without hf-tpu's dependencies (`pip install --no-deps`)
+            line += ("\n[run] zstandard is not installed: JAX compresses the disk cache's programs with zlib, and each "
+                     "first call pays seconds for it that an install of hf-tpu does not (`pip install zstandard`)")
+        return line
     if section == "limits":
         return (f"[limits] {row['device']} ({row['platform']}): bf16 matmul {row['matmul_tflops']:.1f} TFLOP/s, "
                 f"HBM read {row['hbm_gbs']:.0f} GB/s, memory {row['memory_gb']:.1f} GB")
@@ -1163,7 +1168,8 @@ def run(args, spec: dict) -> list:
             _save(results, args.json)
 
     on_row({"section": "run", "size": args.size, "batches": spec["batches"], "lengths": spec["lengths"],
-            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv)})
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv),
+            "zstandard": importlib.util.find_spec("zstandard") is not None})
     for group in args.only.split(","):
         timeout = args.timeout or GROUPS[group][1]
         if deadline is not None:

@@ -545,3 +545,13 @@ def test_first_call_phases_split_the_direct_trace_from_dynamos_capture(monkeypat
     line = chip.describe(dict(traced, group="compile"), spec)
     assert line.startswith("[compile] hf-tpu forward 4x8: first call") and "Python trace" in line
     assert "first calls, where the time goes" in chip.report([dict(r, group="compile") for r in rows], spec)
+
+
+def test_a_run_without_zstandard_says_its_first_calls_pay_for_zlib():
+    """An install made without hf-tpu's dependencies (the chip's `pip install --no-deps`) leaves JAX compressing its
+    disk cache with zlib: seconds of every first call that a user's install does not pay."""
+    from benchmarks import chip
+
+    run = {"section": "run", "size": "tiny", "batches": [1], "lengths": [16], "started": "now"}
+    assert "zlib" in chip.describe(dict(run, zstandard=False), {})
+    assert "zlib" not in chip.describe(dict(run, zstandard=True), {})
