@@ -125,23 +125,44 @@ def _cache_entry(executable) -> bytes:
     return compilation_cache.compress_executable(compilation_cache.combine_executable_and_time(serialized, 0))
 
 
-def _compiler_stages(pid: int) -> dict:
-    """Seconds of the TPU compiler's stages in process `pid` (HLO passes, backend passes, code generation, end to
-    end), as libtpu logs them in its log folder (`/tmp/tpu_logs`, a file a process, complete once it exited),
-    summed over its compiles."""
-    import glob
-    import re
+# what libtpu's compiler logs of a program's size: the compile on the chip tracks it (the host's seconds do not)
+_SIZE_LINES = {"instructions": r"Initial HLO module: .* instructions: ([\d,]+)",
+               "inlined instructions": r"HLO optimizing module: .* instructions: ([\d,]+)",
+               "bundles": r"final program bundle count: ([\d,]+)"}
 
-    stages = {}
+
+def _compiler_log(pid: int) -> tuple[dict, dict]:
+    """Seconds of the TPU compiler's stages in process `pid` (HLO passes, backend passes, code generation, end to
+    end) and the program's size (HLO instructions as the compiler receives them and once calls are inlined, the
+    final program's bundles), as libtpu logs them in its log folder (`/tmp/tpu_logs`, a file a process, complete
+    once it exited), summed over its compiles."""
+    import glob
+
+    stages, size = {}, {}
     for path in glob.glob(f"/tmp/tpu_logs/*.INFO.*.{pid}"):
         with open(path, errors="replace") as f:
-            for line in f:
-                found = re.search(r"\] (\w+) stage duration: (?:(\d+)m)?([\d.]+)(ms|s)$", line.strip())
-                if found:
-                    stage, minutes, value, unit = found.groups()
-                    seconds = 60 * int(minutes or 0) + float(value) / (1000 if unit == "ms" else 1)
-                    stages[stage] = stages.get(stage, 0.0) + seconds
-    return stages
+            stages_here, size_here = _parse_compiler_log(f)
+        for stage, seconds in stages_here.items():
+            stages[stage] = stages.get(stage, 0.0) + seconds
+        for figure, count in size_here.items():
+            size[figure] = size.get(figure, 0) + count
+    return stages, size
+
+
+def _parse_compiler_log(lines) -> tuple[dict, dict]:
+    import re
+
+    stages, size = {}, {}
+    for line in lines:
+        found = re.search(r"\] (\w+) stage duration: (?:(\d+)m)?([\d.]+)(ms|s)$", line.strip())
+        if found:
+            stage, minutes, value, unit = found.groups()
+            seconds = 60 * int(minutes or 0) + float(value) / (1000 if unit == "ms" else 1)
+            stages[stage] = stages.get(stage, 0.0) + seconds
+        for figure, pattern in _SIZE_LINES.items():
+            if found := re.search(pattern, line):
+                size[figure] = size.get(figure, 0) + int(found.group(1).replace(",", ""))
+    return stages, size
 
 
 def worker(side: str, program: str, model: str, layers: int, batch: int, length: int, topology: str,
@@ -213,12 +234,13 @@ def main(argv=None) -> None:
                 print(f"{side} with {layers} layers failed:\n{stderr[-3000:]}", file=sys.stderr)
                 continue
             row = results[side, layers] = json.loads(lines[-1][len("RESULT "):])
-            row["stages"] = _compiler_stages(finished.pid)
+            row["stages"], row["size"] = _compiler_log(finished.pid)
             print(f"{side} {args.program} {args.model} with {layers} layers, {batch}x{args.length}: "
                   f"lowering {row['lowering_seconds']:.1f} s, XLA compile {row['compile_seconds']:.1f} s "
                   f"({row['compile_cpu_seconds']:.1f} s of CPU); its persistent-cache entry "
                   f"{row['cache_entry_bytes'] / 2**20:.0f} MiB made in {row['cache_entry_seconds']:.1f} s"
                   + "".join(f"; {stage} {seconds:.1f} s" for stage, seconds in row["stages"].items())
+                  + "".join(f"; {count:,} {figure}" for figure, count in row["size"].items())
                   + (f"; XLA's cost analysis {row['flops'] / 1e12:.2f} TFLOP, {row['bytes_accessed'] / 2**30:.1f} GiB "
                      "accessed" if row["flops"] else ""), flush=True)
     if len(depths) != 2:
@@ -239,6 +261,12 @@ def main(argv=None) -> None:
         if len(extrapolated) == 2:
             print(f"hf-tpu / torchax XLA compile ({what}) at {real} layers: "
                   f"{extrapolated['hf-tpu'] / extrapolated['torchax']:.2f}x")
+    for side in args.sides.split(","):  # the program's size a layer: what the chip's compile scales with
+        if (side, a) in results and (side, b) in results:
+            sa, sb = results[side, a]["size"], results[side, b]["size"]
+            print(f"{side}: " + ", ".join(f"{(sb[figure] - sa[figure]) / (b - a):,.0f} {figure} a layer, "
+                                          f"{sa[figure] + (sb[figure] - sa[figure]) / (b - a) * (real - a):,.0f} "
+                                          f"at {real} layers" for figure in sa if figure in sb))
 
 
 if __name__ == "__main__":
