@@ -14,7 +14,9 @@ A function traced straight from Python (`hf_tpu.jit`, and `torch.compile` of a m
 to rewrite: there `KnownValues`, a torch function mode active during the trace, keeps the CPU value of every
 tensor computed from constants alone (factories such as `arange`, and ops on such tensors), computed with
 PyTorch on the host beside the traced op, and hands an attention call whose mask has a known value the pattern
-instead. The program still computes the mask, which nothing then reads and XLA drops.
+instead. The program still computes the mask, which nothing then reads and XLA drops; the index checks of its
+ops (Transformers' mask functions index position ids) are decided on the host from the known indices, so that no
+check keeps the mask's ops in the program (`hf_tpu.dispatch.index_checks.in_range_on_host`).
 """
 
 from __future__ import annotations
@@ -251,6 +253,16 @@ _NOT_CONSTANT = ("rand", "empty", "normal", "dropout", "bernoulli", "multinomial
 MOST_KNOWN_BYTES = 256 << 20
 
 
+_ACTIVE: list = []  # the `KnownValues` of the traces running (a trace may run inside another's)
+
+
+def known_value(tensor) -> torch.Tensor | None:
+    """The CPU value of a tensor in the innermost running trace (`KnownValues.known`), or None: nothing is known
+    outside a trace. Read below the torch function modes, where `KnownValues` is not the current mode: by the
+    dispatch, whose index checks it decides (`hf_tpu.dispatch.index_checks.in_range_on_host`)."""
+    return _ACTIVE[-1].known(tensor) if _ACTIVE else None
+
+
 class KnownValues(torch.overrides.TorchFunctionMode):
     """While a function is traced: the CPU value of each `tpu` tensor computed from constants alone, and attention
     calls whose mask has such a value run on its pattern (see the module's docstring).
@@ -259,7 +271,8 @@ class KnownValues(torch.overrides.TorchFunctionMode):
     a value whose tensor was written since is not known, and nothing is known of an inference tensor (made under
     `torch.inference_mode()`), which keeps no version. Ops on known values are computed again on the host with
     the same function and the CPU tensors in place of the `tpu` ones; an op that fails there, or that makes a value
-    over `MOST_KNOWN_BYTES`, leaves its result unknown. What is known decides nothing but the attention's pattern."""
+    over `MOST_KNOWN_BYTES`, leaves its result unknown. What is known decides the attention's pattern, and the index
+    checks of ops whose indices are known (`known_value`), nothing else."""
 
     def __init__(self):
         super().__init__()
@@ -278,6 +291,14 @@ class KnownValues(torch.overrides.TorchFunctionMode):
         result = func(*args, **kwargs)
         self._note(func, args, kwargs, result)
         return result
+
+    def __enter__(self):
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _ACTIVE.remove(self)
+        return super().__exit__(*exc)
 
     def known(self, tensor) -> torch.Tensor | None:
         """The CPU value of a tensor (a CPU tensor's own), if known and not written since."""

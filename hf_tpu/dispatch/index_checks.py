@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import typing
 
+import jax
 import jax.numpy as jnp
 import torch
+
+from .. import dtypes
 
 
 class IndexCheck(typing.NamedTuple):
@@ -248,6 +251,32 @@ RULES = {
     "bincount": _bincount,
     "one_hot": _one_hot,
 }
+
+
+def in_range_on_host(check: IndexCheck, names: tuple, values: list, known) -> bool:
+    """Whether a call's indices are all in range, found on the host from their values where each tensor argument's is
+    known there (`known(tensor)`: its CPU value or None; in a trace, the values computed from constants alone that
+    `constant_masks.KnownValues` keeps). False where a value is not known, or an index is out of range: the program
+    then checks them. A check decided so is left out of the traced program, and with it every op that computes only
+    what the check read (the index ops of an attention mask that a known pattern replaced)."""
+    def on_host(value):
+        if isinstance(value, torch.Tensor):
+            host = known(value)
+            if host is None:
+                raise LookupError
+            return jnp.asarray(host.detach().float().numpy() if host.dtype == torch.bfloat16
+                               else host.detach().numpy()).astype(dtypes.to_jax(host.dtype))
+        if isinstance(value, (list, tuple)):
+            return type(value)(on_host(v) for v in value)
+        return value
+
+    # computed now on the host's CPU, not staged into the program being traced
+    with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):
+        try:
+            args = {name: on_host(value) for name, value in zip(names, values)}
+        except LookupError:
+            return False
+        return not bool(check.find(args)[0])
 
 
 def rule_for(op):

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from .. import counters, dtypes, modes
+from .. import constant_masks, counters, dtypes, modes
 from ..device_state import current, rng
 from ..memory import buffer, placement
 from ..memory.out_of_memory import check_allocation, check_results
 from ..modes import device_errors
+from . import index_checks
 from .call import Call
 from .fallback import run_unlowered
 from .program import PROGRAMS, build_program, eval_specs, meta_out_specs
@@ -68,12 +69,18 @@ def run_lowered(sig: Signature, values: list, analysed=None):
     else:
         arrays = call.arrays
         if index_check is not None:
-            arrays = [*arrays, *device_errors.operands(mode, device_index, sig, index_check.error)]
+            if mode.kind is modes.ModeKind.TRACE and index_checks.in_range_on_host(
+                    index_check, sig.names, values, constant_masks.known_value):
+                index_check = None  # decided in the trace: the program's check is computed into nothing
+                arrays = [*arrays, *device_errors.unrecorded()]
+            else:
+                arrays = [*arrays, *device_errors.operands(mode, device_index, sig, index_check.error)]
         if buffer.sharded_arrays_exist:  # a sharded tensor (hf_tpu.distributed) may meet single-chip ones
             arrays = placement.place_together(arrays)
         results = mode.execute(program, call.key, arrays, call.scalars, rng_key, device_index)
-        if index_check is not None:
-            device_errors.keep(mode, device_index, results[-1])
+        if program.index_check is not None:
+            if index_check is not None:
+                device_errors.keep(mode, device_index, results[-1])
             results = results[:-1]
         out_specs = program.out_specs
     if new:  # kept once it has run: a lowering that rejects its arguments raises in every mode

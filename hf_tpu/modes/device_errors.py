@@ -223,6 +223,12 @@ def operands(mode, device_index: int, sig, error) -> tuple:
     return jnp.asarray(len(traced.sites.sites), DTYPE), tensor_views.array_of(traced.tensor)
 
 
+def unrecorded():
+    """A checked op's site and record where its indices were found in range as the program was traced
+    (`index_checks.in_range_on_host`): constants, so that what its program finds is read by nothing."""
+    return jnp.zeros((), DTYPE), jnp.zeros(SHAPE, DTYPE)
+
+
 def keep(mode, device_index: int, record) -> None:
     """The record a checked op's program returned, in place of the one it took."""
     if mode.kind is ModeKind.TRACE:

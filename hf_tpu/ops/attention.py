@@ -25,7 +25,7 @@ import torch
 from ..dispatch import backend_choice, lowering
 from ..kernels import flash_attention as flash_kernel
 from ..kernels import selection as kernel_selection
-from .products import matmul_precision
+from .products import matmul_precision, product_precision
 from .nn import _opmath
 
 aten = torch.ops.aten
@@ -403,7 +403,7 @@ class _Blocks:
 
 def _block_scores(queries, keys, mask, start, k_len, scale, is_causal, sliding_window, softcap):
     """Float32 scores of every query against one block of keys; hidden pairs are -inf."""
-    scores = jnp.einsum("bhgqd,bhkd->bhgqk", queries, keys, precision=matmul_precision(),
+    scores = jnp.einsum("bhgqd,bhkd->bhgqk", queries, keys, precision=product_precision(jnp.result_type(queries, keys)),
                         preferred_element_type=jnp.float32) * scale
     if softcap > 0:
         scores = softcap * jnp.tanh(scores / softcap)
@@ -444,7 +444,7 @@ def _blocked_attention(query, key, value, attn_mask, scale, is_causal, sliding_w
         # a TPU computes as several bfloat16 passes (on the v5e a fifth more program for the attention, whose
         # compile tracks its size). The running sum and the accumulator stay float32.
         acc = acc * rescale[..., None] + jnp.einsum("bhgqk,bhkd->bhgqd", probs.astype(values.dtype), values,
-                                                    precision=matmul_precision(),
+                                                    precision=product_precision(values.dtype),
                                                     preferred_element_type=jnp.float32)
         return (new_max, running_sum * rescale + probs.sum(-1), acc), None
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..dispatch import lowering
-from .products import accumulation_dtype, matmul_precision
+from .products import accumulation_dtype, product_precision
 
 aten = torch.ops.aten
 
@@ -62,7 +62,7 @@ def _conv(input, weight, stride, padding, dilation, transposed, output_padding, 
         rhs_dilation=dilation,
         dimension_numbers=numbers,
         feature_group_count=groups,
-        precision=matmul_precision(),
+        precision=product_precision(jnp.result_type(input, weight)),
         preferred_element_type=accumulation_dtype(jnp.result_type(input, weight)),
     )
 

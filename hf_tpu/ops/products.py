@@ -2,10 +2,10 @@
 operands handed whole (`tensor_views.Transposed`, `tensor_views.Flattened`), grouped products (`_grouped_mm`, with
 megablox's Pallas kernel on a TPU) and int8 products counted in int32 (`out_dtype`).
 
-Float32 products follow `torch.get_float32_matmul_precision()` (which `allow_tf32` also sets), read
-when the program is traced; bfloat16/float16 products accumulate in float32 and round once, like
-PyTorch's CPU and CUDA kernels (on a TPU, where the matrix unit does so by itself, a bfloat16 product of
-many rows is asked for in bfloat16: `_product_dtype`).
+Float32 and float16 products follow `torch.get_float32_matmul_precision()` (which `allow_tf32` also sets), read
+when the program is traced, and bfloat16 ones ask for no precision (`product_precision`); bfloat16/float16
+products accumulate in float32 and round once, like PyTorch's CPU and CUDA kernels (on a TPU, where the matrix unit
+does so by itself, a bfloat16 product of many rows is asked for in bfloat16: `_product_dtype`).
 """
 
 from __future__ import annotations
@@ -36,6 +36,17 @@ def matmul_precision():
     """JAX precision for float32 products. Read at trace time, so the dispatch cache key must
     include `torch.get_float32_matmul_precision()` for a change to take effect."""
     return _PRECISIONS[torch.get_float32_matmul_precision()]
+
+
+def product_precision(dtype):
+    """The precision a product of `dtype` operands asks XLA for: the float32 matmul precision for float32 and
+    float16 (which a TPU's matrix unit would otherwise take as bfloat16) products, none for bfloat16 ones, whose
+    products are exact in the float32 accumulator at any precision: "highest" on bfloat16 operands changes no
+    value but XLA's program for a TPU (the 1.1B Llama's 1x128 forward: 29.8k bundles a layer, 26.4k without),
+    whose compile time tracks its size. Integer products ask for none."""
+    if dtype == jnp.bfloat16 or not jnp.issubdtype(dtype, jnp.inexact):
+        return None
+    return matmul_precision()
 
 
 def accumulation_dtype(dtype):
@@ -80,12 +91,10 @@ def dot(a, b, dimension_numbers, epilogue: bool = False):
     """`lax.dot_general` with PyTorch's precision and accumulation; the caller casts the result. `epilogue`: the
     caller adds to the product (addmm's `beta * self`) or casts it to a dtype of its own before it is rounded, so
     it is asked for in its accumulation dtype on every platform, rounded once as PyTorch's CPU kernels round it.
-    A precision is a float product's choice: an integer product (int8 x int8 -> int32, the TPU's int8 matrix unit)
-    asks for none."""
+    Its precision is `product_precision`'s."""
     dtype = jnp.result_type(a, b)
     rows = math.prod(n for d, n in enumerate(a.shape) if d not in dimension_numbers[0][0])
-    precision = matmul_precision() if jnp.issubdtype(dtype, jnp.inexact) else None
-    product = functools.partial(jax.lax.dot_general, precision=precision,
+    product = functools.partial(jax.lax.dot_general, precision=product_precision(dtype),
                                 preferred_element_type=accumulation_dtype(dtype) if epilogue
                                 else _product_dtype(dtype, rows))
     vector_side = _half_precision_vector_on_cpu(a, b, dimension_numbers)

@@ -234,6 +234,32 @@ def test_a_traced_function_checks_its_indices():
         torch.testing.assert_close(traced(_t([0, 2], "tpu")).cpu(), weight.cpu()[[0, 2]].sum(0))
 
 
+def test_a_trace_decides_the_checks_of_indices_computed_from_constants():
+    """Indices a trace computes from constants alone (Transformers' mask functions index position ids made by
+    `arange`) are checked on the host as the function is traced: the program checks only the others, and the ops
+    that only the decided checks read leave the program. Known indices out of range still raise CPU's error."""
+    weight = torch.randn(5, 3, device="tpu")
+
+    def lookup(shift):
+        def fn(ids):
+            positions = torch.arange(8, device="tpu")
+            picked = positions[torch.arange(4, device="tpu") + shift]  # never read below: only its check keeps it
+            return F.embedding(ids, weight).sum(0) + 0 * picked.shape[0]
+        return hf_tpu.jit(fn)
+
+    def ops_of(text):
+        return sum(line.strip().startswith("%") for line in text.splitlines())
+
+    ids = _t([1, 4], "tpu")
+    with torch.no_grad():
+        in_range, out_of_range = lookup(4), lookup(5)
+        assert ops_of(in_range.lower(ids).as_text()) < ops_of(out_of_range.lower(ids).as_text()) - 10
+        torch.testing.assert_close(in_range(ids).cpu(), weight.cpu()[[1, 4]].sum(0))
+        y = out_of_range(ids)
+        with pytest.raises(IndexError, match=r"index 8 is out of bounds for dimension 0 with size 8"):
+            y.cpu()
+
+
 @pytest.mark.parametrize("traced", ["torch.compile", "hf_tpu.jit"])
 def test_a_device_loop_carries_its_index_checks_through_its_iterations(traced):
     """A decoding loop looks up each new token: the loop stays on the device, and an id out of range in any

@@ -136,3 +136,22 @@ def test_out_dtype_int32_of_int8_matrices_is_an_int8_product(traced):
         assert [str(v.aval.dtype) for e in dots for v in e.invars] == ["int8", "int8"]
         assert [e.params["preferred_element_type"] for e in dots] == [jnp.int32]
         assert [e.params["precision"] for e in dots] == [None]  # a float product's setting, not an integer one's
+
+
+@pytest.mark.parametrize("dtype, precision", [(torch.bfloat16, None), (torch.float16, "HIGHEST"),
+                                              (torch.float32, "HIGHEST")])
+def test_only_bfloat16_products_ask_for_no_precision(dtype, precision):
+    """A bfloat16 product is exact in the float32 accumulator at any precision, and "highest" on bfloat16 operands
+    made XLA's TPU program bigger for the same values (`products.product_precision`); float16 and float32
+    products keep the float32 matmul precision ("highest" by default), linear layers and convolutions alike."""
+    import hf_tpu
+
+    x, w = torch.randn(4, 8, dtype=dtype, device="tpu"), torch.randn(16, 8, dtype=dtype, device="tpu")
+    image, kernel = torch.randn(1, 2, 5, 5, dtype=dtype, device="tpu"), torch.randn(3, 2, 3, 3, dtype=dtype,
+                                                                                     device="tpu")
+    text = hf_tpu.jit(lambda x, w, image, kernel: (F.linear(x, w), F.conv2d(image, kernel))).lower(
+        x, w, image, kernel).as_text()
+    asked = [line for line in text.splitlines() if "dot_general" in line or "convolution" in line]
+    assert len(asked) == 2
+    assert all(("precision = [HIGHEST, HIGHEST]" in line or "precision_config = [#stablehlo<precision HIGHEST>"
+                in line) == (precision == "HIGHEST") for line in asked), asked
