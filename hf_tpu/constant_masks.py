@@ -27,6 +27,8 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.operator_schemas import normalize_function
 
+from .dispatch import index_checks
+
 aten = torch.ops.aten
 
 # a mask is evaluated only if all the values computing it take at most this many bytes (the mask of an 8 x
@@ -253,16 +255,6 @@ _NOT_CONSTANT = ("rand", "empty", "normal", "dropout", "bernoulli", "multinomial
 MOST_KNOWN_BYTES = 256 << 20
 
 
-_ACTIVE: list = []  # the `KnownValues` of the traces running (a trace may run inside another's)
-
-
-def known_value(tensor) -> torch.Tensor | None:
-    """The CPU value of a tensor in the innermost running trace (`KnownValues.known`), or None: nothing is known
-    outside a trace. Read below the torch function modes, where `KnownValues` is not the current mode: by the
-    dispatch, whose index checks it decides (`hf_tpu.dispatch.index_checks.in_range_on_host`)."""
-    return _ACTIVE[-1].known(tensor) if _ACTIVE else None
-
-
 class KnownValues(torch.overrides.TorchFunctionMode):
     """While a function is traced: the CPU value of each `tpu` tensor computed from constants alone, and attention
     calls whose mask has such a value run on its pattern (see the module's docstring).
@@ -272,7 +264,7 @@ class KnownValues(torch.overrides.TorchFunctionMode):
     `torch.inference_mode()`), which keeps no version. Ops on known values are computed again on the host with
     the same function and the CPU tensors in place of the `tpu` ones; an op that fails there, or that makes a value
     over `MOST_KNOWN_BYTES`, leaves its result unknown. What is known decides the attention's pattern, and the index
-    checks of ops whose indices are known (`known_value`), nothing else."""
+    checks of ops whose indices are known (`index_checks.HOST_VALUES`), nothing else."""
 
     def __init__(self):
         super().__init__()
@@ -293,11 +285,11 @@ class KnownValues(torch.overrides.TorchFunctionMode):
         return result
 
     def __enter__(self):
-        _ACTIVE.append(self)
+        index_checks.HOST_VALUES.append(self.known)
         return super().__enter__()
 
     def __exit__(self, *exc):
-        _ACTIVE.remove(self)
+        index_checks.HOST_VALUES.remove(self.known)
         return super().__exit__(*exc)
 
     def known(self, tensor) -> torch.Tensor | None:

@@ -253,12 +253,20 @@ RULES = {
 }
 
 
-def in_range_on_host(check: IndexCheck, names: tuple, values: list, known) -> bool:
-    """Whether a call's indices are all in range, found on the host from their values where each tensor argument's is
-    known there (`known(tensor)`: its CPU value or None; in a trace, the values computed from constants alone that
-    `constant_masks.KnownValues` keeps). False where a value is not known, or an index is out of range: the program
-    then checks them. A check decided so is left out of the traced program, and with it every op that computes only
-    what the check read (the index ops of an attention mask that a known pattern replaced)."""
+# Where a trace knows tensors' values on the host: for each trace running (innermost last), a function of a tensor
+# giving its CPU value or None. `constant_masks.KnownValues` adds its own (the values computed from constants alone)
+# while it is the trace's mode; the dispatch, below that mode, reads them here.
+HOST_VALUES: list = []
+
+
+def in_range_on_host(check: IndexCheck, names: tuple, values: list) -> bool:
+    """Whether a call's indices are all in range, found on the host from their values where the innermost trace
+    knows each tensor argument's (`HOST_VALUES`). False where a value is not known, or an index is out of range:
+    the program then checks them. A check decided so is left out of the traced program, and with it every op that
+    computes only what the check read (the index ops of an attention mask that a known pattern replaced)."""
+    if not HOST_VALUES:
+        return False
+    known = HOST_VALUES[-1]
     def on_host(value):
         if isinstance(value, torch.Tensor):
             host = known(value)

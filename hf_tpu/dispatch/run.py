@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import constant_masks, counters, dtypes, modes
+from .. import counters, dtypes, modes
 from ..device_state import current, rng
 from ..memory import buffer, placement
 from ..memory.out_of_memory import check_allocation, check_results
@@ -70,7 +70,7 @@ def run_lowered(sig: Signature, values: list, analysed=None):
         arrays = call.arrays
         if index_check is not None:
             if mode.kind is modes.ModeKind.TRACE and index_checks.in_range_on_host(
-                    index_check, sig.names, values, constant_masks.known_value):
+                    index_check, sig.names, values):
                 index_check = None  # decided in the trace: the program's check is computed into nothing
                 arrays = [*arrays, *device_errors.unrecorded()]
             else:
