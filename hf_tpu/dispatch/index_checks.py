@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from .. import dtypes
+from ..memory import host_transfers
 
 
 class IndexCheck(typing.NamedTuple):
@@ -272,8 +272,7 @@ def in_range_on_host(check: IndexCheck, names: tuple, values: list) -> bool:
             host = known(value)
             if host is None:
                 raise LookupError
-            return jnp.asarray(host.detach().float().numpy() if host.dtype == torch.bfloat16
-                               else host.detach().numpy()).astype(dtypes.to_jax(host.dtype))
+            return jnp.asarray(host_transfers.host_array(host))
         if isinstance(value, (list, tuple)):
             return type(value)(on_host(v) for v in value)
         return value
