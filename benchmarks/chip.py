@@ -492,9 +492,14 @@ def _llama(spec: dict):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from hf_tpu.integrations.transformers import scanned_layers, settings
+
     torch.manual_seed(0)
     config = LlamaConfig(**spec["model"], attn_implementation="sdpa")
-    return LlamaForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
+    model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
+    if settings.scan_layers == "always":  # as `from_pretrained(device_map="tpu")` would give it (HF_TPU_SCAN_LAYERS)
+        scanned_layers.arrange(model)
+    return model
 
 
 def _ids(vocab: int, batch: int, length: int, variant: int = 0):

@@ -91,7 +91,8 @@ backend.register()
 
 def __getattr__(name: str):
     """`hf_tpu.distributed` loads on first use, so single-chip programs never import it; so does `hf_tpu.jit`
-    (`hf_tpu.direct`), with the tracing machinery it shares with `torch.compile`'s backend."""
+    (`hf_tpu.direct`), with the tracing machinery it shares with `torch.compile`'s backend, and `hf_tpu.scan_layers`,
+    which serves that trace."""
     if name == "distributed":
         import importlib
 
@@ -100,6 +101,10 @@ def __getattr__(name: str):
         from .direct import jit
 
         return jit
+    if name == "scan_layers":
+        from .layer_scan import scan_layers
+
+        return scan_layers
     raise AttributeError(f"module 'hf_tpu' has no attribute {name!r}")
 
 

@@ -128,13 +128,13 @@ def _recomputed_under_the_forwards_modes(context_fn):
     checkpoint refuses (a C++ abort inside autograd's engine)."""
     def contexts():
         forward, recompute = context_fn()
-        return forward, _modes_entered(torch.overrides._get_current_function_mode_stack(), recompute)
+        return forward, modes_entered(torch.overrides._get_current_function_mode_stack(), recompute)
 
     return contexts
 
 
 @contextlib.contextmanager
-def _modes_entered(forward_modes: list, recompute):
+def modes_entered(forward_modes: list, recompute):
     with contextlib.ExitStack() as stack:
         current = torch.overrides._get_current_function_mode_stack()
         for mode in forward_modes:

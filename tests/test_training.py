@@ -739,3 +739,55 @@ def test_parameters_sharing_an_uploaded_value_are_donated_to_the_traced_step():
     step(x)
     assert not torch.equal(model[0].weight.detach().cpu(), torch.ones(8))
     assert torch.equal(torch.nn.LayerNorm(8).to("tpu").weight.detach().cpu(), torch.ones(8))  # the shared value kept
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_checkpointed_decoder_scans_its_layers_with_the_unrolled_steps_results(reentrant, monkeypatch):
+    """Once checkpointed, a decoder's layers run as one scanned loop in the traced step (`scanned_layers`): the
+    losses and parameters of the step with its layers unrolled (`scan_layers="off"`), and the scan is taken."""
+    from hf_tpu import layer_scan
+    from hf_tpu.integrations.transformers import configure
+
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=1e-2, foreach=True)
+
+    configure(scan_layers="off")
+    try:
+        unrolled, unrolled_params = _traced_training("tpu", 2, adamw, checkpointing=reentrant, length=16)
+    finally:
+        configure(scan_layers="checkpointed")
+    scans = []
+    forward = layer_scan._ScannedLayers.forward
+    monkeypatch.setattr(layer_scan._ScannedLayers, "forward",
+                        staticmethod(lambda *args: scans.append(1) or forward(*args)))
+    scanned, scanned_params = _traced_training("tpu", 2, adamw, checkpointing=reentrant, length=16)
+    assert scans == [1]  # one trace, one scan of the layers
+    torch.testing.assert_close(scanned, unrolled, rtol=1e-6, atol=1e-6)
+    for a, b in zip(scanned_params, unrolled_params):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_only_a_plain_loop_over_the_layers_is_scanned(tmp_path):
+    """The loop's body must be `hidden = layer(hidden, ...)` with arguments that do not name the layer (Gemma 3 picks
+    each layer's mask by its type); outside a traced step the list iterates over its layers; a model loaded on tpu
+    (whose layers hold Transformers' output-capturing hooks, inert unless a call records outputs) scans too."""
+    from transformers import Gemma3TextModel, LlamaConfig, LlamaForCausalLM, LlamaModel
+
+    from hf_tpu.integrations.transformers import scanned_layers
+
+    assert scanned_layers._plain_loop(LlamaModel) and not scanned_layers._plain_loop(Gemma3TextModel)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64, max_position_embeddings=32)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    model = LlamaForCausalLM.from_pretrained(tmp_path, device_map="tpu")
+    assert type(model.model.layers) is scanned_layers.ScannableLayers
+    assert list(model.model.layers) == list(model.model.layers._modules.values())
+    model.gradient_checkpointing_enable()
+    model.train()
+    layers = list(model.model.layers._modules.values())
+    assert scanned_layers._hooks_inert(layers) and layers[0]._forward_hooks
+    ids = torch.randint(0, 64, (2, 8)).to("tpu")
+    hf_tpu.direct.reset()
+    text = causal_lm_step(model, torch.optim.SGD(model.parameters(), lr=0.1), jit=True).lower(ids).as_text()
+    assert text.count("stablehlo.while") >= 2

@@ -45,7 +45,8 @@ from hf_tpu.wrapping import wrap_once
 
 from .. import attention
 from ..output_capturing import capturing_hooks_traced, install_output_capturing_hooks
-from . import cache, compiled_buckets, continuous_batching, decode_loop, from_pretrained, generation, prefill, trainer
+from . import (cache, compiled_buckets, continuous_batching, decode_loop, from_pretrained, generation, prefill,
+               scanned_layers, trainer)
 from .prefill import bucketed_length
 from .loading import check_before_loading, prepare_model
 from .settings import DEFAULT_PROMPT_BUCKETS, Settings, configure, settings
@@ -80,6 +81,8 @@ def install(module) -> None:
     if module.__name__ == "transformers.modeling_utils":
         wrap_once(module.PreTrainedModel, "from_pretrained", from_pretrained.wrap)
         wrap_once(module.PreTrainedModel, "get_compiled_call", generation._wrap_get_compiled_call)
+        wrap_once(module.PreTrainedModel, "_set_gradient_checkpointing",
+                  scanned_layers._wrap_set_gradient_checkpointing)
         attention.register()
         capturing_hooks_traced()
         compiled_buckets.install()

@@ -17,6 +17,7 @@ import torch
 from hf_tpu import model_patches
 
 from ..output_capturing import install_output_capturing_hooks
+from . import scanned_layers
 
 
 def _on_tpu(model) -> bool:
@@ -129,10 +130,12 @@ def check_before_loading(pretrained_model_name_or_path, dtype) -> None:
 
 
 def prepare_model(model) -> None:
-    """Per-architecture patches and the output-capturing hooks for a model on `tpu`, once per model."""
+    """Per-architecture patches, the output-capturing hooks and the scannable layer lists (`scanned_layers`) for a
+    model on `tpu`, once per model."""
     if getattr(model, "_hf_tpu_prepared", False):
         return
     model._hf_tpu_prepared = True
     model_patches.warn_if_failing(getattr(model.config, "model_type", ""))
     model_patches.apply(model)
     install_output_capturing_hooks(model)
+    scanned_layers.arrange(model)

@@ -9,6 +9,7 @@ import dataclasses
 from hf_tpu import settings as _environment
 
 
+SCAN_LAYERS_CHOICES = ("checkpointed", "always", "off")
 DEFAULT_PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
@@ -21,6 +22,9 @@ _environment.register(
     _environment.Setting("HF_TPU_DEVICE_LOOP", "bool", True, "Transformers generate: decode in one compiled loop"),
     _environment.Setting("HF_TPU_DIRECT_TRACE", "bool", True, "Transformers generate: trace the prefill and the "
                          "decode loop with hf_tpu.jit (off: torch.compile)"),
+    _environment.Setting("HF_TPU_SCAN_LAYERS", "choice", "checkpointed", "Transformers decoders in hf_tpu.jit's trace: "
+                         "run the layers as one scanned loop when checkpointed (checkpointed), in every traced forward "
+                         "(always), or unrolled (off)", choices=SCAN_LAYERS_CHOICES),
 )
 
 
@@ -44,14 +48,15 @@ class Settings:
     static_cache: bool = dataclasses.field(default_factory=lambda: _environment.get("HF_TPU_STATIC_CACHE"))
     device_loop: bool = dataclasses.field(default_factory=lambda: _environment.get("HF_TPU_DEVICE_LOOP"))
     direct_trace: bool = dataclasses.field(default_factory=lambda: _environment.get("HF_TPU_DIRECT_TRACE"))
+    scan_layers: str = dataclasses.field(default_factory=lambda: _environment.get("HF_TPU_SCAN_LAYERS"))
 
 
 settings = Settings()
 
 
 def configure(*, prompt_buckets=None, cache_length_multiple: int | None = None, static_cache: bool | None = None,
-              device_loop: bool | None = None, direct_trace: bool | None = None):
-    """Change how `generate()` runs on `tpu`.
+              device_loop: bool | None = None, direct_trace: bool | None = None, scan_layers: str | None = None):
+    """Change how `generate()` and traced steps run on `tpu`.
 
     prompt_buckets: prompt lengths to left-pad to (a longer prompt goes to a multiple of the largest);
         `()` turns bucketing off.
@@ -61,6 +66,8 @@ def configure(*, prompt_buckets=None, cache_length_multiple: int | None = None, 
         instead of all tokens after the first in one device loop.
     direct_trace: False compiles the prefill and the device loop's step with `torch.compile(backend="tpu")`
         (Dynamo and AOT autograd) instead of tracing them straight from Python with `hf_tpu.jit`.
+    scan_layers: when a decoder's layers run as one scanned loop inside `hf_tpu.jit`'s trace
+        (`scanned_layers`): "checkpointed" (layers checkpointed for training), "always", or "off".
     """
     if prompt_buckets is not None:
         settings.prompt_buckets = _valid_buckets(prompt_buckets)
@@ -74,3 +81,7 @@ def configure(*, prompt_buckets=None, cache_length_multiple: int | None = None, 
         settings.device_loop = bool(device_loop)
     if direct_trace is not None:
         settings.direct_trace = bool(direct_trace)
+    if scan_layers is not None:
+        if scan_layers not in SCAN_LAYERS_CHOICES:
+            raise ValueError(f"scan_layers must be one of {', '.join(SCAN_LAYERS_CHOICES)}, got {scan_layers!r}")
+        settings.scan_layers = scan_layers

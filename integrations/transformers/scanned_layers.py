@@ -1,0 +1,159 @@
+"""A decoder's loop over its layers as one scanned loop in a traced training step (`hf_tpu.scan_layers`).
+
+Transformers' decoders run `hidden_states = decoder_layer(hidden_states, ...)` for each of their layers. Once a
+model's layers are checkpointed (`gradient_checkpointing_enable()`, the Trainer's `gradient_checkpointing=True`),
+`arrange(model)` gives each decoder whose `forward` runs exactly that loop (checked on its source: the loop's body
+is that one assignment, and its arguments do not name the layer) a layer list that, iterated inside `hf_tpu.jit`'s
+trace with gradients on, yields one callable for the whole stack instead of its layers: the loop's body then runs
+once, and `hf_tpu.scan_layers` runs the layers as one XLA loop whose backward recomputes each layer, which is what
+the checkpoint of each layer did. The first step's compile then covers one layer's forward and backward, not every
+layer's (the 1.1B Llama's 16 layers). Everywhere else (eager execution, `torch.compile`, a layer list met outside
+the loop, a call with a KV cache or with hooks on the layers) the list iterates over its layers as before.
+
+`HF_TPU_SCAN_LAYERS` (or `configure(scan_layers=...)`): `checkpointed` (the default, as above), `always` (also a
+traced forward without gradients: the compile of a model's forward shrinks likewise, and each call copies the
+layers' parameters into the stacked arrays the loop reads, which costs a fraction of the forward's time at small
+batches), `off`.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import logging
+import textwrap
+
+import torch
+
+import hf_tpu
+
+from .settings import settings
+
+log = logging.getLogger("hf_tpu.transformers")
+
+# keyword arguments through which a decoder layer reads or writes a KV cache: its layers then differ by their index
+_CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def arrange(model: torch.nn.Module) -> None:
+    """Gives every decoder in `model` whose forward runs the plain loop over `self.layers` a `ScannableLayers` list
+    (the same modules, the same state dict)."""
+    for module in model.modules():
+        layers = getattr(module, "layers", None)
+        if type(layers) is torch.nn.ModuleList and len(layers) > 1 and _plain_loop(type(module)):
+            layers.__class__ = ScannableLayers
+
+
+def _wrap_set_gradient_checkpointing(original):
+    @functools.wraps(original)
+    def _set_gradient_checkpointing(self, enable: bool = True, *args, **kwargs):
+        result = original(self, enable, *args, **kwargs)
+        if enable:
+            arrange(self)
+        return result
+
+    return _set_gradient_checkpointing
+
+
+@functools.cache
+def _plain_loop(cls: type) -> bool:
+    """Whether `cls.forward` runs `for layer in self.layers[...]: hidden = layer(hidden, <arguments>)` once, with
+    nothing else in the loop's body and no argument that names the layer."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    loops = [node for node in ast.walk(tree) if isinstance(node, ast.For) and _over_self_layers(node.iter)]
+    return len(loops) == 1 and _plain_body(loops[0])
+
+
+def _over_self_layers(node) -> bool:
+    if isinstance(node, ast.Subscript):
+        node = node.value
+    return (isinstance(node, ast.Attribute) and node.attr == "layers" and isinstance(node.value, ast.Name)
+            and node.value.id == "self")
+
+
+def _plain_body(loop: ast.For) -> bool:
+    if not (isinstance(loop.target, ast.Name) and len(loop.body) == 1 and not loop.orelse):
+        return False
+    layer, (statement,) = loop.target.id, loop.body
+    if not (isinstance(statement, ast.Assign) and len(statement.targets) == 1
+            and isinstance(statement.targets[0], ast.Name) and isinstance(statement.value, ast.Call)):
+        return False
+    call, hidden = statement.value, statement.targets[0].id
+    if not (isinstance(call.func, ast.Name) and call.func.id == layer and len(call.args) == 1
+            and isinstance(call.args[0], ast.Name) and call.args[0].id == hidden):
+        return False
+    return not any(isinstance(node, ast.Name) and node.id == layer
+                   for keyword in call.keywords for node in ast.walk(keyword.value))
+
+
+class ScannableLayers(torch.nn.ModuleList):
+    """A decoder's layers; iterated inside a traced step that scans them (see the module's docstring), one callable
+    that runs them all."""
+
+    def __iter__(self):
+        layers = list(self._modules.values())
+        if _scanned_here(layers):
+            return iter((_LayerStack(layers),))
+        return iter(layers)
+
+
+def _scanned_here(layers: list) -> bool:
+    if settings.scan_layers == "off" or torch.compiler.is_dynamo_compiling() or not torch.compiler.is_compiling():
+        return False
+    return settings.scan_layers == "always" or _checkpointed(layers)
+
+
+def _checkpointed(layers: list) -> bool:
+    """Whether each layer's call checkpoints it (`GradientCheckpointingLayer`'s condition)."""
+    return torch.is_grad_enabled() and all(
+        getattr(layer, "gradient_checkpointing", False) and layer.training for layer in layers)
+
+
+class _LayerStack:
+    """The loop's one `decoder_layer`: every layer, scanned where `hf_tpu.scan_layers` can."""
+
+    def __init__(self, layers: list):
+        self.layers = layers
+
+    def __call__(self, hidden_states, *args, **kwargs):
+        if _checkpointed(self.layers) and not getattr(self.layers[0], "_can_checkpoint_with_cache", False):
+            # what each layer's checkpoint does to its arguments: a checkpointed layer neither reads nor writes a
+            # cache (Transformers says so once, from the model's forward)
+            kwargs = {name: None if name in _CACHE_ARGUMENTS else False if name == "use_cache" else value
+                      for name, value in kwargs.items()}
+        if any(kwargs.get(name) is not None for name in _CACHE_ARGUMENTS):
+            for layer in self.layers:
+                hidden_states = layer(hidden_states, *args, **kwargs)
+            return hidden_states
+        return hf_tpu.scan_layers(self.layers, hidden_states, args, kwargs, body_forward=_layer_forward,
+                                  differing=("layer_idx",), hooks_inert=_hooks_inert(self.layers))
+
+
+def _hooks_inert(layers: list) -> bool:
+    """Whether every hook on the layers is Transformers' output-capturing hook (which a model loaded on `tpu` has
+    from the start, `install_output_capturing_hooks`) and the call records no output: each hook then returns at once.
+    """
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return False
+    if _active_collector.get():
+        return False
+    return all(getattr(getattr(hook, "__code__", None), "co_name", "") == "output_capturing_hook"
+               for layer in layers for module in layer.modules()
+               for hooks in (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
+                             module._backward_pre_hooks)
+               for hook in hooks.values())
+
+
+def _layer_forward(layer, hidden_states, *args, **kwargs):
+    """The layer's own forward, without the checkpoint Transformers wraps it in (`GradientCheckpointingLayer`): the
+    scan's backward recomputes the layer already."""
+    forward = type(layer).forward
+    if getattr(forward, "__code__", None) is not None and forward.__code__.co_name == "forward_with_checkpointing":
+        forward = forward.__wrapped__  # `functools.wraps` gave the wrapper the forward's name: its code keeps its own
+    return forward(layer, hidden_states, *args, **kwargs)
