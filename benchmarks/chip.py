@@ -492,12 +492,14 @@ def _llama(spec: dict):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hf_tpu.integrations.transformers import scanned_layers, settings
-
     torch.manual_seed(0)
     config = LlamaConfig(**spec["model"], attn_implementation="sdpa")
     model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
-    if settings.scan_layers == "always":  # as `from_pretrained(device_map="tpu")` would give it (HF_TPU_SCAN_LAYERS)
+    # the layer lists `from_pretrained(device_map="tpu")` gives, for HF_TPU_SCAN_LAYERS=always (a torchax row's process
+    # must not import hf_tpu: read from the environment)
+    if os.environ.get("HF_TPU_SCAN_LAYERS", "").lower() == "always":
+        from hf_tpu.integrations.transformers import scanned_layers
+
         scanned_layers.arrange(model)
     return model
 
