@@ -791,3 +791,37 @@ def test_only_a_plain_loop_over_the_layers_is_scanned(tmp_path):
     hf_tpu.direct.reset()
     text = causal_lm_step(model, torch.optim.SGD(model.parameters(), lr=0.1), jit=True).lower(ids).as_text()
     assert text.count("stablehlo.while") >= 2
+
+
+def test_a_layer_that_computes_with_its_index_is_not_scanned():
+    """The layers may differ in `layer_idx` only where it reaches nothing but a cache: a layer whose forward computes
+    with it runs unrolled, with its own index."""
+    from hf_tpu.integrations.transformers import scanned_layers
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer
+
+    class ScaledByIndex(torch.nn.Module):
+        def __init__(self, layer_idx):
+            super().__init__()
+            self.layer_idx = layer_idx
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, hidden, **kwargs):
+            return self.linear(hidden) / (self.layer_idx + 1)
+
+    assert scanned_layers._index_only_for_caches(LlamaDecoderLayer)
+    assert scanned_layers._index_only_for_caches(LlamaAttention)
+    assert not scanned_layers._index_only_for_caches(ScaledByIndex)
+    torch.manual_seed(0)
+    layers = [ScaledByIndex(k).to("tpu") for k in range(3)]
+    x = torch.randn(2, 4).to("tpu")
+
+    def forward(x):
+        return scanned_layers._LayerStack(layers)(x).detach()
+
+    expected = x
+    for layer in layers:
+        expected = layer(expected)
+    hf_tpu.direct.reset()
+    jitted = hf_tpu.jit(forward)
+    torch.testing.assert_close(jitted(x).cpu(), expected.detach().cpu())
+    assert jitted.lower(x).as_text().count("stablehlo.while") == 0

@@ -129,8 +129,54 @@ class _LayerStack:
             for layer in self.layers:
                 hidden_states = layer(hidden_states, *args, **kwargs)
             return hidden_states
+        # the layers differ in their index; the scan runs the first layer's code for all, which is right only where
+        # the index reaches nothing but a cache, and no cache is passed
+        differing = ("layer_idx",) if all(map(_index_only_for_caches, {type(m) for m in self.layers[0].modules()})) \
+            else ()
         return hf_tpu.scan_layers(self.layers, hidden_states, args, kwargs, body_forward=_layer_forward,
-                                  differing=("layer_idx",), hooks_inert=_hooks_inert(self.layers))
+                                  differing=differing, hooks_inert=_hooks_inert(self.layers))
+
+
+@functools.cache
+def _index_only_for_caches(cls: type) -> bool:
+    """Whether every method of `cls` (and of its bases below `torch.nn.Module`) other than `__init__` reads
+    `self.layer_idx` only to reach a KV cache (inside a call or subscript of something named `cache` or
+    `past_key...`). A method that computes with the index (`x / (self.layer_idx + 1)`) is not the same computation
+    for each layer; what `__init__` computes from it (GPT-2's attention scaled by `1 / (layer_idx + 1)`) makes
+    attributes that differ, which `scan_layers` compares."""
+    for klass in cls.__mro__:
+        if klass.__module__.startswith("torch.") or klass is object:
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            return False
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "layer_idx" and not _in_init(node, parents) \
+                    and not _reaches_a_cache(node, parents):
+                return False
+    return True
+
+
+def _in_init(node, parents: dict) -> bool:
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, ast.FunctionDef):
+            return node.name == "__init__"
+    return False
+
+
+def _reaches_a_cache(node, parents: dict) -> bool:
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, (ast.Call, ast.Subscript)):
+            target = ast.unparse(node.func if isinstance(node, ast.Call) else node.value).lower()
+            if "cache" in target or "past_key" in target:
+                return True
+        if isinstance(node, ast.stmt):
+            return False
+    return False
 
 
 def _hooks_inert(layers: list) -> bool:

@@ -1,6 +1,8 @@
 """`hf_tpu.scan_layers`: identical layers inside `hf_tpu.jit`'s trace run as one XLA loop (forward) and one reverse
 loop (backward) with the unrolled loop's results; whatever a loop body cannot hold runs the layers one by one."""
 
+import functools
+
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -17,9 +19,11 @@ class Block(torch.nn.Module):
         self.b = torch.nn.Linear(16, 8)
         self.inner_checkpoint = inner_checkpoint  # None, or use_reentrant of a checkpoint around the MLP
         self.dropout = torch.nn.Dropout(dropout)
+        # made by each layer for itself, as Transformers' activations are: alike, not the same object
+        self.act = functools.partial(torch.nn.functional.gelu, approximate="tanh")
 
     def mlp(self, h):
-        return self.b(self.dropout(torch.tanh(self.a(h))))
+        return self.b(self.dropout(self.act(self.a(h))))
 
     def forward(self, h, scale=None):
         if self.inner_checkpoint is None:
