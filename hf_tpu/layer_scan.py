@@ -7,7 +7,7 @@ step: 16 layers of 357k bundles each, 55 s of the v5e's compile). Inside such a 
 layers' parameters (one array per parameter name, layers first), traces one layer's Python once as the body of a
 `jax.lax.scan` over them, and makes the whole stack one autograd node whose backward is a second scan, in reverse:
 for each layer it recomputes the layer's forward from the input the forward scan kept and runs PyTorch's autograd
-over it (`torch.autograd.grad`), so the derivative formulas are PyTorch's, as in the unrolled program, and what
+over it (`torch.autograd.backward` onto the body's own leaf tensors), so the derivative formulas are PyTorch's, as in the unrolled program, and what
 the step keeps for the backward is each layer's input, what `torch.utils.checkpoint` of each layer keeps. XLA then
 compiles two loop bodies where it compiled twice as many layers.
 
@@ -17,7 +17,7 @@ update reads them: a few milliseconds a step for a 1B model at the v5e's 819 GB/
 the parameters lives from the forward to the end of the backward, and every layer's gradients at once after it (the
 unrolled program updated the last layers while computing the first layers' gradients). For the 1.1B Llama's
 checkpointed 8x1024 step that is 12.2 GiB by XLA's analysis for a v5e, against 7.9 GiB unrolled
-(`benchmarks.train_memory`). Stacking again in the backward (behind a barrier, the forward's copy freed after the
+(`benchmarks.train_memory`; the chip's peak stayed at the unrolled step's 9.4 GiB). Stacking again in the backward (behind a barrier, the forward's copy freed after the
 forward) held more: 14.3 GiB, XLA keeping both copies.
 
 Outside a trace, or where the layers are not alike (their types, parameter names, shapes, dtypes and
@@ -192,8 +192,9 @@ class _BodyTrace:
     random draws, device checks and index records would be the loop's values, not the program's, and a tensor of
     the caller's written in place would hold a tracer of the body."""
 
-    def __init__(self, plan: _Plan, call, args: tuple, kwargs: dict, device_index: int):
-        self.plan, self.call, self.args, self.kwargs, self.device_index = plan, call, args, kwargs, device_index
+    def __init__(self, plan: _Plan, body_forward, args: tuple, kwargs: dict, device_index: int):
+        self.plan, self.body_forward, self.args, self.kwargs = plan, body_forward, args, kwargs
+        self.device_index = device_index
 
     def tensor(self, array, dtype, requires_grad=False):
         return buffer.new_tensor(array.shape, dtype, self.device_index, array).requires_grad_(requires_grad)
@@ -226,7 +227,7 @@ class _BodyTrace:
         """
         layer = self.plan.layers[0]
         with _parameters_replaced(layer, dict(zip(self.plan.names, values))):
-            out = self.call(layer, hidden, *self.args, **self.kwargs)
+            out = self.body_forward(layer, hidden, *self.args, **self.kwargs)
             if not (isinstance(out, torch.Tensor) and out.shape == hidden.shape and out.dtype == hidden.dtype
                     and out.device == hidden.device):
                 raise NotScannable("a layer returns something other than a tensor like its input")
@@ -242,9 +243,8 @@ class _ScannedLayers(torch.autograd.Function):
     that recomputes each layer and takes PyTorch's gradients of it."""
 
     @staticmethod
-    def forward(ctx, plan: _Plan, call, args: tuple, kwargs: dict, hidden: torch.Tensor, *parameters):
-        index = hidden.device.index
-        body = _BodyTrace(plan, call, args, kwargs, index)
+    def forward(ctx, plan: _Plan, body_forward, args: tuple, kwargs: dict, hidden: torch.Tensor, *parameters):
+        body = _BodyTrace(plan, body_forward, args, kwargs, hidden.device.index)
         arrays = [tensor_views.array_of(p) for p in parameters]
         stacked = [jnp.stack(column) for column in zip(*plan.per_layer(arrays))]
         dtypes = [p.dtype for p in parameters[:len(plan.names)]]

@@ -23,8 +23,8 @@ _environment.register(
     _environment.Setting("HF_TPU_DIRECT_TRACE", "bool", True, "Transformers generate: trace the prefill and the "
                          "decode loop with hf_tpu.jit (off: torch.compile)"),
     _environment.Setting("HF_TPU_SCAN_LAYERS", "choice", "checkpointed", "Transformers decoders in hf_tpu.jit's trace: "
-                         "run the layers as one scanned loop when checkpointed (checkpointed), in every traced forward "
-                         "(always), or unrolled (off)", choices=SCAN_LAYERS_CHOICES),
+                         "run the layers as one scanned loop when checkpointed (checkpointed), in every traced call "
+                         "without a KV cache (always), or unrolled (off)", choices=SCAN_LAYERS_CHOICES),
 )
 
 
