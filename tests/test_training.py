@@ -317,6 +317,55 @@ def test_a_trainer_step_launches_no_op_per_parameter_and_compiles_nothing_after_
     assert one == three, (one, three)
 
 
+def _right_padded(features):
+    """A collator as a user writes one for sequences of several lengths: padded on the right to the batch's longest,
+    labels -100 and mask 0 where padded."""
+    longest = max(len(f["input_ids"]) for f in features)
+    batch = {"input_ids": torch.zeros(len(features), longest, dtype=torch.long),
+             "labels": torch.full((len(features), longest), -100), "attention_mask": torch.zeros(len(features), longest,
+                                                                                                 dtype=torch.long)}
+    for row, f in enumerate(features):
+        n = len(f["input_ids"])
+        batch["input_ids"][row, :n] = batch["labels"][row, :n] = f["input_ids"]
+        batch["attention_mask"][row, :n] = 1
+    return batch
+
+
+def test_the_trainer_pads_a_causal_lms_batches_to_their_bucket_with_the_cpu_losses(tmp_path):
+    """Batches of 11 to 16 tokens (one bucket) make one micro step's program on tpu, where each length traced and
+    compiled its own; the padding changes no loss. A Trainer whose `compute_loss` is its own is not padded."""
+    from accelerate.state import AcceleratorState
+    from transformers import Trainer, TrainingArguments
+
+    from hf_tpu import direct
+
+    def losses(device, trainer_class=Trainer):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        torch.manual_seed(2)
+        data = [{"input_ids": torch.randint(0, 128, (length,))} for length in (16, 11, 13, 15, 12, 16, 14, 11)]
+        args = TrainingArguments(str(tmp_path / device), per_device_train_batch_size=2, max_steps=4,
+                                 learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no",
+                                 use_cpu=device == "cpu", seed=0, disable_tqdm=True, dataloader_pin_memory=False)
+        trainer = trainer_class(model=_tiny_llama(), args=args, train_dataset=data, data_collator=_right_padded)
+        trainer.train()
+        return torch.tensor([entry["loss"] for entry in trainer.state.log_history if "loss" in entry])
+
+    class OwnLoss(Trainer):
+        def compute_loss(self, model, inputs, **kwargs):
+            return super().compute_loss(model, inputs, **kwargs)
+
+    cpu = losses("cpu")
+    direct.reset()
+    programs = hf_tpu.metrics()["compiles_by_mode"].get("COMPILE", 0)
+    tpu = losses("tpu")
+    assert hf_tpu.metrics()["compiles_by_mode"]["COMPILE"] - programs == 2  # the micro step's, the optimizer's
+    assert len(tpu) == 4 and ((tpu - cpu).abs() / cpu.abs()).max().item() < 1e-4, (tpu, cpu)
+    direct.reset()
+    programs = hf_tpu.metrics()["compiles_by_mode"].get("COMPILE", 0)
+    losses("tpu", OwnLoss)
+    assert hf_tpu.metrics()["compiles_by_mode"]["COMPILE"] - programs > 2
+
+
 def test_the_trainers_mixed_precision_checkpointed_recipe_traces_with_the_cpu_losses(tmp_path):
     """`bf16=True` (autocast inside the traced step), `gradient_checkpointing=True` (the recomputation in the same
     program) and accumulation: still a micro step's program, the zero gradients' and the optimizer's, the CPU's

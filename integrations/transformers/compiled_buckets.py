@@ -32,8 +32,9 @@ from hf_tpu.compiled_modules import Bucketing
 
 DEFAULT_BUCKETS = tuple(sorted({2 ** k for k in range(4, 15)} | {3 * 2 ** k for k in range(4, 13)}))
 _environment.register(
-    _environment.Setting("HF_TPU_COMPILED_BUCKETS", "lengths", None, "Transformers on tpu: prompt lengths a causal "
-                         "LM compiled with torch.compile is padded to (\"128,512,1024\"; empty: exact lengths)",
+    _environment.Setting("HF_TPU_COMPILED_BUCKETS", "lengths", None, "Transformers on tpu: the lengths a causal LM's "
+                         "token batches are padded to, a prompt under torch.compile and a Trainer's training batch "
+                         "(\"128,512,1024\"; empty: exact lengths)",
                          empty_is_value=True),
 )
 

@@ -1,17 +1,22 @@
-"""The Trainer on `tpu`: each micro-batch's forward and backward is one traced program, its checkpoints hold the
-`tpu` random state, its logged loss is gathered across processes under Accelerate's data parallelism, and
+"""The Trainer on `tpu`: each micro-batch's forward and backward is one traced program, a causal LM's batches are
+padded to their length bucket (a batch of another length in the same bucket runs the same program), its checkpoints
+hold the `tpu` random state, its logged loss is gathered across processes under Accelerate's data parallelism, and
 `torch_compile=True` compiles with the `tpu` backend."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import os
+from collections.abc import Mapping
 
 import torch
 
 import hf_tpu
 from hf_tpu import settings as _environment
+
+from .compiled_buckets import _lengths_from, _model_pads, _pad
 
 log = logging.getLogger("hf_tpu.integrations")
 
@@ -77,6 +82,74 @@ def _wrap_training_step(original):
         return traced(model, inputs, num_items_in_batch)
 
     return training_step
+
+
+# --- The Trainer's batches: a causal LM's padded to its length bucket
+
+# what a training batch may hold for its padding to change nothing the loss sees
+_PADDABLE = frozenset(("input_ids", "labels", "attention_mask"))
+
+
+class BucketPadded:
+    """The Trainer's collator, with each batch of a causal LM's token ids padded on the right to its length bucket
+    (`compiled_buckets.buckets()`, `HF_TPU_COMPILED_BUCKETS`): every length in a bucket then makes the same traced
+    program, where each length made a compile of its own (tens of seconds on a chip). Padding there changes no loss
+    and no gradient: a real position attends to the positions up to it only, so the appended ones (token 0, mask 1
+    where a mask is given, as `torch.compile`'s buckets pad) reach nothing real, and their labels are the ignored
+    -100, so the loss's mean and `num_items_in_batch` count the same tokens. A batch holding anything else
+    (positions, token types, images) is left as it is. A class, not a closure, so a dataloader's workers can take
+    it."""
+
+    def __init__(self, collate, longest: int | None):
+        self.collate, self.longest = collate, longest
+
+    def __call__(self, features):
+        batch = self.collate(features)
+        if not isinstance(batch, Mapping) or "labels" not in batch or set(batch) - _PADDABLE:
+            return batch
+        ids = batch.get("input_ids")
+        if (not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype.is_floating_point
+                or any(not isinstance(batch[k], torch.Tensor) or batch[k].shape != ids.shape for k in batch)):
+            return batch
+        rows, length = ids.shape
+        lengths = _lengths_from(length, self.longest)
+        if not lengths or lengths[0] == length:
+            return batch
+        padded = copy.copy(batch)
+        for name, value in (("input_ids", 0), ("labels", -100), ("attention_mask", 1)):
+            if name in batch:
+                padded[name] = _pad(batch[name], rows, lengths[0], value)
+        return padded
+
+
+def _pads_batches(trainer) -> bool:
+    """Whether the Trainer's training batches are padded to their bucket (`BucketPadded`): on tpu, for a causal LM
+    whose prompts `torch.compile`'s buckets pad (`compiled_buckets._model_pads`; a PEFT model's base model), trained
+    with the Trainer's own loss (a subclass's `compute_loss`, a `compute_loss_func` or label smoothing may read
+    every position's logits), without a router's balancing loss (which counts every token)."""
+    from transformers import Trainer
+
+    model = trainer.model
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return (trainer.args.device.type == "tpu" and type(trainer).compute_loss is Trainer.compute_loss
+            and trainer.compute_loss_func is None and trainer.label_smoother is None
+            and hasattr(model, "config") and not getattr(model.config, "output_router_logits", False)
+            and _model_pads(model))
+
+
+def _wrap_get_train_dataloader(original):
+    @functools.wraps(original)
+    def get_train_dataloader(self):
+        if not _pads_batches(self):
+            return original(self)
+        collate = self.data_collator
+        self.data_collator = BucketPadded(collate, getattr(self.model.config, "max_position_embeddings", None))
+        try:
+            return original(self)
+        finally:
+            self.data_collator = collate
+
+    return get_train_dataloader
 
 
 # --- The Trainer's checkpoints: the tpu random state beside the CUDA one
