@@ -179,7 +179,7 @@ def _hf_tpu_row(spec: dict, rows, row: dict, mode: str) -> None:
     import torch
 
     import hf_tpu
-    from benchmarks.chip import _ids, _llama
+    from benchmarks.chip import _ids, _llama, _profile
 
     config = spec["train"]["models"][row["model"]]
     model = _llama(dict(spec, model=config))
@@ -200,7 +200,7 @@ def _hf_tpu_row(spec: dict, rows, row: dict, mode: str) -> None:
         opt_step = torch.compile(opt.step, backend="tpu")
 
         def run(ids):
-            with torch.autocast("tpu", dtype=torch.bfloat16, enabled=autocast):
+            with torch.autocast("tpu", dtype=torch.bfloat16, enabled=row["recipe"] == "mixed"):
                 loss = compiled(input_ids=ids, labels=ids).loss
             loss.backward()
             opt_step()
@@ -213,6 +213,7 @@ def _hf_tpu_row(spec: dict, rows, row: dict, mode: str) -> None:
 
     figures = _time_steps(lambda: run(ids).item(), spec["train"]["steps"])
     device = _device_figures()
+    _profile(rows, lambda: run(ids).item(), calls=2, side=f"hf-tpu {mode}", batch=row["batch"], length=row["length"])
     if mode == "jit" and device["peak_bytes"] is None:
         lowered = jitted.lower(ids)
     metrics = hf_tpu.metrics()
