@@ -238,6 +238,23 @@ class _BodyTrace:
         return out
 
 
+def _autocast_state(device_type: str) -> dict:
+    """The autocast settings the forward ran under, for the device's type and the CPU's, as `torch.utils.checkpoint`
+    keeps them: the backward runs inside `loss.backward()`, outside the user's `torch.autocast`, and a layer recomputed
+    without it computes in float32 what the forward computed in bfloat16 (other values, and products several times
+    slower on a TPU)."""
+    return {kind: dict(enabled=torch.is_autocast_enabled(kind), dtype=torch.get_autocast_dtype(kind),
+                       cache_enabled=torch.is_autocast_cache_enabled()) for kind in dict.fromkeys((device_type, "cpu"))}
+
+
+@contextlib.contextmanager
+def _autocast_entered(state: dict):
+    with contextlib.ExitStack() as stack:
+        for kind, settings in state.items():
+            stack.enter_context(torch.autocast(kind, **settings))
+        yield
+
+
 class _ScannedLayers(torch.autograd.Function):
     """The stack of layers as one autograd node: a forward scan that keeps each layer's input, and a reverse scan
     that recomputes each layer and takes PyTorch's gradients of it."""
@@ -258,6 +275,7 @@ class _ScannedLayers(torch.autograd.Function):
         ctx.body, ctx.stacked, ctx.inputs, ctx.dtypes = body, stacked, inputs, dtypes
         ctx.hidden_dtype = hidden.dtype
         ctx.function_modes = torch.overrides._get_current_function_mode_stack()
+        ctx.autocast = _autocast_state(hidden.device.type)
         return body.tensor(final, hidden.dtype)
 
     @staticmethod
@@ -281,7 +299,8 @@ class _ScannedLayers(torch.autograd.Function):
         # the layer recomputed under the torch function modes of the forward: the backward runs inside
         # `loss.backward()`, which PyTorch runs with the mode whose function it is taken off the stack
         try:
-            with body.guarded(), remat.modes_entered(ctx.function_modes, contextlib.nullcontext()):
+            with body.guarded(), remat.modes_entered(ctx.function_modes, contextlib.nullcontext()), \
+                    _autocast_entered(ctx.autocast):
                 g_hidden, g_stacked = jax.lax.scan(step, g, (stacked, ctx.inputs), reverse=True)
         except NotScannable as e:  # the forward scanned: too late for the plain loop, the whole trace falls back
             raise Untraceable(f"the scanned layers' backward cannot be a loop body ({e})") from e

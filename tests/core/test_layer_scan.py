@@ -36,15 +36,16 @@ def _blocks(n=3, **options):
     return torch.nn.ModuleList([Block(k, **options) for k in range(n)]).to("tpu")
 
 
-def _step(layers, scanned, differing=("index",)):
+def _step(layers, scanned, differing=("index",), autocast=False):
     def step(x, scale):
         h = x.clone().requires_grad_()
-        if scanned:
-            out = hf_tpu.scan_layers(layers, h, (), {"scale": scale}, differing=differing)
-        else:
-            out = h
-            for layer in layers:
-                out = layer(out, scale=scale)
+        with torch.autocast("tpu", dtype=torch.bfloat16, enabled=autocast):
+            if scanned:
+                out = hf_tpu.scan_layers(layers, h, (), {"scale": scale}, differing=differing)
+            else:
+                out = h
+                for layer in layers:
+                    out = layer(out, scale=scale)
         (out.float() ** 2).sum().backward()
         return out.detach(), h.grad.detach()
 
@@ -79,6 +80,17 @@ def test_scanned_layers_give_the_unrolled_loops_results_in_two_loops(inner_check
     assert _loops(scanned[3]) == _loops(unrolled[3]) + 2
     for a, b in zip(scanned[:2] + tuple(scanned[2]), unrolled[:2] + tuple(unrolled[2])):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_the_backward_loop_recomputes_under_the_forwards_autocast():
+    """Under `torch.autocast` the forward's products are bfloat16; the backward, run by `backward()` outside the
+    autocast, recomputes each layer with the same products, as the unrolled layers' saved values are: the gradients
+    are the unrolled step's."""
+    layers = _blocks()
+    unrolled = _run(layers, scanned=False, autocast=True)
+    scanned = _run(layers, scanned=True, autocast=True)
+    for a, b in zip(scanned[:2] + tuple(scanned[2]), unrolled[:2] + tuple(unrolled[2])):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_frozen_parameters_are_read_and_get_no_gradient():
