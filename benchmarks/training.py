@@ -190,7 +190,8 @@ def _hf_tpu_row(spec: dict, rows, row: dict, mode: str) -> None:
     model.train().to("tpu")
     opt = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY, foreach=True)
     ids = _ids(config["vocab_size"], row["batch"], row["length"]).to("tpu")
-    step = training_step(model, opt, autocast=row["recipe"] == "mixed")
+    autocast = row["recipe"] == "mixed"
+    step = training_step(model, opt, autocast)
     lowered = None
     if mode == "jit":
         jitted = hf_tpu.jit(step)

@@ -288,13 +288,16 @@ def test_the_first_token_timeline_marks_each_step_of_a_warm_generate_in_order():
 
 
 def test_the_train_group_times_a_traced_step_and_reports_its_memory(tmp_path):
-    """`--only train` at the tiny size, its first row (bfloat16, checkpointed): a row process of its own times the
-    whole step traced by `hf_tpu.jit`, the first step's time split by phase, the program's memory by XLA's
-    analysis beside the arithmetic, and losses that fall."""
+    """`--only train,train_compile` at the tiny size, their first row (bfloat16, checkpointed): a row process of its
+    own times the whole step traced by `hf_tpu.jit`, the first step's time split by phase, the program's memory by
+    XLA's analysis beside the arithmetic, and losses that fall; another the step through `torch.compile`, with the
+    same losses."""
     out = tmp_path / "figures.json"
-    proc = _chip("--size", "tiny", "--only", "train", "--train-rows", "0", "--json", str(out))
+    proc = _chip("--size", "tiny", "--only", "train,train_compile", "--train-rows", "0", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (row,) = [f for f in json.loads(out.read_text()) if f["section"] == "train"]
+    row, compiled = [f for f in json.loads(out.read_text()) if f["section"] == "train"]
+    assert (compiled["group"], compiled["mode"], compiled["step_seconds"] > 0) == ("train_compile", "compile", True)
+    assert all(abs(a - b) < 1e-2 for a, b in zip(row["losses"], compiled["losses"])), (row["losses"], compiled["losses"])
     assert (row["side"], row["mode"], row["recipe"], row["checkpointing"]) == ("hf-tpu", "jit", "bf16", True)
     assert row["step_seconds"] > 0 and row["first_step"] > row["step_seconds"] and row["fallbacks"] == 0
     assert row["first_split"]["XLA"] > 0 and row["first_split"]["Python trace"] > 0
