@@ -116,7 +116,7 @@ def _library_rows(model: str, lora_model: str, length: int) -> list:
     (`bf16=True`, 4 micro-batches a step) as its traced steps and with `torch_compile=True`, of `model`; PEFT's LoRA
     through the Trainer and a plain Accelerate loop under `accelerate launch`, of `lora_model` in bfloat16. Each
     row's time limit keeps a slow first step from taking the rows after it."""
-    return [_library_row("Trainer", 150, model, "mixed", 8, length, True, accumulation=4),
+    return [_library_row("Trainer", 180, model, "mixed", 8, length, True, accumulation=4),
             _library_row("Trainer compile", 280, model, "mixed", 8, length, True, accumulation=4),
             _library_row("Trainer", 200, lora_model, "lora", 8, length, True),
             _library_row("accelerate launch", 150, lora_model, "bf16", 8, length, True)]

@@ -534,6 +534,9 @@ def run_group(spec: dict, rows, group: str) -> None:
     if not runs:
         rows.skip(group, f"no training rows of this group at --size {spec['name']}")
     for index, row, mode, seconds in runs:
+        if row["recipe"] == "lora" and importlib.util.find_spec("peft") is None:
+            rows.skip(f"{row_name(row)} {mode}", "peft not importable here")
+            continue
         command = [sys.executable, *_LAUNCHERS.get(mode, ("-m",)), "benchmarks.chip", "--worker", group,
                    "--size", spec["name"], "--train-row", str(index), "--train-mode", mode]
         if not rows.check_memory:
