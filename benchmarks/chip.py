@@ -43,6 +43,8 @@ Run: python -m benchmarks.chip                              (the 1.1B and MoE mo
      python -m benchmarks.chip --only forward,torchax --dump-hlo DIR   (XLA's optimized HLO of each side)
      python -m benchmarks.chip --only forward,torchax,decode --profile DIR   (device time per XLA op)
      python -m benchmarks.chip --only quant   (then --only quant_prefill, --only quant_big: quantized models, torchao)
+     python -m benchmarks.chip --only train_libraries --train-rows 0,2,3   (training: the Trainer, PEFT's LoRA,
+         `accelerate launch`; benchmarks.training)
 """
 
 from __future__ import annotations
@@ -87,10 +89,18 @@ SIZES = {
                  batches=[1, 2], lengths=[16, 32], eager=(1, 16), decode_steps=32, moe_batch=2, moe_prompt=16,
                  moe_steps=8, moe_eager_seconds=None, matmul=256, hbm_bytes=16 << 20, iters=3),
 }
-# the training groups' models and rows (`benchmarks.training`): a row is a model, a recipe, a batch x length, and
-# whether the decoder layers are checkpointed
-def _train_row(model: str, recipe: str, batch: int, length: int, checkpointing: bool) -> dict:
-    return dict(model=model, recipe=recipe, batch=batch, length=length, checkpointing=checkpointing)
+# the training groups' models and rows (`benchmarks.training`): a row is a model, a recipe, a batch x length (the
+# tokens of an optimizer step), whether the decoder layers are checkpointed, and the micro-batches a step
+# accumulates
+def _train_row(model: str, recipe: str, batch: int, length: int, checkpointing: bool, accumulation: int = 1) -> dict:
+    return dict(model=model, recipe=recipe, batch=batch, length=length, checkpointing=checkpointing,
+                accumulation=accumulation)
+
+
+def _library_row(mode: str, seconds: float, *row, **options) -> dict:
+    """A row of `train_libraries`: the way a library runs it ("Trainer", "Trainer compile" or "accelerate launch"),
+    the seconds its process may take, and the row."""
+    return dict(mode=mode, seconds=seconds, row=_train_row(*row, **options))
 
 
 SIZES["1b"]["train"] = dict(models={"0.44b": training.LLAMA_044B, "1.1b": _LLAMA_1B}, steps=5,
@@ -99,6 +109,21 @@ SIZES["1b"]["train"] = dict(models={"0.44b": training.LLAMA_044B, "1.1b": _LLAMA
                                   _train_row("1.1b", "bf16", 2, 1024, True)])
 SIZES["tiny"]["train"] = dict(models={"tiny": training.TINY}, steps=2,
                               rows=[_train_row("tiny", "bf16", 2, 32, True), _train_row("tiny", "mixed", 2, 32, False)])
+
+
+def _library_rows(model: str, lora_model: str, length: int) -> list:
+    """`train_libraries`' rows, 8 x `length` tokens a step, checkpointed: the Trainer with the arguments users pass
+    (`bf16=True`, 4 micro-batches a step) as its traced steps and with `torch_compile=True`, of `model`; PEFT's LoRA
+    through the Trainer and a plain Accelerate loop under `accelerate launch`, of `lora_model` in bfloat16. Each
+    row's time limit keeps a slow first step from taking the rows after it."""
+    return [_library_row("Trainer", 180, model, "mixed", 8, length, True, accumulation=4),
+            _library_row("Trainer compile", 280, model, "mixed", 8, length, True, accumulation=4),
+            _library_row("Trainer", 200, lora_model, "lora", 8, length, True),
+            _library_row("accelerate launch", 150, lora_model, "bf16", 8, length, True)]
+
+
+SIZES["1b"]["train"]["libraries"] = _library_rows("0.44b", "1.1b", 1024)
+SIZES["tiny"]["train"]["libraries"] = _library_rows("tiny", "tiny", 32)
 # `compile`: a Flux-shaped transformer of about 1B parameters (Flux's blocks at hidden 1536: 6 double-stream and 12
 # single-stream blocks of 12 heads of 128), at a 512x512 image (1024 latent tokens) and a 512-token prompt, then a
 # second resolution (768x768: 2304 tokens); and the Llama's training step with 4 of its layers (0.4B parameters)
@@ -178,11 +203,19 @@ def kv_bytes_per_token(config: dict) -> int:
     return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * _head_dim(config) * 2
 
 
+def matmul_params(config: dict) -> float:
+    """Parameters of every matmul of a forward: the layers' and the LM head (the embedding is a lookup)."""
+    return config["num_hidden_layers"] * _layer_matmul_params(config) + config["hidden_size"] * config["vocab_size"]
+
+
+def attention_flops(config: dict, batch: int, length: int) -> float:
+    """A forward's FLOPs of attention's QK^T and PV over the whole (not causally halved) sequence."""
+    heads = config["num_attention_heads"] * _head_dim(config)
+    return batch * 2 * 2 * config["num_hidden_layers"] * length * length * heads
+
+
 def forward_flops(config: dict, batch: int, length: int) -> float:
-    layers = config["num_hidden_layers"]
-    matmul_params = layers * _layer_matmul_params(config) + config["hidden_size"] * config["vocab_size"]
-    attention = 2 * 2 * layers * length * length * config["num_attention_heads"] * _head_dim(config)
-    return batch * (2 * length * matmul_params + attention)
+    return batch * 2 * length * matmul_params(config) + attention_flops(config, batch, length)
 
 
 def cache_length(prompt: int, new_tokens: int, multiple: int = 128) -> int:
@@ -993,6 +1026,7 @@ GROUPS = {  # name: (the worker, its default time limit in seconds)
     "train_eager": (None, 540),
     "train_torchax": (None, 420),
     "train_trainer": (None, 540),
+    "train_libraries": (None, 570),
     "quant": (_group_quant, 570),
     "quant_prefill": (_group_quant_prefill, 570),
     "quant_big": (_group_quant_big, 570),
@@ -1004,7 +1038,7 @@ GROUPS = {  # name: (the worker, its default time limit in seconds)
 # and the environment each sets
 _HLO_READING_GROUPS = ("quant", "quant_prefill")  # they read XLA's optimized HLO of the programs they compile
 _COMPILE_GROUPS = {"compile": {}, "compile_again": {}, "compile_dynamo": {"HF_TPU_COMPILE_DIRECT": "0"}}
-TRAIN_GROUPS = ("train", "train_compile", "train_eager", "train_torchax", "train_trainer")
+TRAIN_GROUPS = ("train", "train_compile", "train_eager", "train_torchax", "train_trainer", "train_libraries")
 # groups a run takes only when `--only` names them: each is most of a chip command's device time on its own
 NAMED_ONLY = ("quant", "quant_prefill", "quant_big", *_COMPILE_GROUPS, *TRAIN_GROUPS)
 
@@ -1358,10 +1392,8 @@ def plot(results: list, spec: dict, path: str) -> None:
 
 def _spec(args) -> dict:
     spec = dict(SIZES[args.size], name=args.size)
-    if getattr(args, "train_rows", None):
-        rows = spec["train"]["rows"]
-        spec["train"] = dict(spec["train"], rows=[rows[int(k)] for k in args.train_rows.split(",")],
-                             chosen=args.train_rows)
+    if getattr(args, "train_rows", None):  # each training group runs its rows of these indices
+        spec["train"] = dict(spec["train"], chosen=[int(k) for k in args.train_rows.split(",")])
     for option in ("batches", "lengths"):
         if getattr(args, option):
             spec[option] = [int(n) for n in getattr(args, option).split(",")]
@@ -1387,9 +1419,11 @@ def main(argv=None) -> None:
     parser.add_argument("--profile", help="trace 3 calls of each forward row (one generate() of each decode row) under "
                         "this folder (jax.profiler) and report the device time per XLA op")
     parser.add_argument("--worker", choices=sorted(GROUPS), help=argparse.SUPPRESS)
-    parser.add_argument("--train-rows", help="the training groups' rows to run, by index (default: all: "
+    parser.add_argument("--train-rows", help="the training groups' rows to run, by index (default: all; at --size 1b "
                         + "; ".join(f"{k} {training.row_name(r)}" for k, r in enumerate(SIZES["1b"]["train"]["rows"]))
-                        + " at --size 1b)")
+                        + "; train_libraries' "
+                        + "; ".join(f"{k} {r['mode']} {training.row_name(r['row'])}"
+                                    for k, r in enumerate(SIZES["1b"]["train"]["libraries"])) + ")")
     parser.add_argument("--train-row", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--train-mode", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

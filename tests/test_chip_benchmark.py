@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from benchmarks import chip
+from benchmarks import chip, training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -288,13 +288,16 @@ def test_the_first_token_timeline_marks_each_step_of_a_warm_generate_in_order():
 
 
 def test_the_train_group_times_a_traced_step_and_reports_its_memory(tmp_path):
-    """`--only train` at the tiny size, its first row (bfloat16, checkpointed): a row process of its own times the
-    whole step traced by `hf_tpu.jit`, the first step's time split by phase, the program's memory by XLA's
-    analysis beside the arithmetic, and losses that fall."""
+    """`--only train,train_compile` at the tiny size, their first row (bfloat16, checkpointed): a row process of its
+    own times the whole step traced by `hf_tpu.jit`, the first step's time split by phase, the program's memory by
+    XLA's analysis beside the arithmetic, and losses that fall; another the step through `torch.compile`, with the
+    same losses."""
     out = tmp_path / "figures.json"
-    proc = _chip("--size", "tiny", "--only", "train", "--train-rows", "0", "--json", str(out))
+    proc = _chip("--size", "tiny", "--only", "train,train_compile", "--train-rows", "0", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (row,) = [f for f in json.loads(out.read_text()) if f["section"] == "train"]
+    row, compiled = [f for f in json.loads(out.read_text()) if f["section"] == "train"]
+    assert (compiled["group"], compiled["mode"], compiled["step_seconds"] > 0) == ("train_compile", "compile", True)
+    assert all(abs(a - b) < 1e-2 for a, b in zip(row["losses"], compiled["losses"])), (row["losses"], compiled["losses"])
     assert (row["side"], row["mode"], row["recipe"], row["checkpointing"]) == ("hf-tpu", "jit", "bf16", True)
     assert row["step_seconds"] > 0 and row["first_step"] > row["step_seconds"] and row["fallbacks"] == 0
     assert row["first_split"]["XLA"] > 0 and row["first_split"]["Python trace"] > 0
@@ -316,12 +319,66 @@ def test_the_trainer_group_times_the_trainers_traced_steps(tmp_path):
     assert row["step_seconds"] > 0 and row["first_step"] > row["step_seconds"] and row["fallbacks"] == 0
     assert row["first_split"]["XLA"] > 0 and row["first_split"]["Python trace"] > 0  # its steps were traced
     assert len(row["losses"]) == 4
-    assert any(line.startswith("[train_trainer] hf-tpu Trainer tiny bf16 2x32") for line in proc.stdout.splitlines())
+    # its last step, at 31 tokens, pads to the same bucket as 32: measured apart, out of the median
+    assert row["bucket_step"]["length"] == 31 and row["bucket_step"]["seconds"] > 0
+    assert row["bucket_step"]["programs_traced"] >= 0 and row["bucket_step"]["xla_compiles"] >= 0
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("[train_trainer] hf-tpu Trainer tiny bf16 2x32"))
+    assert "a last step of 31 tokens (the same bucket)" in line and "programs traced" in line
+
+
+def test_the_libraries_group_trains_through_the_trainer_peft_and_accelerate_launch(tmp_path):
+    """`--only train_libraries` at the tiny size: the Trainer with `bf16=True`, 4 micro-batches a step and
+    checkpointing, traced and with `torch_compile=True` (the same losses); PEFT's LoRA through the Trainer, its
+    adapters alone trained, its frozen weights still bfloat16 on tpu, the adapters saved and reloaded with the
+    trained logits; a plain Accelerate loop in a process Accelerate's launcher started. Each in a process of its own."""
+    out = tmp_path / "figures.json"
+    proc = _chip("--size", "tiny", "--only", "train_libraries", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert not [f for f in figures if f["section"] == "skipped"], figures
+    rows = {(f["mode"], f["recipe"]): f for f in figures if f["section"] == "train"}
+    assert sorted(rows) == [("Trainer", "lora"), ("Trainer", "mixed"), ("Trainer compile", "mixed"),
+                            ("accelerate launch", "bf16")]
+    assert all(f["group"] == "train_libraries" and f["step_seconds"] > 0 and f["fallbacks"] == 0 for f in rows.values())
+    traced, compiled = rows["Trainer", "mixed"], rows["Trainer compile", "mixed"]
+    assert (traced["accumulation"], traced["batch"], traced["checkpointing"]) == (4, 8, True)
+    assert all(abs(a - b) < 1e-2 for a, b in zip(traced["losses"], compiled["losses"]))
+    assert all(rows[key]["bucket_step"]["length"] == 31 for key in rows if key[0] != "accelerate launch")
+    adapters = rows["Trainer", "lora"]["adapters"]
+    assert adapters["trainable"] == training.adapter_parameters(chip.SIZES["tiny"]["train"]["models"]["tiny"])
+    assert adapters["reload_difference"] <= adapters["reload_tolerance"]
+    assert rows["accelerate launch", "bf16"]["launch"] == {"distributed_type": "DistributedType.NO",
+                                                          "accelerator_device": "tpu:0", "mixed_precision": "no"}
+    printed = [line for line in proc.stdout.splitlines() if line.startswith("[train_libraries] hf-tpu")]
+    assert len(printed) == 4 and all("tokens/s" in line and "a last step" in line for line in printed[:3])
+    assert "only the adapters train" in printed[2] and "MFU counts LoRA's FLOPs" in printed[2]
+    assert "started by `accelerate launch" in printed[3]
+
+
+def test_a_training_row_past_its_time_limit_is_stopped_with_the_processes_it_started():
+    """A library row's process is stopped with its children (Accelerate's launcher runs the script as one)."""
+    import time
+
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; child = subprocess.Popen("
+                               "[sys.executable, '-c', 'import time; time.sleep(60)']); print(child.pid, flush=True); "
+                               "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    training._stop_process_tree(parent.pid)
+    assert parent.wait(timeout=10) == -9
+    def running(pid: int) -> bool:  # a killed orphan is reaped by init, or waits for it as a zombie
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while running(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running(child), f"the row's child {child} is still running"
 
 
 def test_the_train_report_puts_each_way_beside_torchax():
-    from benchmarks import training
-
     spec = chip.SIZES["1b"]
     common = dict(section="train", model="1.1b", recipe="bf16", batch=8, length=1024, checkpointing=True,
                   device="TPU v5 lite", first_split={"XLA": 30.0}, second_step=1.0, losses=[10.4, 10.3, 10.2],
@@ -338,21 +395,35 @@ def test_the_train_report_puts_each_way_beside_torchax():
     line = chip.describe(figures[0], spec)
     parts = training.train_memory(spec["train"]["models"]["1.1b"], 8, 1024, "bf16", True)
     assert f"({12 * 2**30 / sum(parts.values()):.2f}x the arithmetic)" in line and "MFU" in line
+    # LoRA's MFU counts its own FLOPs: no weight gradients of the frozen weights, the adapters' in full
+    lora = dict(figures[0], group="train_libraries", mode="Trainer", recipe="lora", accumulation=1)
+    lora_flops = training.train_flops(spec["train"]["models"]["1.1b"], 8, 1024, "lora")
+    assert 0.6 * flops < lora_flops < 0.75 * flops
+    assert f"MFU {100 * lora_flops / 0.5 / 197e12:.0f}%" in chip.describe(lora, spec)
 
 
 def test_the_train_memory_arithmetic_of_the_rows():
     """The 1.1B's bfloat16 parameters, gradients and moments (8 bytes a parameter) fit a v5e with its checkpointed
-    activations; the mixed recipe's float32 ones (16 bytes, 17.6 GB) do not, before any activation."""
+    activations; the mixed recipe's float32 ones (16 bytes, 17.6 GB) do not, before any activation. LoRA's step
+    holds the frozen bfloat16 weights, the adapters' float32 state and one micro-batch's activations."""
     import torch
+    from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from benchmarks import training
-
     models = chip.SIZES["1b"]["train"]["models"]
-    for name, config in models.items():  # the arithmetic counts what Transformers builds (on meta: no memory)
+    for name, config in models.items():  # the arithmetic counts what Transformers and PEFT build (on meta: no memory)
         with torch.device("meta"):
             built = LlamaForCausalLM(LlamaConfig(**config))
-        assert training.parameters(config) == sum(p.numel() for p in built.parameters()), name
+            assert training.parameters(config) == sum(p.numel() for p in built.parameters()), name
+            built = get_peft_model(built, LoraConfig(r=training.LORA_RANK, target_modules=list(training.LORA_TARGETS),
+                                                     task_type="CAUSAL_LM"))
+        assert training.adapter_parameters(config) == sum(p.numel() for p in built.parameters() if p.requires_grad)
+    lora = training.train_memory(models["1.1b"], 8, 1024, "lora", True)
+    assert lora["frozen parameters"] == 2 * training.parameters(models["1.1b"])
+    assert lora["adapter AdamW moments"] == 2 * lora["adapters"] == 8 * training.adapter_parameters(models["1.1b"])
+    full = training.train_memory(models["0.44b"], 8, 1024, "mixed", True)
+    accumulated = training.train_memory(models["0.44b"], 8, 1024, "mixed", True, accumulation=4)
+    assert accumulated["activations"] == full["activations"] / 4 and accumulated["logits"] == full["logits"] / 4
     assert 1.09e9 < training.parameters(models["1.1b"]) < 1.11e9
     assert 0.46e9 < training.parameters(models["0.44b"]) < 0.48e9
     v5e = 15.75 * 2**30
