@@ -221,6 +221,22 @@ def test_autocast_bfloat16():
     assert model[0].weight.grad.dtype == torch.float32
 
 
+def test_autocast_runs_hf_tpus_attention_in_bfloat16_as_sdpa():
+    """`hf_tpu::flash_attention` (Transformers' `attn_implementation="tpu"`) is a matmul-like op: under autocast it
+    computes in bfloat16, as SDPA does on every device, from float32 queries (a float32 residual stream's rotary
+    output) and bfloat16 values alike: the CPU's autocast SDPA within bfloat16's rounding."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = F.scaled_dot_product_attention(q, k, v.float(), is_causal=True, enable_gqa=True)
+    with torch.autocast("tpu", dtype=torch.bfloat16):
+        actual = torch.ops.hf_tpu.flash_attention(q.to("tpu"), k.to("tpu"), v.to("tpu"), None, is_causal=True)
+    assert actual.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(actual.cpu(), expected, rtol=2e-2, atol=2e-2)
+
+
 def _trainer_losses(tmp_path, device, wrap=None, model_too=False, **arguments):
     """The logged losses of 3 Trainer steps of the tiny Llama (made into another model by `wrap`), and the model
     where `model_too`."""
