@@ -43,7 +43,7 @@ def _model(config: dict, training: bool):
     return model.train(training)
 
 
-def _hf_tpu_lowered(program: str, config: dict, batch: int, length: int, device):
+def _hf_tpu_lowered(program: str, config: dict, batch: int, length: int, device, recipe: str = "bf16"):
     import torch
 
     from benchmarks.train_memory import as_on_a_tpu
@@ -51,13 +51,15 @@ def _hf_tpu_lowered(program: str, config: dict, batch: int, length: int, device)
     from hf_tpu import direct
 
     model = _model(config, program == "train")
+    if recipe == "mixed":  # the Trainer's bf16=True: float32 weights, bfloat16 products under autocast
+        model = model.float()
     if program == "train":
         model.gradient_checkpointing_enable()
     model.to("tpu")
     ids = torch.randint(0, config["vocab_size"], (batch, length)).to("tpu")
     if program == "train":
         opt = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY, foreach=True)
-        fn = training_step(model, opt, autocast=False)
+        fn = training_step(model, opt, autocast=recipe == "mixed")
     else:
         def fn(ids):
             with torch.no_grad():
@@ -166,7 +168,7 @@ def _parse_compiler_log(lines) -> tuple[dict, dict]:
 
 
 def worker(side: str, program: str, model: str, layers: int, batch: int, length: int, topology: str,
-           dump: str | None) -> dict:
+           dump: str | None, recipe: str) -> dict:
     """One side's program at one depth: lowered, then compiled for the topology's device; the seconds of each."""
     if side == "hf-tpu":
         import hf_tpu  # noqa: F401  (before JAX starts: it sets JAX's flags)
@@ -175,13 +177,16 @@ def worker(side: str, program: str, model: str, layers: int, batch: int, length:
     device = _topology_device(topology)
     config = _config(model, layers)
     start = time.perf_counter()
-    lowered = (_hf_tpu_lowered if side == "hf-tpu" else _torchax_lowered)(program, config, batch, length, device)
+    if side == "hf-tpu":
+        lowered = _hf_tpu_lowered(program, config, batch, length, device, recipe)
+    else:
+        lowered = _torchax_lowered(program, config, batch, length, device)
     lowering = time.perf_counter() - start
     start, cpu = time.perf_counter(), time.process_time()
     executable = lowered.compile()
     compiling, compiling_cpu = time.perf_counter() - start, time.process_time() - cpu
     if dump:
-        stem = os.path.join(dump, f"{side}_{program}_{layers}")
+        stem = os.path.join(dump, f"{side}_{program}{'' if recipe == 'bf16' else '_' + recipe}_{layers}")
         with open(stem + ".stablehlo.txt", "w") as f:
             f.write(lowered.as_text())
         with open(stem + ".optimized.txt", "w") as f:
@@ -208,13 +213,16 @@ def main(argv=None) -> None:
     parser.add_argument("--sides", default=",".join(SIDES))
     parser.add_argument("--topology", default="v5e:1x1")
     parser.add_argument("--dump", help="write each program's StableHLO and optimized HLO into this folder")
+    parser.add_argument("--recipe", choices=("bf16", "mixed"), default="bf16",
+                        help="the training step's: bfloat16 weights, or float32 ones under bfloat16 autocast "
+                             "(hf-tpu's side)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     batch = args.batch or (8 if args.program == "train" else 1)
     if args.worker:
         side, layers = args.worker.split(":")
         print("RESULT " + json.dumps(worker(side, args.program, args.model, int(layers), batch, args.length,
-                                            args.topology, args.dump)), flush=True)
+                                            args.topology, args.dump, args.recipe)), flush=True)
         return
     depths = [int(n) for n in args.layers.split(",")]
     results = {}
@@ -222,7 +230,7 @@ def main(argv=None) -> None:
         for layers in depths:
             command = [sys.executable, "-m", "benchmarks.compile_aot", "--worker", f"{side}:{layers}",
                        "--program", args.program, "--model", args.model, "--batch", str(batch),
-                       "--length", str(args.length), "--topology", args.topology]
+                       "--length", str(args.length), "--topology", args.topology, "--recipe", args.recipe]
             if args.dump:
                 command += ["--dump", args.dump]
             # the compile alone on both sides: JAX's persistent cache off (its entry is timed on its own)
