@@ -528,9 +528,9 @@ def _llama(spec: dict):
     torch.manual_seed(0)
     config = LlamaConfig(**spec["model"], attn_implementation="sdpa")
     model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
-    # the layer lists `from_pretrained(device_map="tpu")` gives, for HF_TPU_SCAN_LAYERS=always (a torchax row's process
-    # must not import hf_tpu: read from the environment)
-    if os.environ.get("HF_TPU_SCAN_LAYERS", "").lower() == "always":
+    # the layer lists `from_pretrained(device_map="tpu")` gives, for HF_TPU_SCAN_LAYERS=always or first-calls (a
+    # torchax row's process must not import hf_tpu: read from the environment)
+    if os.environ.get("HF_TPU_SCAN_LAYERS", "").lower() in ("always", "first-calls"):
         from hf_tpu.integrations.transformers import scanned_layers
 
         scanned_layers.arrange(model)
@@ -733,8 +733,22 @@ def _compile_row(rows: _Rows, side: str, what: str, fn, warm_iters: int = 3, **f
     programs = traced() - before  # 0: the call ran programs compiled already (a bucket served by another's)
     warm = _median_seconds(fn, warm_iters)
     compiles = sum(spent.values())
+    if side == "hf-tpu" and what == "forward" and os.environ.get("HF_TPU_SCAN_LAYERS", "").lower() == "first-calls":
+        figures.update(_settled(fn, warm_iters))
     rows.emit("compile", side=side, what=what, first_call=first, warm=warm, programs_traced=programs,
               capture=max(0.0, first - compiles - warm), **spent, **figures)
+
+
+def _settled(fn, warm_iters: int) -> dict:
+    """`HF_TPU_SCAN_LAYERS=first-calls`: the calls after the first run the scanned form while the unrolled program
+    compiles beside them; the seconds until it serves (calls made all along), and a warm call's time then."""
+    from hf_tpu import compile_log
+
+    start = time.perf_counter()
+    while compile_log.compiling_in_background():
+        fn()
+    fn()  # the first call of the program compiled meanwhile
+    return dict(settle_seconds=time.perf_counter() - start, settled_warm=_median_seconds(fn, warm_iters))
 
 
 def _train_step(spec: dict):
@@ -1124,8 +1138,10 @@ def _compile_line(row: dict) -> str:
         ("capture", "capture"), ("Python trace", "python_trace"), ("trace", "trace"), ("lowering", "lowering"),
         ("XLA", "xla")) if row.get(key))
     traced = f", {row['programs_traced']} programs traced" if "programs_traced" in row else ""
+    settled = (f"; the unrolled program served after {row['settle_seconds']:.1f} s more, warm then "
+               f"{row['settled_warm'] * 1e3:.1f} ms" if "settled_warm" in row else "")
     return (f"{row['side']} {row['what']} {shape}: first call {row['first_call']:.2f} s ({parts}{traced}); "
-            f"warm {row['warm'] * 1e3:.1f} ms")
+            f"warm {row['warm'] * 1e3:.1f} ms{settled}")
 
 
 def describe(row: dict, spec: dict, limits: dict | None = None) -> str:

@@ -141,6 +141,12 @@ def in_background(work) -> concurrent.futures.Future:
 
 
 
+def compiling_in_background() -> bool:
+    """Whether a compile started by `in_background` is still running (a program's compile beside the calls that a
+    quicker form or another bucket serves meanwhile)."""
+    return bool(_background)
+
+
 @atexit.register
 def _wait_for_background_compiles() -> None:
     """A process that ends while a compile runs on a thread of its own (a loop compiled ahead that the call never

@@ -32,6 +32,10 @@ Inside another trace (a module compiled this way, called by a function `hf_tpu.j
 traced directly), the module's forward is traced as part of the enclosing program. `HF_TPU_COMPILE_DIRECT=0`
 turns all of this off: every call goes through Dynamo.
 
+First calls: an adapter's quick form (`QUICK_FORMS`; the Transformers adapter's scans a decoder's layers where
+`HF_TPU_SCAN_LAYERS=first-calls`) runs a new shape's first calls through a program that compiles sooner, while the
+forward's own program, traced at a later call, compiles beside them; then the forward's program serves.
+
 New shapes: an adapter's shape policy (`SHAPE_POLICIES`; the Transformers adapter's pads a causal LM's prompt on
 the right) pads a call to its bucket, whose one program serves every shape padded to it, and names other ways to
 compute the call; while a bucket's program is not compiled, its calls run those ways on programs that are (a
@@ -103,6 +107,15 @@ class Bucketing:
 # the functions that pad a compiled call to its bucket (an adapter adds its library's: Transformers' causal LMs):
 # each of (module, args, kwargs, dynamic: torch.compile's `dynamic`) returns a `Bucketing`, or None where it cannot
 SHAPE_POLICIES: list = []
+
+# the functions that give a compiled call a quicker form to compile (an adapter adds its library's: a Transformers
+# decoder's layers scanned into one loop): each of (module, args, kwargs) returns a function of the call's arguments
+# computing what `module.forward` computes, through a program XLA compiles sooner and runs slower, or None. The
+# first calls of a new shape run that form, and the forward's own program is traced at a later call and compiled
+# beside them, then serves every call (`hf_tpu.jit(meanwhile=)`'s rent-or-buy rule, as for a bucket).
+QUICK_FORMS: list = []
+# `trace_after` while a quick form serves: the first call runs it, and the forward is traced once it has run as long
+_QUICK_FIRST = 1e-6
 
 
 @functools.cache
@@ -198,8 +211,16 @@ class _CompiledCall:
         """The forward traced directly, padded to its bucket where a shape policy gives one (`SHAPE_POLICIES`)."""
         bucketing = next((b for b in (policy(self.module, args, kwargs, self.dynamic) for policy in SHAPE_POLICIES)
                           if b is not None), None)
-        if bucketing is None:
+        quick = next((q for q in (policy(self.module, args, kwargs) for policy in QUICK_FORMS) if q is not None), None)
+        if bucketing is None and quick is None:
             return _traced_call(self.forward, args, kwargs, self.module, fallback)
+        from . import direct
+
+        if bucketing is None:
+            result = direct.call(self.forward, args, kwargs, (self.module,), fallback,
+                                 lambda *a, **k: _Served(_traced_call(quick, a, k, self.module, fallback)),
+                                 _QUICK_FIRST, _module_inputs())
+            return result.result if isinstance(result, _Served) else result
 
         def meanwhile(*_args, **_kwargs):
             """While the bucket's program is not compiled: the call from programs that are, if any. The buckets whose
@@ -211,12 +232,12 @@ class _CompiledCall:
                     if all(_ready(self.forward, a, k, self.module) for a, k in calls):
                         return _Served(combine([_traced_call(self.forward, a, k, self.module, fallback)
                                                 for a, k in calls]))
+            if quick is not None:  # the bucket's call in its quick form
+                return _Served(bucketing.unpad(_traced_call(quick, _args, _kwargs, self.module, fallback)))
             return NotImplemented
 
-        from . import direct
-
-        result = direct.call(self.forward, bucketing.args, bucketing.kwargs, (self.module,), fallback, meanwhile, 0.0,
-                             _module_inputs())
+        result = direct.call(self.forward, bucketing.args, bucketing.kwargs, (self.module,), fallback, meanwhile,
+                             0.0 if quick is None else _QUICK_FIRST, _module_inputs())
         if isinstance(result, _Served):
             return result.result
         if bucketing.shape not in self.compiled_shapes and _ready(self.forward, bucketing.args, bucketing.kwargs,

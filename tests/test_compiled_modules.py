@@ -4,6 +4,7 @@ update, `train()`/`eval()`, an attribute, a config field, a hook), and Dynamo wh
 same."""
 
 import copy
+import time
 
 import pytest
 import torch
@@ -344,3 +345,35 @@ def test_torch_compile_by_the_backends_name_installs_the_direct_trace_in_a_fresh
                           env=cpu_process_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split()[:2] == ["1", "{}"], proc.stdout
+
+
+def test_first_calls_run_the_scanned_layers_until_the_unrolled_program_is_compiled(causal_lm):
+    """`HF_TPU_SCAN_LAYERS=first-calls`: a compiled model's first call of a shape without a KV cache runs its layers
+    scanned (a program XLA compiles sooner), the next call traces the unrolled forward, whose compile runs beside
+    the calls, and once it is compiled it serves every call; each call gives the CPU's logits. A call with a KV
+    cache, and a model whose layers were not arranged (`scanned_layers.arrange`), compile the forward alone."""
+    from hf_tpu.integrations.transformers import configure, scanned_layers
+
+    cpu, tpu = causal_lm
+    scanned_layers.arrange(tpu)
+    compiled = torch.compile(tpu, backend="tpu")
+    ids = torch.randint(0, 128, (1, 100))
+    configure(scan_layers="first-calls")
+    try:
+        _same_as_the_cpu(compiled, cpu, ids, use_cache=False)
+        assert _traced() == 1  # the scanned form alone
+        _same_as_the_cpu(compiled, cpu, ids, use_cache=False)
+        assert _traced() == 2  # the unrolled form, compiled beside this call
+        programs = [p for p in direct._programs.values() if p is not direct._NOT_TRACEABLE]
+        for _ in range(50):  # the unrolled form serves once its compile is done
+            _same_as_the_cpu(compiled, cpu, ids, use_cache=False)
+            unrolled = [p for p in programs if "scan" not in str(p.jaxpr)]
+            if unrolled and unrolled[0].launched:
+                break
+            time.sleep(0.1)
+        assert sorted("scan" in str(p.jaxpr) for p in programs) == [False, True]
+        assert all(p.launched for p in programs) and _traced() == 2 and _captured() == 0
+        _same_as_the_cpu(compiled, cpu, torch.randint(0, 128, (1, 100)))  # a KV cache: the unrolled form alone
+        assert _traced() == 3
+    finally:
+        configure(scan_layers="checkpointed")

@@ -87,6 +87,7 @@ def install(module) -> None:
         attention.register()
         capturing_hooks_traced()
         compiled_buckets.install()
+        scanned_layers.install()
     elif module.__name__ == "transformers.models.auto.auto_factory":
         wrap_once(module._BaseAutoModelClass, "from_pretrained", from_pretrained.wrap)
     elif module.__name__ == "transformers.generation.utils":

@@ -9,7 +9,7 @@ import dataclasses
 from hf_tpu import settings as _environment
 
 
-SCAN_LAYERS_CHOICES = ("checkpointed", "always", "off")
+SCAN_LAYERS_CHOICES = ("checkpointed", "first-calls", "always", "off")
 DEFAULT_PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
@@ -23,8 +23,10 @@ _environment.register(
     _environment.Setting("HF_TPU_DIRECT_TRACE", "bool", True, "Transformers generate: trace the prefill and the "
                          "decode loop with hf_tpu.jit (off: torch.compile)"),
     _environment.Setting("HF_TPU_SCAN_LAYERS", "choice", "checkpointed", "Transformers decoders in hf_tpu.jit's trace: "
-                         "run the layers as one scanned loop when checkpointed (checkpointed), in every traced call "
-                         "without a KV cache (always), or unrolled (off)", choices=SCAN_LAYERS_CHOICES),
+                         "run the layers as one scanned loop when checkpointed (checkpointed), also in a torch.compile'd "
+                         "forward's first calls of a shape without a KV cache, while its unrolled program compiles "
+                         "(first-calls), in every traced call without a KV cache (always), or unrolled (off)",
+                         choices=SCAN_LAYERS_CHOICES),
 )
 
 
