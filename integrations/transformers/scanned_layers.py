@@ -28,6 +28,7 @@ import inspect
 import logging
 import textwrap
 import types
+import weakref
 
 import torch
 
@@ -128,14 +129,21 @@ def quick_form(module: torch.nn.Module, args: tuple, kwargs: dict):
     use_cache = kwargs.get("use_cache", getattr(config, "use_cache", False))
     if use_cache or any(kwargs.get(name) is not None for name in _CACHE_ARGUMENTS):
         return None
-    stacks = [m for m in module.modules() if isinstance(m, ScannableLayers)]
-    parameters = [p for stack in stacks for p in stack.parameters()]
-    if not parameters or parameters[0].device.type != "tpu":
-        return None
-    free, _ = torch.tpu.mem_get_info(parameters[0].device)
-    if 2 * sum(p.numel() * p.element_size() for p in parameters) > free:
+    stacked = _stacked_bytes.get(module)
+    if stacked is None:
+        parameters = [p for m in module.modules() if isinstance(m, ScannableLayers) for p in m.parameters()]
+        on_tpu = bool(parameters) and parameters[0].device.type == "tpu"
+        stacked = _stacked_bytes[module] = (sum(p.numel() * p.element_size() for p in parameters) if on_tpu else 0,
+                                            parameters[0].device if on_tpu else None)
+    size, device = stacked
+    if not size or 2 * size > torch.tpu.mem_get_info(device)[0]:
         return None
     return types.MethodType(_scanned_forward, module)  # keyed as the module's own forward is: its code and the module
+
+
+# per model: the bytes of its scannable layers' parameters (their stacked copy) and their device, found once (a
+# model's own attribute would be keyed by the compiled call)
+_stacked_bytes = weakref.WeakKeyDictionary()
 
 
 def _scanned_forward(module: torch.nn.Module, *args, **kwargs):
