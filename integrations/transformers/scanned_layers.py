@@ -121,8 +121,8 @@ def quick_form(module: torch.nn.Module, args: tuple, kwargs: dict):
     """`HF_TPU_SCAN_LAYERS=first-calls`: for a compiled call of a model holding scannable layers, without gradients
     and without a KV cache (`use_cache=False`), its forward with the layers scanned (`hf_tpu.compiled_modules.
     QUICK_FORMS`): XLA compiles one layer where the unrolled program has them all (the 1.1B Llama's 1x1024 forward on
-    the v5e: 10.8 s against 15.6 s), and each call copies the layers' weights into stacked arrays (17.2 ms a call
-    against 23.5 ms). None where the copy would take more than half of the device's free memory."""
+    the v5e: 10.8 s against 15.6 s), and each call copies the layers' weights into stacked arrays (23.5 ms a call
+    against 17.2 ms). None where the copy would take more than half of the device's free memory."""
     if settings.scan_layers != "first-calls" or torch.is_grad_enabled() and module.training:
         return None
     config = getattr(module, "config", None)
