@@ -200,8 +200,7 @@ def worker(side: str, program: str, model: str, layers: int, batch: int, length:
     return dict(side=side, layers=layers, lowering_seconds=lowering, compile_seconds=compiling,
                 compile_cpu_seconds=compiling_cpu,
                 cache_entry_seconds=cache_write, cache_entry_bytes=len(entry),
-                flops=cost.get("flops"), bytes_accessed=cost.get("bytes accessed"),
-                optimal_seconds=cost.get("optimal_seconds"))
+                flops=cost.get("flops"), bytes_accessed=cost.get("bytes accessed"))
 
 
 def main(argv=None) -> None:
@@ -251,9 +250,7 @@ def main(argv=None) -> None:
                   + "".join(f"; {stage} {seconds:.1f} s" for stage, seconds in row["stages"].items())
                   + "".join(f"; {count:,} {figure}" for figure, count in row["size"].items())
                   + (f"; XLA's cost analysis {row['flops'] / 1e12:.2f} TFLOP, {row['bytes_accessed'] / 2**30:.1f} GiB "
-                     "accessed" if row["flops"] else "")
-                  + (f", its roofline {row['optimal_seconds'] * 1e3:.1f} ms (a loop's body counted once)"
-                     if row.get("optimal_seconds") else ""), flush=True)
+                     "accessed" if row["flops"] else ""), flush=True)
     if len(depths) != 2:
         return
     from benchmarks import chip
