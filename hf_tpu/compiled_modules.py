@@ -208,19 +208,16 @@ class _CompiledCall:
         return _forward_hooks(module, args, kwargs, result)
 
     def _traced(self, args: tuple, kwargs: dict, fallback):
-        """The forward traced directly, padded to its bucket where a shape policy gives one (`SHAPE_POLICIES`)."""
+        """The forward traced directly, padded to its bucket where a shape policy gives one (`SHAPE_POLICIES`), its
+        first calls in a quick form where an adapter gives one (`QUICK_FORMS`)."""
         bucketing = next((b for b in (policy(self.module, args, kwargs, self.dynamic) for policy in SHAPE_POLICIES)
                           if b is not None), None)
         quick = next((q for q in (policy(self.module, args, kwargs) for policy in QUICK_FORMS) if q is not None), None)
-        if bucketing is None and quick is None:
-            return _traced_call(self.forward, args, kwargs, self.module, fallback)
-        from . import direct
-
         if bucketing is None:
-            result = direct.call(self.forward, args, kwargs, (self.module,), fallback,
-                                 lambda *a, **k: _Served(_traced_call(quick, a, k, self.module, fallback)),
-                                 _QUICK_FIRST, _module_inputs())
-            return result.result if isinstance(result, _Served) else result
+            if quick is None:
+                return _traced_call(self.forward, args, kwargs, self.module, fallback)
+            bucketing = Bucketing(args, kwargs, lambda result: result, None, lambda: ())  # the call's own shape
+        from . import direct
 
         def meanwhile(*_args, **_kwargs):
             """While the bucket's program is not compiled: the call from programs that are, if any. The buckets whose

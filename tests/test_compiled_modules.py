@@ -347,7 +347,8 @@ def test_torch_compile_by_the_backends_name_installs_the_direct_trace_in_a_fresh
     assert proc.stdout.split()[:2] == ["1", "{}"], proc.stdout
 
 
-def test_first_calls_run_the_scanned_layers_until_the_unrolled_program_is_compiled(causal_lm):
+@pytest.mark.parametrize("dynamic", [None, False])  # padded to its bucket, or its own shape
+def test_first_calls_run_the_scanned_layers_until_the_unrolled_program_is_compiled(causal_lm, dynamic):
     """`HF_TPU_SCAN_LAYERS=first-calls`: a compiled model's first call of a shape without a KV cache runs its layers
     scanned (a program XLA compiles sooner), the next call traces the unrolled forward, whose compile runs beside
     the calls, and once it is compiled it serves every call; each call gives the CPU's logits. A call with a KV
@@ -356,7 +357,7 @@ def test_first_calls_run_the_scanned_layers_until_the_unrolled_program_is_compil
 
     cpu, tpu = causal_lm
     scanned_layers.arrange(tpu)
-    compiled = torch.compile(tpu, backend="tpu")
+    compiled = torch.compile(tpu, backend="tpu", dynamic=dynamic)
     ids = torch.randint(0, 128, (1, 100))
     configure(scan_layers="first-calls")
     try:
