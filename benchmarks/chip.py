@@ -521,16 +521,17 @@ def _weight_products(spec: dict, rows: _Rows, device, batch: int, length: int) -
               call_seconds=call, inputs=2 + len(shapes) * len(layers))
 
 
-def _llama(spec: dict):
+def _llama(spec: dict, arrange_scanned: bool = True):
+    """The Llama of `spec` in bfloat16 on the CPU; with HF_TPU_SCAN_LAYERS=always or first-calls and
+    `arrange_scanned`, its layer lists arranged as `from_pretrained(device_map="tpu")` arranges them (a torchax
+    row passes False: its process must not import hf_tpu)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(**spec["model"], attn_implementation="sdpa")
     model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
-    # the layer lists `from_pretrained(device_map="tpu")` gives, for HF_TPU_SCAN_LAYERS=always or first-calls (a
-    # torchax row's process must not import hf_tpu: read from the environment)
-    if os.environ.get("HF_TPU_SCAN_LAYERS", "").lower() in ("always", "first-calls"):
+    if arrange_scanned and os.environ.get("HF_TPU_SCAN_LAYERS", "").lower() in ("always", "first-calls"):
         from hf_tpu.integrations.transformers import scanned_layers
 
         scanned_layers.arrange(model)
@@ -911,7 +912,7 @@ def _group_torchax(spec: dict, rows: _Rows) -> None:
         def forward(self, ids):
             return self.model(ids, use_cache=False, return_dict=False)[0]
 
-    model = _llama(spec)
+    model = _llama(spec, arrange_scanned=False)
     with torchax.default_env():
         model.to("jax")
         jitted = torchax.interop.JittableModule(Logits(model))

@@ -17,8 +17,6 @@ import tempfile
 
 import torch
 
-import hf_tpu
-
 
 def tiny_tokenizer(max_length: int = 16):
     """A CLIP tokenizer over single bytes (no merges): enough to turn any prompt into ids."""
@@ -166,6 +164,7 @@ def main(argv=None):
     p.add_argument("--compile", action="store_true", help="compile the denoiser and VAE decoder")
     p.add_argument("--out", default="text_to_image.png", help="PNG path (default: text_to_image.png here)")
     args = p.parse_args(argv)
+    import hf_tpu  # here, not at the top: the builders above also serve processes without hf_tpu (torchax's)
 
     with tempfile.TemporaryDirectory() as directory:
         pipe = load(args.pipeline, saved_pipeline(args.pipeline, directory))
