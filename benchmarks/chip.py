@@ -522,16 +522,16 @@ def _weight_products(spec: dict, rows: _Rows, device, batch: int, length: int) -
 
 
 def _llama(spec: dict, arrange_scanned: bool = True):
-    """The Llama of `spec` in bfloat16 on the CPU; with HF_TPU_SCAN_LAYERS=always or first-calls and
-    `arrange_scanned`, its layer lists arranged as `from_pretrained(device_map="tpu")` arranges them (a torchax
-    row passes False: its process must not import hf_tpu)."""
+    """The Llama of `spec` in bfloat16 on the CPU; with `arrange_scanned`, its layer lists arranged as
+    `from_pretrained(device_map="tpu")` arranges them, for the scans HF_TPU_SCAN_LAYERS asks (a torchax row passes
+    False: its process must not import hf_tpu)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(**spec["model"], attn_implementation="sdpa")
     model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
-    if arrange_scanned and os.environ.get("HF_TPU_SCAN_LAYERS", "").lower() in ("always", "first-calls"):
+    if arrange_scanned:
         from hf_tpu.integrations.transformers import scanned_layers
 
         scanned_layers.arrange(model)
@@ -734,10 +734,16 @@ def _compile_row(rows: _Rows, side: str, what: str, fn, warm_iters: int = 3, **f
     programs = traced() - before  # 0: the call ran programs compiled already (a bucket served by another's)
     warm = _median_seconds(fn, warm_iters)
     compiles = sum(spent.values())
-    if side == "hf-tpu" and what == "forward" and os.environ.get("HF_TPU_SCAN_LAYERS", "").lower() == "first-calls":
+    if side == "hf-tpu" and what == "forward" and _scan_layers() == "first-calls":
         figures.update(_settled(fn, warm_iters))
     rows.emit("compile", side=side, what=what, first_call=first, warm=warm, programs_traced=programs,
               capture=max(0.0, first - compiles - warm), **spent, **figures)
+
+
+def _scan_layers() -> str:
+    from hf_tpu.integrations.transformers.settings import settings
+
+    return settings.scan_layers
 
 
 def _settled(fn, warm_iters: int) -> dict:

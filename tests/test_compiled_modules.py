@@ -347,6 +347,24 @@ def test_torch_compile_by_the_backends_name_installs_the_direct_trace_in_a_fresh
     assert proc.stdout.split()[:2] == ["1", "{}"], proc.stdout
 
 
+@pytest.mark.parametrize("platform, variable, expected", [
+    ("tpu", None, "first-calls"), ("cpu", None, "checkpointed"), ("gpu", None, "checkpointed"),
+    ("tpu", "off", "off"), ("cpu", "first-calls", "first-calls")])
+def test_the_scanned_first_calls_are_the_default_on_a_tpu_alone(platform, variable, expected, monkeypatch):
+    """Unset, `HF_TPU_SCAN_LAYERS` is `first-calls` on a TPU (XLA compiles the scanned forward sooner there) and
+    `checkpointed` elsewhere (the CPU compiles the unrolled forward in seconds and runs the scanned one slower);
+    the variable, when set, decides everywhere."""
+    import hf_tpu
+    from hf_tpu.integrations.transformers.settings import Settings
+
+    monkeypatch.setattr(hf_tpu, "platform_name", lambda: platform)
+    if variable is None:
+        monkeypatch.delenv("HF_TPU_SCAN_LAYERS", raising=False)
+    else:
+        monkeypatch.setenv("HF_TPU_SCAN_LAYERS", variable)
+    assert Settings().scan_layers == expected
+
+
 @pytest.mark.parametrize("dynamic", [None, False])  # padded to its bucket, or its own shape
 def test_first_calls_run_the_scanned_layers_until_the_unrolled_program_is_compiled(causal_lm, dynamic):
     """`HF_TPU_SCAN_LAYERS=first-calls`: a compiled model's first call of a shape without a KV cache runs its layers
@@ -354,8 +372,10 @@ def test_first_calls_run_the_scanned_layers_until_the_unrolled_program_is_compil
     the calls, and once it is compiled it serves every call; each call gives the CPU's logits. A call with a KV
     cache, and a model whose layers were not arranged (`scanned_layers.arrange`), compile the forward alone."""
     from hf_tpu.integrations.transformers import configure, scanned_layers
+    from hf_tpu.integrations.transformers.settings import settings
 
     cpu, tpu = causal_lm
+    previous = settings.scan_layers
     scanned_layers.arrange(tpu)
     compiled = torch.compile(tpu, backend="tpu", dynamic=dynamic)
     ids = torch.randint(0, 128, (1, 100))
@@ -377,4 +397,4 @@ def test_first_calls_run_the_scanned_layers_until_the_unrolled_program_is_compil
         _same_as_the_cpu(compiled, cpu, torch.randint(0, 128, (1, 100)))  # a KV cache: the unrolled form alone
         assert _traced() == 3
     finally:
-        configure(scan_layers="checkpointed")
+        configure(scan_layers=previous)

@@ -812,15 +812,17 @@ def test_a_checkpointed_decoder_scans_its_layers_with_the_unrolled_steps_results
     losses and parameters of the step with its layers unrolled (`scan_layers="off"`), and the scan is taken."""
     from hf_tpu import layer_scan
     from hf_tpu.integrations.transformers import configure
+    from hf_tpu.integrations.transformers.settings import settings
 
     def adamw(params):
         return torch.optim.AdamW(params, lr=1e-2, foreach=True)
 
+    previous = settings.scan_layers
     configure(scan_layers="off")
     try:
         unrolled, unrolled_params = _traced_training("tpu", 2, adamw, checkpointing=reentrant, length=16)
     finally:
-        configure(scan_layers="checkpointed")
+        configure(scan_layers=previous)
     scans = []
     forward = layer_scan._ScannedLayers.forward
     monkeypatch.setattr(layer_scan._ScannedLayers, "forward",

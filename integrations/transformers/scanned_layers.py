@@ -10,13 +10,13 @@ the checkpoint of each layer did. The first step's compile then covers one layer
 layer's (the 1.1B Llama's 16 layers). Everywhere else (eager execution, `torch.compile`, a layer list met outside
 the loop, a call with a KV cache or with hooks on the layers) the list iterates over its layers as before.
 
-`HF_TPU_SCAN_LAYERS` (or `configure(scan_layers=...)`): `checkpointed` (the default, as above), `always` (also a
-traced call without gradients or a KV cache, `use_cache=False`: the compile of a model's forward shrinks likewise,
-and each call copies the layers' parameters into the stacked arrays the loop reads, which on the v5e made the 1.1B's
-1x128 forward 4x slower), `first-calls` (a `torch.compile`d model's forward without gradients or a KV cache runs
-scanned only while its unrolled program compiles: the first call waits for the scanned program's compile, the
-unrolled one, traced at a later call, then serves; `quick_form`), `off`. The setting is read when a call is traced: a
-program traced before a change keeps its form.
+`HF_TPU_SCAN_LAYERS` (or `configure(scan_layers=...)`): `checkpointed` (as above; the default off a TPU), `always`
+(also a traced call without gradients or a KV cache, `use_cache=False`: the compile of a model's forward shrinks
+likewise, and each call copies the layers' parameters into the stacked arrays the loop reads, which on the v5e made
+the 1.1B's 1x128 forward 4x slower), `first-calls` (the default on a TPU: a `torch.compile`d model's forward without
+gradients or a KV cache runs scanned only while its unrolled program compiles: the first call waits for the scanned
+program's compile, the unrolled one, traced at a later call, then serves; `quick_form`), `off`. The setting is read
+when a call is traced: a program traced before a change keeps its form.
 """
 
 from __future__ import annotations
