@@ -398,3 +398,35 @@ def test_first_calls_run_the_scanned_layers_until_the_unrolled_program_is_compil
         assert _traced() == 3
     finally:
         configure(scan_layers=previous)
+
+
+_NEW_LENGTHS = iter(range(23, 1000))  # a length no earlier call in this process compiled for
+
+
+def test_a_first_call_compiles_the_traced_program_and_nothing_else(causal_lm):
+    """A cold process's first compiled forward pays XLA for every program it compiles: on a TPU 30 to 60 ms for each
+    tiny one. Transformers' mask functions index position ids made by `arange`, whose index checks the trace decides
+    on the host (`index_checks.in_range_on_host`); through JAX each op of such a check was an eager program compiled
+    for its shapes, some 40 of them per forward. Only the traced program compiles now (and the device's record of
+    index errors, which merges the program's after a call: once per process, not per trace)."""
+    from jax._src import monitoring
+
+    compiled_names = []
+
+    def on_duration(event, seconds, **kwargs):
+        if event.endswith("backend_compile_duration"):
+            compiled_names.append(kwargs.get("fun_name"))
+
+    cpu, tpu = causal_lm
+    compiled = torch.compile(tpu, backend="tpu", dynamic=False)  # the call's own shape: one no call compiled
+    ids = torch.randint(0, 128, (1, next(_NEW_LENGTHS)))
+    monitoring.register_event_duration_secs_listener(on_duration)
+    try:
+        _same_as_the_cpu(compiled, cpu, ids, use_cache=False)
+    finally:
+        monitoring.unregister_event_duration_listener(on_duration)
+    assert _traced() == 1
+    traced = [name for name in compiled_names if name != "jit(_merged)"]
+    # the forward's program, or on a TPU its scanned first-calls form (`HF_TPU_SCAN_LAYERS`' default there)
+    assert len(traced) == 1 and traced[0] in ("jit(traced_LlamaForCausalLM.forward)", "jit(traced__scanned_forward)"), \
+        compiled_names

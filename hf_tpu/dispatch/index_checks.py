@@ -4,20 +4,20 @@ indices too.
 
 Each checked op's rule looks at the call's shapes and static arguments when its program is built (never at a
 device value) and gives the `IndexCheck` the program computes beside its results, or None where nothing can be
-out of range (an empty index). The program writes what it finds into its device's record of errors, and the
-first error is raised at the next host read, naming the op and where it was called (`modes.device_errors`);
-with HF_TPU_CHECK_INDICES=1 or in launch-blocking mode, at the op's call, with a host sync per op. Either way the
-exception is the type and message PyTorch's CPU kernel raises for the same call (`tests/core/test_index_checks.py`
-compares them), and only values CPU rejects are flagged: negative indices where CPU takes them (`x[-1]`,
-`index_fill`, `take`), ignore_index, empty indices.
+out of range (an empty index). A check is written over an array namespace: `jax.numpy` in the program, NumPy on
+the host, where a trace decides it from indices whose values it knows (`in_range_on_host`). The program writes
+what it finds into its device's record of errors, and the first error is raised at the next host read, naming the
+op and where it was called (`modes.device_errors`); with HF_TPU_CHECK_INDICES=1 or in launch-blocking mode, at the
+op's call, with a host sync per op. Either way the exception is the type and message PyTorch's CPU kernel raises
+for the same call (`tests/core/test_index_checks.py` compares them), and only values CPU rejects are flagged:
+negative indices where CPU takes them (`x[-1]`, `index_fill`, `take`), ignore_index, empty indices.
 """
 
 from __future__ import annotations
 
 import typing
 
-import jax
-import jax.numpy as jnp
+import numpy as np
 import torch
 
 from ..memory import host_transfers
@@ -26,24 +26,24 @@ from ..memory import host_transfers
 class IndexCheck(typing.NamedTuple):
     """What a checked op's program computes of its indices, and the error that stands for."""
 
-    # the lowering's arguments by name (arrays) -> (whether an index is out of range, the first such value in
-    # PyTorch's order, a detail the message needs: a dim, a position)
+    # (the lowering's arguments by name (arrays), their array namespace: jax.numpy or NumPy) -> (whether an index
+    # is out of range, the first such value in PyTorch's order, a detail the message needs: a dim, a position)
     find: typing.Callable
     error: typing.Callable  # (value, detail) -> the exception PyTorch's CPU kernel raises
 
 
-def _first(flat, outside):
+def _first(flat, outside, xp):
     """(whether any of `outside` is true, the element of `flat` at the first true one, its position): one min-reduction
     of positions, which XLA computes faster than an argmax."""
     n = flat.shape[0]
-    first = jnp.min(jnp.where(outside, jnp.arange(n, dtype=jnp.int32 if n < 2**31 else jnp.int64), n))
-    return first < n, flat[jnp.minimum(first, n - 1)], first
+    first = xp.min(xp.where(outside, xp.arange(n, dtype=xp.int32 if n < 2**31 else xp.int64), n))
+    return first < n, flat[xp.minimum(first, n - 1)], first
 
 
-def _first_outside(index, low: int, high: int):
+def _first_outside(index, low: int, high: int, xp):
     """(whether an element of `index` lies outside [low, high), the first such in row-major order, its position)."""
     flat = index.reshape(-1)
-    return _first(flat, (flat < low) | (flat >= high))
+    return _first(flat, (flat < low) | (flat >= high), xp)
 
 
 # The error of an index out of range along one dim: (self, the dim's size, the dim) -> (value, detail) -> exception
@@ -98,9 +98,9 @@ def _along_dim(name):
         size = self.shape[dim] if self.dim() else 1
         low = -size if negatives else 0
 
-        def find(args):
-            bad, value, _ = _first_outside(args["index"], low, size)
-            return bad, value, jnp.asarray(args.get("alpha", 1)) == 1  # index_add: which kernel CPU takes
+        def find(args, xp):
+            bad, value, _ = _first_outside(args["index"], low, size, xp)
+            return bad, value, xp.asarray(args.get("alpha", 1)) == 1  # index_add: which kernel CPU takes
 
         return IndexCheck(find, make_error(self, size, dim))
     return rule
@@ -111,7 +111,8 @@ def _embedding(values):
     if indices.numel() == 0:
         return None
     rows = weight.shape[0]
-    return IndexCheck(lambda args: _first_outside(args["indices"], 0, rows), _out_of_range_in_self(weight, rows, 0))
+    return IndexCheck(lambda args, xp: _first_outside(args["indices"], 0, rows, xp),
+                      _out_of_range_in_self(weight, rows, 0))
 
 
 def _embedding_bag(values):
@@ -120,7 +121,7 @@ def _embedding_bag(values):
         return None
     rows = weight.shape[0]
     return IndexCheck(
-        lambda args: _first_outside(args["indices"], 0, rows),
+        lambda args, xp: _first_outside(args["indices"], 0, rows, xp),
         lambda value, position: RuntimeError(
             f"Index {position} of input takes value {value} which is not in the valid range [0, {rows})"))
 
@@ -157,23 +158,23 @@ def _advanced(values):  # index.Tensor, index_put, _index_put_impl
     sizes = {named: size for _, named, size in checked}
     if any(index is not None and _is_mask(index) for index in indices):
         # a mask's true elements are known on the device only: each index tensor checked in turn
-        def find(args):
-            found = [_first_outside(args["indices"][k], -size, size) for k, _, size in checked]
-            bad = jnp.stack([bad for bad, _, _ in found])
-            first = jnp.argmax(bad)
-            return (bad.any(), jnp.stack([value.astype(jnp.int64) for _, value, _ in found])[first],
-                    jnp.asarray([named for _, named, _ in checked])[first])
+        def find(args, xp):
+            found = [_first_outside(args["indices"][k], -size, size, xp) for k, _, size in checked]
+            bad = xp.stack([bad for bad, _, _ in found])
+            first = xp.argmax(bad)
+            return (bad.any(), xp.stack([value.astype(xp.int64) for _, value, _ in found])[first],
+                    xp.asarray([named for _, named, _ in checked])[first])
     else:
-        def find(args):
+        def find(args, xp):
             tensors = [args["indices"][k] for k, _, _ in checked]
-            shape = jnp.broadcast_shapes(*(t.shape for t in tensors))
-            flat = jnp.stack([jnp.broadcast_to(t, shape).reshape(-1).astype(jnp.int64) for t in tensors])  # (k, n)
-            limits = jnp.asarray([size for _, _, size in checked], jnp.int64)[:, None]
+            shape = xp.broadcast_shapes(*(t.shape for t in tensors))
+            flat = xp.stack([xp.broadcast_to(t, shape).reshape(-1).astype(xp.int64) for t in tensors])  # (k, n)
+            limits = xp.asarray([size for _, _, size in checked], xp.int64)[:, None]
             outside = (flat < -limits) | (flat >= limits)
-            bad, _, element = _first(flat[0], outside.any(0))
-            element = jnp.minimum(element, flat.shape[1] - 1)
-            which = jnp.argmax(outside[:, element])  # among the few index tensors
-            return bad, flat[which, element], jnp.asarray([named for _, named, _ in checked])[which]
+            bad, _, element = _first(flat[0], outside.any(0), xp)
+            element = xp.minimum(element, flat.shape[1] - 1)
+            which = xp.argmax(outside[:, element])  # among the few index tensors
+            return bad, flat[which, element], xp.asarray([named for _, named, _ in checked])[which]
     return IndexCheck(find, lambda value, named: IndexError(
         f"index {value} is out of bounds for dimension {named} with size {sizes[named]}"))
 
@@ -187,7 +188,7 @@ def _flat(name):  # take, put: indices into the flattened tensor, negative ones 
         if n == 0 and name == "take":
             raise IndexError("take(): tried to take from an empty tensor")
         return IndexCheck(
-            lambda args: _first_outside(args["index"], -n, n),
+            lambda args, xp: _first_outside(args["index"], -n, n, xp),
             lambda value, _: IndexError(f"out of range: tried to access index {value} on a tensor of {n} elements."))
     return rule
 
@@ -198,9 +199,9 @@ def _nll_loss(values):  # nll_loss_forward, nll_loss2d_forward, hf_tpu::cross_en
         return None
     classes = self.shape[-1] if self.dim() <= 2 else self.shape[1]
 
-    def find(args):
+    def find(args, xp):
         flat = args["target"].reshape(-1)
-        return _first(flat, (flat != ignore_index) & ((flat < 0) | (flat >= classes)))
+        return _first(flat, (flat != ignore_index) & ((flat < 0) | (flat >= classes)), xp)
 
     return IndexCheck(find, lambda value, _: IndexError(f"Target {value} is out of bounds."))
 
@@ -209,9 +210,9 @@ def _one_hot(values):
     """CPU checks that no class is negative, then that none reaches num_classes."""
     classes = values[1]
 
-    def find(args):
+    def find(args, xp):
         flat = args["self"].reshape(-1)
-        bad, value, _ = _first(flat, (flat < 0) | (flat >= classes))
+        bad, value, _ = _first(flat, (flat < 0) | (flat >= classes), xp)
         return bad, value, (flat < 0).any()
 
     return IndexCheck(find, lambda value, negative: RuntimeError(
@@ -228,9 +229,9 @@ def _bincount(values):
     if self.numel() == 0:
         return None
 
-    def find(args):
+    def find(args, xp):
         flat = args["self"].reshape(-1)
-        return _first(flat, flat < 0)
+        return _first(flat, flat < 0, xp)
 
     return IndexCheck(find, lambda value, _: RuntimeError(_BINCOUNT))
 
@@ -263,27 +264,30 @@ def in_range_on_host(check: IndexCheck, names: tuple, values: list) -> bool:
     """Whether a call's indices are all in range, found on the host from their values where the innermost trace
     knows each tensor argument's (`HOST_VALUES`). False where a value is not known, or an index is out of range:
     the program then checks them. A check decided so is left out of the traced program, and with it every op that
-    computes only what the check read (the index ops of an attention mask that a known pattern replaced)."""
+    computes only what the check read (the index ops of an attention mask that a known pattern replaced).
+
+    Computed with NumPy: through JAX each of the check's ops (a comparison, a reduction, a slice) would be an
+    eager program XLA compiles for its shapes, some 20 per checked op (a Llama forward's mask indexes its position
+    ids twice), each 30 to 60 ms on a TPU host, paid by a process's first trace."""
     if not HOST_VALUES:
         return False
     known = HOST_VALUES[-1]
+
     def on_host(value):
         if isinstance(value, torch.Tensor):
             host = known(value)
             if host is None:
                 raise LookupError
-            return jnp.asarray(host_transfers.host_array(host))
+            return host_transfers.host_array(host)
         if isinstance(value, (list, tuple)):
             return type(value)(on_host(v) for v in value)
         return value
 
-    # computed now on the host's CPU, not staged into the program being traced
-    with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):
-        try:
-            args = {name: on_host(value) for name, value in zip(names, values)}
-        except LookupError:
-            return False
-        return not bool(check.find(args)[0])
+    try:
+        args = {name: on_host(value) for name, value in zip(names, values)}
+    except LookupError:
+        return False
+    return not bool(check.find(args, np)[0])
 
 
 def rule_for(op):

@@ -252,7 +252,7 @@ def build_program(call: Call) -> Program:
         # in-place variant may order its arguments differently (polygamma_(self, n) / polygamma(n, self))
         args = [by_name[name] for name, kw in lowered_params if not kw and name in by_name]
         kwargs = {name: by_name[name] for name, kw in lowered_params if kw and name in by_name}
-        checked = [] if check is None else [device_errors.fold(record, check.find(by_name), site)]
+        checked = [] if check is None else [device_errors.fold(record, check.find(by_name, jnp), site)]
         try:
             lower = lowering_function(sig.functional or sig.op, low, args, kwargs)
             result = flatten_returns(lower(*args, **kwargs))
