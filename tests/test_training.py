@@ -333,6 +333,34 @@ def test_a_trainer_step_launches_no_op_per_parameter_and_compiles_nothing_after_
     assert one == three, (one, three)
 
 
+def test_an_accumulation_windows_zero_gradients_are_added_to_where_they_lie():
+    """The zero gradients the Trainer gets before each accumulation window's first micro-batch come out of one
+    program that reads no input (`trainer._traced_gradients_made`), so JAX leaves them uncommitted to their device;
+    the micro step commits each where it lies and adds to it in place (donated). It copied every one first: a
+    second write and read of all the gradients every optimizer step (3.3 GB for the 0.44B in float32)."""
+    from hf_tpu.integrations.transformers import trainer
+    from hf_tpu.memory import buffer
+
+    def address(t):
+        return buffer.buffer_of(t).value().unsafe_buffer_pointer()
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).to("tpu")
+    parameters = list(model.parameters())
+
+    @hf_tpu.jit
+    def micro_step(x):
+        model(x).square().mean().backward()
+
+    for _ in range(2):
+        trainer._traced_gradients_made(parameters)
+        zeros = [address(p.grad) for p in parameters]
+        micro_step(torch.randn(2, 6).to("tpu"))
+        assert [address(p.grad) for p in parameters] == zeros
+        assert all(p.grad.abs().sum().item() > 0 for p in parameters)
+        model.zero_grad()
+
+
 def _right_padded(features):
     """A collator as a user writes one for sequences of several lengths: padded on the right to the batch's longest,
     labels -100 and mask 0 where padded."""
