@@ -58,7 +58,7 @@ have a `.grad`), each module's type and `training` flag, a non-module state obje
 of plain value types (numbers, strings, devices, dtypes), the default dtype, autocast's state and the float32
 matmul precision (which the lowerings read). Finding those takes a walk over every submodule, parameter and
 buffer; each state object's walk is kept and replayed by later calls while everything it read is unchanged
-(`trace_inputs.KeptWalk`; not one that met a `.grad`, which it would keep alive). NOT guarded, as with
+(`trace_inputs.KeptWalk`; the parameters' `.grad`s are keyed after the walks, each call). NOT guarded, as with
 `jax.jit`: globals the function reads other than modules and optimizers, attributes of modules other than
 `training` and their tensors (a `config` object's fields, a module's Python-number attributes, the checkpoint
 function `gradient_checkpointing_enable()` sets), the objects such attributes hold, and the content of a tensor
