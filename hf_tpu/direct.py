@@ -291,12 +291,21 @@ def _own_arrays(inputs: Inputs, slots: tuple, arrays: list) -> None:
     by that: the second call, over the first call's committed results, lowered and compiled the whole step again.
     Such an array, its buffer's alone, is committed where it lies (`jax.device_put` to its own sharding makes a
     committed array over the same memory): copied, it was a second write and read of every zero gradient of each
-    accumulation window (0.44B parameters: 3.3 GB a step in float32)."""
+    accumulation window (0.44B parameters: 3.3 GB a step in float32). Each kind is one `jax.device_put` of a list:
+    one call per array took 85 us of the host's time on the development CPU, 19 ms for a 24-layer Llama's gradients."""
+    copied, committed = [], []
     for slot in slots:
         array = arrays[slot]
-        shared = buffer.allocator.holders(array) > 1
-        if shared or not array.committed:
-            own = jax.device_put(array, array.sharding, may_alias=False if shared else None)
+        if buffer.allocator.holders(array) > 1:
+            copied.append(slot)
+        elif not array.committed:
+            committed.append(slot)
+    for chosen, may_alias in ((copied, False), (committed, None)):
+        if not chosen:
+            continue
+        chosen_arrays = [arrays[slot] for slot in chosen]
+        owned = jax.device_put(chosen_arrays, [a.sharding for a in chosen_arrays], may_alias=may_alias)
+        for slot, array, own in zip(chosen, chosen_arrays, owned):
             if inputs.buffers[slot]._array is array:
                 inputs.buffers[slot].array = own
             arrays[slot] = own
