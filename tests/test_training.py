@@ -271,7 +271,8 @@ def test_the_trainer_trains_on_tpu_with_the_cpu_losses(tmp_path):
 def test_the_trainer_traces_its_micro_steps_and_its_optimizer_step(tmp_path, monkeypatch, caplog, traced):
     """The Trainer's `training_step` (forward, loss, backward; the gradients added to in place) is one traced
     program for every micro-batch, the zero gradients of each accumulation's first micro-batch another, the clipping
-    a third and the optimizer's step a fourth: four programs for the whole run, the CPU's losses. `HF_TPU_TRAINER_TRACE=0` and `HF_TPU_OPTIMIZER_TRACE=0` run both eagerly, as the Trainer runs them."""
+    a third and the optimizer's step a fourth: four programs for the whole run, the CPU's losses.
+    `HF_TPU_TRAINER_TRACE=0` and `HF_TPU_OPTIMIZER_TRACE=0` run them eagerly, as the Trainer runs them."""
     if not traced:
         monkeypatch.setenv("HF_TPU_TRAINER_TRACE", "0")
         monkeypatch.setenv("HF_TPU_OPTIMIZER_TRACE", "0")
