@@ -294,10 +294,11 @@ def test_the_trainer_traces_its_micro_steps_and_its_optimizer_step(tmp_path, mon
 
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_a_trainer_step_launches_no_op_per_parameter_and_compiles_nothing_after_its_second(tmp_path, accumulation):
-    """A step of the Trainer on tpu launches its programs and a few eager ops (the loss's NaN check and sum, the
-    clipping, the schedule's new rate), as many for a model of 1 layer as of 3: the gradients `zero_grad()` drops
-    were made again before each micro step by an op per parameter, each array then copied by the micro step before
-    it could take it (a factory's arrays are not committed to their device), 2 x 147 launches a step for the 1.1B.
+    """A step of the Trainer on tpu launches its programs and a few eager ops (the loss's sum, the counts of the
+    next batches' labels, the schedule's new rate), as many for a model of 1 layer as of 3: the gradients
+    `zero_grad()` drops were made again before each micro step by an op per parameter, each array then copied by the
+    micro step before it could take it (a factory's arrays are not committed to their device), 2 x 147 launches a
+    step for the 1.1B.
     Without accumulation the micro step's program makes the gradients; with it one program makes them all. From
     the third step on, with the learning rate changing at every step, nothing compiles."""
     from accelerate.state import AcceleratorState
