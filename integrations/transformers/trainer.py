@@ -46,8 +46,8 @@ def _untraced_because(trainer) -> str | None:
 
 def _gradients_made(parameters: list) -> None:
     """A zero `.grad` for each parameter, all made by one program: the Trainer's `zero_grad()` leaves none, and
-    made one by one (`torch.zeros_like`) they were an op each, arrays the micro step then copied before it could
-    take them (an eager op's results from an empty tensor are not committed to their device)."""
+    made one by one (`torch.zeros_like`) they were an op each. The program reads no input, so its results are not
+    committed to their device: the micro step commits them where they lie (`hf_tpu.direct._own_arrays`)."""
     for parameter in parameters:
         parameter.grad = torch.zeros_like(parameter)
 
@@ -131,7 +131,7 @@ def _wrap_run_epoch(original):
         """The Trainer's loop over an epoch's micro-batches, whose check of each loss for NaN or infinity
         (`logging_nan_inf_filter`, on by default: `torch.isnan(loss) or torch.isinf(loss)`) read every micro-batch's
         loss on the host: the host then waited for each micro step's program before it launched the next, the chip
-        idle meanwhile (the Trainer skips the check under torch_xla for that reason). On tpu the traced micro step
+        idle meanwhile (under torch_xla the Trainer skips the check). On tpu the traced micro step
         filters the loss it returns as the check would (`_micro_step`: the same logged loss), and
         `args.logging_nan_inf_filter` is off while the loop runs, but for its logging, evaluation and checkpoints
         (`_maybe_log_save_evaluate`: the saved arguments are the user's)."""
