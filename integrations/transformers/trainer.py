@@ -47,7 +47,7 @@ def _untraced_because(trainer) -> str | None:
 def _gradients_made(parameters: list) -> None:
     """A zero `.grad` for each parameter, all made by one program: the Trainer's `zero_grad()` leaves none, and
     made one by one (`torch.zeros_like`) they were an op each. The program reads no input, so its results are not
-    committed to their device: the micro step commits them where they lie (`hf_tpu.direct._own_arrays`)."""
+    committed to their device: `hf_tpu.jit` commits them where they lie when the micro step takes them."""
     for parameter in parameters:
         parameter.grad = torch.zeros_like(parameter)
 
