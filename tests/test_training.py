@@ -386,7 +386,7 @@ def test_an_accumulation_windows_zero_gradients_are_added_to_where_they_lie():
     """The zero gradients the Trainer gets before each accumulation window's first micro-batch come out of one
     program that reads no input (`trainer._traced_gradients_made`), so JAX leaves them uncommitted to their device;
     the micro step commits each where it lies and adds to it in place (donated). It copied every one first: a
-    second write and read of all the gradients every optimizer step (3.3 GB for the 0.44B in float32)."""
+    second write and read of all the gradients every optimizer step (3.7 GB for the 0.44B in float32)."""
     from hf_tpu.integrations.transformers import trainer
     from hf_tpu.memory import buffer
 

@@ -131,10 +131,10 @@ def _wrap_run_epoch(original):
         """The Trainer's loop over an epoch's micro-batches, whose check of each loss for NaN or infinity
         (`logging_nan_inf_filter`, on by default: `torch.isnan(loss) or torch.isinf(loss)`) read every micro-batch's
         loss on the host: the host then waited for each micro step's program before it launched the next, the chip
-        idle meanwhile (under torch_xla the Trainer skips the check). On tpu the traced micro step
-        filters the loss it returns as the check would (`_micro_step`: the same logged loss), and
-        `args.logging_nan_inf_filter` is off while the loop runs, but for its logging, evaluation and checkpoints
-        (`_maybe_log_save_evaluate`: the saved arguments are the user's)."""
+        idle meanwhile (under torch_xla the Trainer skips the check). On tpu the traced micro step filters the loss
+        it returns as the check would (`_micro_step`: the same logged loss), and `args.logging_nan_inf_filter` is off
+        while the loop runs, but for its logging, evaluation and checkpoints (`_maybe_log_save_evaluate`: the saved
+        arguments are the user's)."""
         if not _filters_losses_on_the_device(self):
             return original(self, *args, **kwargs)
         self._hf_tpu_filters_losses = True
