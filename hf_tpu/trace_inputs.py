@@ -142,13 +142,19 @@ class Inputs:
         self.tensors.append((t, slot))
         if not t.requires_grad:
             return slot, tensor_views.view_of(t, buf)
-        grad = None
-        if t.is_leaf:
-            if first:
-                self.leaves.append(t)
-            if t.grad is not None:
-                grad = self.tensor(t.grad)
-        return slot, tensor_views.view_of(t, buf), True, grad
+        if first and t.is_leaf:
+            self.leaves.append(t)  # its `.grad` is keyed after every walk (`gradients`)
+        return slot, tensor_views.view_of(t, buf), True
+
+    def gradients(self) -> tuple:
+        """The key of each leaf's `.grad` (None where it has none), in the order the leaves were met; a gradient's
+        buffer becomes an input. Keyed after the walks, not inside them, so that a state object's walk does not
+        depend on its parameters' gradients and is kept and replayed whether they have one or not: an accumulating
+        micro step and an optimizer's step both meet every parameter with a gradient."""
+        keys = []
+        for leaf in self.leaves:  # a gradient that is a leaf requiring gradients of its own is appended, and keyed
+            keys.append(None if leaf.grad is None else self.tensor(leaf.grad))
+        return tuple(keys)
 
     def _subclass_tensor(self, t: torch.Tensor):
         """The key of a tensor subclass that keeps its data in tensors of its own (PyTorch's `__tensor_flatten__`
@@ -426,11 +432,6 @@ class KeptWalk:
         self.device_index = inputs.device_index
         self.inputs_type = type(inputs)  # a walk of another kind (`hf_tpu.direct.call(inputs_type=)`) keys other things
 
-    def keepable(self) -> bool:
-        """Whether the walk may be kept: not where it met a gradient (kept, it would keep a step's gradients alive
-        after `zero_grad()`; a training step's walk is a small part of its call)."""
-        return all(t.grad is None for t in self.added["leaves"])
-
     def holds(self, x) -> bool:
         """Whether the walk holds `x` (kept under `x`, it would keep it alive)."""
         return any(value is x for value in itertools.chain(self.values, *self.items))
@@ -448,8 +449,7 @@ class KeptWalk:
         # (Transformers' `_previous_max_cache_length`, 1152) is another int object past CPython's small ones
         if not all(same_value(now, before) or (_unkeyed(now) and _unkeyed(before)) for now, before in changed):
             return False
-        if (_layouts(self.tensors) != self.layouts or list(map(_requires_grad, self.tensors)) != self.requires_grad
-                or any(t.grad is not None for t in self.added["leaves"])):
+        if _layouts(self.tensors) != self.layouts or list(map(_requires_grad, self.tensors)) != self.requires_grad:
             return False
         added = self.added
         live = buffer.allocator.live
@@ -492,7 +492,7 @@ def _kept_walks_of(x) -> tuple:
 
 
 def _keep_walk(x, walk: KeptWalk) -> None:
-    if walk.holds(x) or not walk.keepable():
+    if walk.holds(x):
         return
     try:
         kept_walks[x] = (walk, *kept_walks.get(x, ()))[:_WALKS_KEPT]
@@ -514,7 +514,8 @@ def _call_key(inputs: Inputs, functions, args, kwargs) -> tuple:
     # state first: a module found among the arguments then keys by its place among the state objects
     state = tuple(inputs.root(o) for o in tuple(inputs.state))
     arguments = inputs.argument((tuple(function_parts(f)[1] for f in functions), args, kwargs))
-    return (state, arguments, tuple(inputs.buffer_keys), torch.get_default_dtype(),
+    gradients = inputs.gradients()
+    return (state, arguments, gradients, tuple(inputs.buffer_keys), torch.get_default_dtype(),
             torch.is_autocast_enabled("tpu"), torch.get_autocast_dtype("tpu"), torch.get_float32_matmul_precision())
 
 

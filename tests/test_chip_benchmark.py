@@ -326,6 +326,23 @@ def test_the_trainer_group_times_the_trainers_traced_steps(tmp_path):
     assert "a last step of 31 tokens (the same bucket)" in line and "programs traced" in line
 
 
+def test_the_trainer_phases_count_what_a_step_launches_and_reads_beside_the_traced_step():
+    """`benchmarks.trainer_phases` (a chip command) at the tiny size: a `bf16=True` Trainer step of 2 micro-batches
+    launches the zero gradients', the micro steps', the clipping's and the optimizer's programs and reads the host
+    only for what it logs; `--jit` runs the same tokens as one traced step, one program and one read a step."""
+    def per_step(*args):
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.trainer_phases", "--model", "tiny", "--length", "16",
+                               "--steps", "2", "--mixed", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return next(line for line in proc.stdout.splitlines() if line.startswith("  per optimizer step: "))
+
+    trainer = per_step("--accumulation", "2")
+    assert "programs_launched 5," in trainer and "host_syncs 3," in trainer and "xla_compiles 0" in trainer, trainer
+    traced = per_step("--jit")
+    assert "programs_launched 1," in traced and "ops_dispatched 0," in traced and "host_syncs 1," in traced, traced
+
+
 def test_the_libraries_group_trains_through_the_trainer_peft_and_accelerate_launch(tmp_path):
     """`--only train_libraries` at the tiny size: the Trainer with `bf16=True`, 4 micro-batches a step and
     checkpointing, traced and with `torch_compile=True` (the same losses); PEFT's LoRA through the Trainer, its

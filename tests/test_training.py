@@ -270,8 +270,9 @@ def test_the_trainer_trains_on_tpu_with_the_cpu_losses(tmp_path):
 @pytest.mark.parametrize("traced", [True, False])
 def test_the_trainer_traces_its_micro_steps_and_its_optimizer_step(tmp_path, monkeypatch, caplog, traced):
     """The Trainer's `training_step` (forward, loss, backward; the gradients added to in place) is one traced
-    program for every micro-batch, the zero gradients of each accumulation's first micro-batch another, and the
-    optimizer's step a third: three programs for the whole run, the CPU's losses. `HF_TPU_TRAINER_TRACE=0` and `HF_TPU_OPTIMIZER_TRACE=0` run both eagerly, as the Trainer runs them."""
+    program for every micro-batch, the zero gradients of each accumulation's first micro-batch another, the clipping
+    a third and the optimizer's step a fourth: four programs for the whole run, the CPU's losses.
+    `HF_TPU_TRAINER_TRACE=0` and `HF_TPU_OPTIMIZER_TRACE=0` run them eagerly, as the Trainer runs them."""
     if not traced:
         monkeypatch.setenv("HF_TPU_TRAINER_TRACE", "0")
         monkeypatch.setenv("HF_TPU_OPTIMIZER_TRACE", "0")
@@ -284,7 +285,7 @@ def test_the_trainer_traces_its_micro_steps_and_its_optimizer_step(tmp_path, mon
     direct.reset()
     programs = hf_tpu.metrics()["compiles_by_mode"].get("COMPILE", 0)
     tpu = _trainer_losses(tmp_path, "tpu", gradient_accumulation_steps=2, max_grad_norm=0.5)
-    assert hf_tpu.metrics()["compiles_by_mode"].get("COMPILE", 0) - programs == (3 if traced else 0)
+    assert hf_tpu.metrics()["compiles_by_mode"].get("COMPILE", 0) - programs == (4 if traced else 0)
     assert "runs without hf_tpu.jit's trace" not in caplog.text
     told = "the Trainer's training_step runs eagerly on tpu, not as one traced program: HF_TPU_TRAINER_TRACE is off"
     assert caplog.text.count(told) == (0 if traced else 1)
@@ -293,10 +294,11 @@ def test_the_trainer_traces_its_micro_steps_and_its_optimizer_step(tmp_path, mon
 
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_a_trainer_step_launches_no_op_per_parameter_and_compiles_nothing_after_its_second(tmp_path, accumulation):
-    """A step of the Trainer on tpu launches its programs and a few eager ops (the loss's NaN check and sum, the
-    clipping, the schedule's new rate), as many for a model of 1 layer as of 3: the gradients `zero_grad()` drops
-    were made again before each micro step by an op per parameter, each array then copied by the micro step before
-    it could take it (a factory's arrays are not committed to their device), 2 x 147 launches a step for the 1.1B.
+    """A step of the Trainer on tpu launches its programs and a few eager ops (the loss's sum, the counts of the
+    next batches' labels, the schedule's new rate), as many for a model of 1 layer as of 3: the gradients
+    `zero_grad()` drops were made again before each micro step by an op per parameter, each array then copied by the
+    micro step before it could take it (a factory's arrays are not committed to their device), 2 x 147 launches a
+    step for the 1.1B.
     Without accumulation the micro step's program makes the gradients; with it one program makes them all. From
     the third step on, with the learning rate changing at every step, nothing compiles."""
     from accelerate.state import AcceleratorState
@@ -324,13 +326,88 @@ def test_a_trainer_step_launches_no_op_per_parameter_and_compiles_nothing_after_
         counts = Counts()
         programs = hf_tpu.metrics()["compiles_by_mode"].get("COMPILE", 0)
         Trainer(model=LlamaForCausalLM(config), args=args, train_dataset=data, callbacks=[counts]).train()
-        assert hf_tpu.metrics()["compiles_by_mode"]["COMPILE"] - programs == (2 if accumulation == 1 else 3)
+        assert hf_tpu.metrics()["compiles_by_mode"]["COMPILE"] - programs == (3 if accumulation == 1 else 4)
         after = counts.at_step_end
         assert [b["xla_compiles"] - a["xla_compiles"] for a, b in zip(after[1:], after[2:])] == [0, 0, 0]
         return [b["ops_dispatched"] - a["ops_dispatched"] for a, b in zip(after[1:], after[2:])]
 
     one, three = steps(1), steps(3)
     assert one == three, (one, three)
+
+
+def test_a_trainer_step_reads_the_host_only_for_what_it_logs_and_filters_nan_losses_as_on_the_cpu(tmp_path):
+    """The Trainer checks each micro-batch's loss for NaN or infinity (`logging_nan_inf_filter`, on by default) on
+    the host: it waited there for each micro step's program before launching the next, the chip idle meanwhile.
+    On tpu the micro step's program filters the loss itself: between two steps the host reads only what the Trainer
+    logs (the learning rate, the loss, the gradient norm), and a NaN loss is logged as the CPU's Trainer logs it
+    (the mean of the logged loss before it in its place); the user's arguments keep the filter on, and a checkpoint
+    saves them so."""
+    from accelerate.state import AcceleratorState
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    class NaNWhereTheBatchStartsWithZero(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            return torch.where(inputs["input_ids"][0, 0] == 0, torch.nan, loss)
+
+    class Syncs(TrainerCallback):
+        def __init__(self):
+            self.at_step_end = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.at_step_end.append(hf_tpu.metrics()["host_syncs"])
+
+    def run(device):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        torch.manual_seed(2)
+        ids = torch.randint(1, 128, (16, 16))
+        ids[2, 0] = ids[4, 0] = 0  # the second micro-batch's loss and the third's: NaN
+        args = TrainingArguments(str(tmp_path / device), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                                 max_steps=4, learning_rate=1e-3, logging_steps=1, report_to=[], save_steps=3,
+                                 use_cpu=device == "cpu", seed=0, disable_tqdm=True, dataloader_pin_memory=False,
+                                 train_sampling_strategy="sequential")
+        syncs = Syncs()
+        trainer = NaNWhereTheBatchStartsWithZero(model=_tiny_llama(), args=args, callbacks=[syncs],
+                                                 train_dataset=[{"input_ids": row, "labels": row} for row in ids])
+        trainer.train()
+        saved = torch.load(tmp_path / device / "checkpoint-3" / "training_args.bin", weights_only=False)
+        assert args.logging_nan_inf_filter and saved.logging_nan_inf_filter
+        return torch.tensor([entry["loss"] for entry in trainer.state.log_history if "loss" in entry]), \
+            syncs.at_step_end
+
+    cpu, _ = run("cpu")
+    tpu, syncs = run("tpu")
+    assert len(tpu) == 4 and torch.isfinite(tpu).all(), tpu
+    assert ((tpu - cpu).abs() / cpu.abs()).max().item() < 1e-4, (tpu, cpu)
+    assert [b - a for a, b in zip(syncs, syncs[1:])][:2] == [3, 3]  # the third step's include its checkpoint
+
+
+def test_an_accumulation_windows_zero_gradients_are_added_to_where_they_lie():
+    """The zero gradients the Trainer gets before each accumulation window's first micro-batch come out of one
+    program that reads no input (`trainer._traced_gradients_made`), so JAX leaves them uncommitted to their device;
+    the micro step commits each where it lies and adds to it in place (donated). It copied every one first: a
+    second write and read of all the gradients every optimizer step (3.7 GB for the 0.44B in float32)."""
+    from hf_tpu.integrations.transformers import trainer
+    from hf_tpu.memory import buffer
+
+    def address(t):
+        return buffer.buffer_of(t).value().unsafe_buffer_pointer()
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).to("tpu")
+    parameters = list(model.parameters())
+
+    @hf_tpu.jit
+    def micro_step(x):
+        model(x).square().mean().backward()
+
+    for _ in range(2):
+        trainer._traced_gradients_made(parameters)
+        zeros = [address(p.grad) for p in parameters]
+        micro_step(torch.randn(2, 6).to("tpu"))
+        assert [address(p.grad) for p in parameters] == zeros
+        assert all(p.grad.abs().sum().item() > 0 for p in parameters)
+        model.zero_grad()
 
 
 def _right_padded(features):
@@ -374,18 +451,18 @@ def test_the_trainer_pads_a_causal_lms_batches_to_their_bucket_with_the_cpu_loss
     direct.reset()
     programs = hf_tpu.metrics()["compiles_by_mode"].get("COMPILE", 0)
     tpu = losses("tpu")
-    assert hf_tpu.metrics()["compiles_by_mode"]["COMPILE"] - programs == 2  # the micro step's, the optimizer's
+    assert hf_tpu.metrics()["compiles_by_mode"]["COMPILE"] - programs == 3  # the micro step's, clipping's, optimizer's
     assert len(tpu) == 4 and ((tpu - cpu).abs() / cpu.abs()).max().item() < 1e-4, (tpu, cpu)
     direct.reset()
     programs = hf_tpu.metrics()["compiles_by_mode"].get("COMPILE", 0)
     losses("tpu", OwnLoss)
-    assert hf_tpu.metrics()["compiles_by_mode"]["COMPILE"] - programs > 2
+    assert hf_tpu.metrics()["compiles_by_mode"]["COMPILE"] - programs > 3
 
 
 def test_the_trainers_mixed_precision_checkpointed_recipe_traces_with_the_cpu_losses(tmp_path):
     """`bf16=True` (autocast inside the traced step), `gradient_checkpointing=True` (the recomputation in the same
-    program) and accumulation: still a micro step's program, the zero gradients' and the optimizer's, the CPU's
-    losses within bfloat16 autocast's rounding of other orders of the same sums."""
+    program) and accumulation: still a micro step's program, the zero gradients', the clipping's and the
+    optimizer's, the CPU's losses within bfloat16 autocast's rounding of other orders of the same sums."""
     from hf_tpu import direct
 
     arguments = dict(bf16=True, gradient_checkpointing=True, gradient_accumulation_steps=2)
@@ -393,13 +470,13 @@ def test_the_trainers_mixed_precision_checkpointed_recipe_traces_with_the_cpu_lo
     direct.reset()
     programs = hf_tpu.metrics()["compiles_by_mode"].get("COMPILE", 0)
     tpu = _trainer_losses(tmp_path, "tpu", **arguments)
-    assert hf_tpu.metrics()["compiles_by_mode"]["COMPILE"] - programs == 3
+    assert hf_tpu.metrics()["compiles_by_mode"]["COMPILE"] - programs == 4
     assert len(tpu) == 3 and ((tpu - cpu).abs() / cpu.abs()).max().item() < 1e-3, (tpu, cpu)
 
 
 def test_the_trainer_trains_lora_adapters_in_traced_steps_with_the_cpu_losses(tmp_path):
     """PEFT LoRA through the Trainer: the frozen weights are inputs that take no gradient, the adapters' gradients
-    and AdamW's step are the programs of every step, beside the zero gradients of each accumulation (the
+    their clipping and AdamW's step are the programs of every step, beside the zero gradients of each accumulation (the
     optimizer's empty group of parameters without weight decay has a tensor rate, else each scheduled rate keyed a
     program of its own), the CPU's losses; only the adapters change, and they save and load back."""
     from peft import LoraConfig, PeftModel, get_peft_model
@@ -414,7 +491,7 @@ def test_the_trainer_trains_lora_adapters_in_traced_steps_with_the_cpu_losses(tm
     direct.reset()
     programs = hf_tpu.metrics()["compiles_by_mode"].get("COMPILE", 0)
     tpu, model = _trainer_losses(tmp_path, "tpu", wrap=lora, model_too=True, **arguments)
-    assert hf_tpu.metrics()["compiles_by_mode"]["COMPILE"] - programs == 3
+    assert hf_tpu.metrics()["compiles_by_mode"]["COMPILE"] - programs == 4
     assert len(tpu) == 3 and ((tpu - cpu).abs() / cpu.abs()).max().item() < 1e-4, (tpu, cpu)
     untouched = _tiny_llama().state_dict()
     for name, weight in model.base_model.model.state_dict().items():
@@ -493,17 +570,17 @@ def _accelerate_losses(device, traced_step):
 
 @pytest.mark.parametrize("traced_step", [False, True])
 def test_an_accelerate_loop_steps_its_optimizer_in_one_program_with_the_cpu_losses(caplog, traced_step):
-    """A plain Accelerate loop: `optimizer.step()` (AcceleratedOptimizer's) is one traced program; the user's whole
-    step traced by `hf_tpu.jit` is one program with the optimizer's step inside it (a jitted function called inside
-    a trace is part of its program, and the optimizer the AcceleratedOptimizer holds gets its state before the
-    first trace): one program either way, the CPU's losses."""
+    """A plain Accelerate loop: `accelerator.clip_grad_norm_()` and `optimizer.step()` (AcceleratedOptimizer's) are
+    one traced program each; the user's whole step traced by `hf_tpu.jit` is one program with the clipping and the
+    optimizer's step inside it (a jitted function called inside a trace is part of its program, and the optimizer
+    the AcceleratedOptimizer holds gets its state before the first trace); the CPU's losses either way."""
     from hf_tpu import direct
 
     cpu = _accelerate_losses("cpu", traced_step=False)
     direct.reset()
     programs = hf_tpu.metrics()["compiles_by_mode"].get("COMPILE", 0)
     tpu = _accelerate_losses("tpu", traced_step)
-    assert hf_tpu.metrics()["compiles_by_mode"]["COMPILE"] - programs == 1
+    assert hf_tpu.metrics()["compiles_by_mode"]["COMPILE"] - programs == (1 if traced_step else 2)
     assert "runs without hf_tpu.jit's trace" not in caplog.text
     torch.testing.assert_close(tpu, cpu, rtol=1e-4, atol=1e-4)
 

@@ -64,6 +64,8 @@ def install(module) -> None:
         wrap_once(module.Trainer, "_save_rng_state", trainer._wrap_save_rng_state)
         wrap_once(module.Trainer, "_load_rng_state", trainer._wrap_load_rng_state)
         wrap_once(module.Trainer, "training_step", trainer._wrap_training_step)
+        wrap_once(module.Trainer, "_run_epoch", trainer._wrap_run_epoch)
+        wrap_once(module.Trainer, "_maybe_log_save_evaluate", trainer._wrap_maybe_log_save_evaluate)
         wrap_once(module.Trainer, "get_train_dataloader", trainer._wrap_get_train_dataloader)
         # functions the Trainer module imported
         wrap_once(module, "nested_gather", trainer._wrap_nested_gather)

@@ -1,10 +1,12 @@
-"""The Trainer on `tpu`: each micro-batch's forward and backward is one traced program, a causal LM's batches are
-padded to their length bucket (a batch of another length in the same bucket runs the same program), its checkpoints
-hold the `tpu` random state, its logged loss is gathered across processes under Accelerate's data parallelism, and
-`torch_compile=True` compiles with the `tpu` backend."""
+"""The Trainer on `tpu`: each micro-batch's forward and backward is one traced program, which also filters a NaN or
+infinite loss out of the logged loss (the Trainer read each micro-batch's loss on the host for it), a causal LM's
+batches are padded to their length bucket (a batch of another length in the same bucket runs the same program), its
+checkpoints hold the `tpu` random state, its logged loss is gathered across processes under Accelerate's data
+parallelism, and `torch_compile=True` compiles with the `tpu` backend."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
@@ -44,13 +46,26 @@ def _untraced_because(trainer) -> str | None:
 
 def _gradients_made(parameters: list) -> None:
     """A zero `.grad` for each parameter, all made by one program: the Trainer's `zero_grad()` leaves none, and
-    made one by one (`torch.zeros_like`) they were an op each, arrays the micro step then copied before it could
-    take them (an eager op's results from an empty tensor are not committed to their device)."""
+    made one by one (`torch.zeros_like`) they were an op each. The program reads no input, so its results are not
+    committed to their device: `hf_tpu.jit` commits them where they lie when the micro step takes them."""
     for parameter in parameters:
         parameter.grad = torch.zeros_like(parameter)
 
 
 _traced_gradients_made = hf_tpu.jit(_gradients_made)
+
+
+def _micro_step(training_step, model, inputs, num_items_in_batch, logged_loss=None, steps_since_logged=None):
+    """The Trainer's `training_step`; with `logged_loss`, its loss as the Trainer adds it to the loss it logs
+    (`logging_nan_inf_filter`): a NaN or infinite loss replaced by the mean of the logged loss so far,
+    `logged_loss / steps_since_logged`, the value the Trainer adds in its place."""
+    loss = training_step(model, inputs, num_items_in_batch)
+    if logged_loss is None:
+        return loss
+    return torch.where(torch.isfinite(loss), loss, logged_loss / steps_since_logged)
+
+
+_traced_micro_step = hf_tpu.jit(_micro_step)
 
 
 def _wrap_training_step(original):
@@ -61,9 +76,10 @@ def _wrap_training_step(original):
         host. Without accumulation each micro-batch is its optimizer step's only one: `zero_grad()` left no `.grad`,
         and the program sets them (its outputs). With accumulation every trainable parameter gets a zero `.grad`
         before the first micro-batch of each window (`_gradients_made`), so that micro-batch runs the program the
-        others run, which adds to them in place: one trace and one compile of the forward and backward. A step the
-        trace cannot take (a subclass's `compute_loss` that reads a value on the host) runs as the Trainer runs it,
-        with a log line saying why."""
+        others run, which adds to them in place: one trace and one compile of the forward and backward. Inside the
+        Trainer's loop, where the loss filter runs on the device (`_run_epoch`), the program also filters the loss it
+        returns. A step the trace cannot take (a subclass's `compute_loss` that reads a value on the host) runs as
+        the Trainer runs it, with a log line saying why."""
         if self.args.device.type != "tpu":
             return original(self, model, inputs, num_items_in_batch)
         reason = _untraced_because(self)
@@ -72,16 +88,73 @@ def _wrap_training_step(original):
                 self._hf_tpu_untraced = reason
                 log.info("hf_tpu: the Trainer's training_step runs eagerly on tpu, not as one traced program: %s", reason)
             return original(self, model, inputs, num_items_in_batch)
-        traced = self.__dict__.get("_hf_tpu_training_step")
-        if traced is None:
-            traced = self._hf_tpu_training_step = hf_tpu.jit(functools.partial(original, self))
         if self.args.gradient_accumulation_steps > 1:
             missing = [p for p in model.parameters() if p.requires_grad and p.grad is None]
             if missing:
                 _traced_gradients_made(missing)
-        return traced(model, inputs, num_items_in_batch)
+        step = functools.partial(original, self)
+        if not self.__dict__.get("_hf_tpu_filters_losses"):
+            return _traced_micro_step(step, model, inputs, num_items_in_batch)
+        steps_since_logged = 1 + self.state.global_step - self._globalstep_last_logged
+        return _traced_micro_step(step, model, inputs, num_items_in_batch, self._tr_loss,
+                                  torch.tensor(float(steps_since_logged), device=self._tr_loss.device))
 
     return training_step
+
+
+# --- The Trainer's NaN filter of the logged loss, on the device
+
+
+def _filters_losses_on_the_device(trainer) -> bool:
+    """Whether the micro steps filter the logged loss (`_micro_step`) in place of the Trainer's own check: on tpu,
+    traced, with `logging_nan_inf_filter` on."""
+    return (trainer.args.device.type == "tpu" and trainer.args.logging_nan_inf_filter
+            and _untraced_because(trainer) is None and isinstance(getattr(trainer, "_tr_loss", None), torch.Tensor))
+
+
+@contextlib.contextmanager
+def _arguments_as_given(trainer):
+    """The user's `logging_nan_inf_filter` back on `trainer.args` for the block (`_run_epoch` turned it off)."""
+    if not trainer.__dict__.get("_hf_tpu_filters_losses"):
+        yield
+        return
+    trainer.args.logging_nan_inf_filter = True
+    try:
+        yield
+    finally:
+        trainer.args.logging_nan_inf_filter = False
+
+
+def _wrap_run_epoch(original):
+    @functools.wraps(original)
+    def _run_epoch(self, *args, **kwargs):
+        """The Trainer's loop over an epoch's micro-batches, whose check of each loss for NaN or infinity
+        (`logging_nan_inf_filter`, on by default: `torch.isnan(loss) or torch.isinf(loss)`) read every micro-batch's
+        loss on the host: the host then waited for each micro step's program before it launched the next, the chip
+        idle meanwhile (under torch_xla the Trainer skips the check). On tpu the traced micro step filters the loss
+        it returns as the check would (`_micro_step`: the same logged loss), and `args.logging_nan_inf_filter` is off
+        while the loop runs, but for its logging, evaluation and checkpoints (`_maybe_log_save_evaluate`: the saved
+        arguments are the user's)."""
+        if not _filters_losses_on_the_device(self):
+            return original(self, *args, **kwargs)
+        self._hf_tpu_filters_losses = True
+        self.args.logging_nan_inf_filter = False
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            self.args.logging_nan_inf_filter = True
+            self._hf_tpu_filters_losses = False
+
+    return _run_epoch
+
+
+def _wrap_maybe_log_save_evaluate(original):
+    @functools.wraps(original)
+    def _maybe_log_save_evaluate(self, *args, **kwargs):
+        with _arguments_as_given(self):
+            return original(self, *args, **kwargs)
+
+    return _maybe_log_save_evaluate
 
 
 # --- The Trainer's batches: a causal LM's padded to its length bucket
