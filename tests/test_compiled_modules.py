@@ -404,8 +404,8 @@ _NEW_LENGTHS = iter(range(23, 1000))  # a length no earlier call in this process
 
 
 def test_a_first_call_compiles_the_traced_program_and_nothing_else(causal_lm):
-    """A cold process's first compiled forward pays XLA for every program it compiles: on a TPU 30 to 60 ms for each
-    tiny one. Transformers' mask functions index position ids made by `arange`, whose index checks the trace decides
+    """A cold process's first compiled forward pays XLA for every program it compiles, tiny ones too.
+    Transformers' mask functions index position ids made by `arange`, whose index checks the trace decides
     on the host (`index_checks.in_range_on_host`); through JAX each op of such a check was an eager program compiled
     for its shapes, some 40 of them per forward. Only the traced program compiles now (and the device's record of
     index errors, which merges the program's after a call: once per process, not per trace)."""
