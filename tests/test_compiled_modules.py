@@ -300,6 +300,7 @@ def test_a_new_bucket_is_served_by_a_compiled_one_until_its_own_is_traced(causal
     _same_as_the_cpu(compiled, cpu, torch.randint(0, 128, (1, 100)))  # bucket 128
     _same_as_the_cpu(compiled, cpu, torch.randint(0, 128, (1, 20)))  # bucket 32: the 128 program runs it
     _same_as_the_cpu(compiled, cpu, torch.randint(0, 128, (3, 20)))  # batch 3: rows in chunks of 1
+    _same_as_the_cpu(compiled, cpu, torch.randint(0, 128, (2, 128)))  # chunks of the bucket's length: no padding
     assert _traced() == 1 and _captured() == 0
     direct._trace_seconds.clear()  # a trace costs nothing now: the next call of a new bucket buys its own
     _same_as_the_cpu(compiled, cpu, torch.randint(0, 128, (1, 20)))

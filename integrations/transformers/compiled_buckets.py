@@ -95,11 +95,13 @@ def bucketing(model, args: tuple, kwargs: dict, dynamic) -> Bucketing | None:
     rest = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask")}
 
     def padded(rows: slice, to_batch: int, to_length: int) -> tuple:
-        """The call's arguments for its rows `rows`, padded to (to_batch, to_length)."""
+        """The call's arguments for its rows `rows`, padded to (to_batch, to_length). A chunk of rows is a tensor of
+        its own, not a view of the whole batch: a compiled program takes a view's whole buffer, so a view would key
+        another program than the chunk's shape compiled (batch 8 after batch 1 traced at once)."""
         whole = rows == slice(None)
-        arguments = dict(rest, input_ids=_pad(ids if whole else ids[rows], to_batch, to_length, 0))
+        arguments = dict(rest, input_ids=_pad(ids if whole else ids[rows].clone(), to_batch, to_length, 0))
         if mask is not None:
-            arguments["attention_mask"] = _pad(mask if whole else mask[rows], to_batch, to_length, 1)
+            arguments["attention_mask"] = _pad(mask if whole else mask[rows].clone(), to_batch, to_length, 1)
         return (), arguments
 
     kind = (mask is not None, tuple(sorted(rest.items())))  # what else makes a program of its own
