@@ -12,8 +12,9 @@ per row), "int4 XLA" (`hf_tpu::int4_linear`'s XLA form: two products over the pa
 a product into an elementwise multiply and a reduce on the vector unit, each int8 weight converted to float32 there
 (`int8`: about 75% of the HBM's bandwidth on a v5e in generate()); two more int8 forms time the alternatives:
 "int8 MXU" (the rows padded to 8, so the product stays a dot on the matrix unit, which reads the int8 operand
-itself) and "int8 transposed" (the weight stored (in, out): the reduce runs over the sublanes, not across the
-lanes). Printed per form and batch: ms per call,
+itself), "int8 transposed" (the weight stored (in, out): the reduce runs over the sublanes, not across the
+lanes) and "int8 split" (the rows as three int8 pieces of a common scale each, times the int8 weight on the int8
+matrix unit: no conversion of the weight). Printed per form and batch: ms per call,
 GB/s of the bytes the weights hold (what a call must read at least), and the speed against bf16's. Both int4
 forms are checked against the kernel's reference on two of the products first.
 """
@@ -29,7 +30,7 @@ import time
 LLAMA_1B = dict(hidden=2048, intermediate=5632, heads=32, kv_heads=4, head_dim=64, layers=16)
 TINY = dict(hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=64, layers=2)
 FORMS = ("bf16", "int8", "int4 XLA", "int4 Pallas")
-INT8_FORMS = ("int8 MXU", "int8 transposed")
+INT8_FORMS = ("int8 MXU", "int8 transposed", "int8 split")
 
 
 def _shapes(model: dict) -> list:
@@ -47,7 +48,7 @@ def _weights(form: str, shape: tuple, key, group: int):
     out_features, in_features = shape
     if form == "bf16":
         return (jax.random.normal(key, shape, jnp.bfloat16) * 0.02,)
-    if form in ("int8", "int8 MXU"):
+    if form in ("int8", "int8 MXU", "int8 split"):
         return (jax.random.randint(key, shape, -127, 128, jnp.int8), jnp.full((out_features, 1), 1e-3, jnp.bfloat16))
     if form == "int8 transposed":
         return (jax.random.randint(key, shape[::-1], -127, 128, jnp.int8), jnp.full((1, out_features), 1e-3,
@@ -76,11 +77,34 @@ def _product(form: str, group: int, interpret: bool):
             return (padded @ w[0].T.astype(x.dtype))[:rows] * w[1][:, 0]
         if form == "int8 transposed":
             return (x @ w[0].astype(x.dtype)) * w[1][0]
+        if form == "int8 split":
+            return _split_activation_product(x, *w)
         if form == "int4 XLA":
             return two_products(x, *w, group)
         return int4_matmul(x, *w, group, interpret=interpret)
 
     return product
+
+
+def _split_activation_product(x, qdata, scale):
+    """The row as three int8 pieces (`x ~ s * (p1 + p2 / 256 + p3 / 65536)`, s the row's largest magnitude / 127)
+    times the int8 weight on the int8 matrix unit, in int32: no conversion of the weight at all."""
+    import jax
+    import jax.numpy as jnp
+
+    rows = x.shape[0]
+    remainder = x.astype(jnp.float32)
+    step = jnp.max(jnp.abs(remainder), axis=-1, keepdims=True) / 127
+    step = jnp.where(step == 0, 1.0, step)
+    pieces = []
+    for fraction in (1.0, 1 / 256, 1 / 65536):
+        piece = jnp.clip(jnp.round(remainder / (step * fraction)), -127, 127)
+        pieces.append(piece.astype(jnp.int8))
+        remainder = remainder - piece * (step * fraction)
+    products = jax.lax.dot_general(jnp.concatenate(pieces), qdata, (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.int32).astype(jnp.float32)
+    y = products[:rows] + products[rows:2 * rows] / 256 + products[2 * rows:] / 65536
+    return (y * step * scale[:, 0].astype(jnp.float32)).astype(x.dtype)
 
 
 def _chain(product):
@@ -107,8 +131,8 @@ def _median_seconds(fn, iters: int) -> float:
 
 
 def check(model: dict, group: int, interpret: bool) -> None:
-    """Every form's first-layer products against the kernel's reference (the bfloat16 form is not quantized: its
-    own product); raises when the kernel's result is off by more than bfloat16's rounding."""
+    """The int4 forms' first and last products against the kernel's reference, the int8 split form's against XLA's
+    int8 form; raises when a result is off by more than bfloat16's rounding."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -126,6 +150,13 @@ def check(model: dict, group: int, interpret: bool) -> None:
             print(f"check {form} {shape}: largest error {error:.2e} of the largest output")
             if error > 2e-2:
                 raise AssertionError(f"{form} differs from the reference by {error:.2e} on {shape}")
+        w = _weights("int8", shape, jax.random.key(3), group)
+        expected = np.asarray(jax.jit(_product("int8", group, interpret))(xs, w), np.float32)
+        actual = np.asarray(jax.jit(_product("int8 split", group, interpret))(xs, w), np.float32)
+        error = np.abs(actual - expected).max() / np.abs(expected).max()
+        print(f"check int8 split {shape}: largest error {error:.2e} of the largest output")
+        if error > 2e-2:
+            raise AssertionError(f"int8 split differs from int8 by {error:.2e} on {shape}")
 
 
 def measure(model: dict, batches, group: int, iters: int, interpret: bool, forms=FORMS) -> list:
