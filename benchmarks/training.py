@@ -174,26 +174,33 @@ def _memory_analysis(lowered) -> dict | None:
 
 
 def _time_steps(step, steps: int) -> dict:
-    """The first and second steps' seconds (each waits for its loss), and the median of `steps` more, each
-    timed to its loss on the host; the losses."""
+    """The first and second steps' seconds (each waits for its loss), then `steps` more dispatched back to back as
+    a training loop runs them, their losses read at the end: the step time is their seconds over `steps` (the host's
+    work for a step overlaps the chip's previous one), beside the median of `steps` steps each timed to its loss
+    (`synced_step_seconds`, host and chip in series). `step()` returns the loss as a tensor or JAX array."""
     from benchmarks.common import jax_compile_phases
 
     phases = jax_compile_phases()
     before = {name: dict(p) for name, p in phases.items()}
     start = time.perf_counter()
-    losses = [step()]
+    losses = [float(step())]
     first = time.perf_counter() - start
     compiled = {name: {k: v - before.get(name, {}).get(k, 0.0) for k, v in p.items()} for name, p in phases.items()}
     start = time.perf_counter()
-    losses.append(step())
+    losses.append(float(step()))
     second = time.perf_counter() - start
-    times = []
+    synced = []
     for _ in range(steps):
         start = time.perf_counter()
-        losses.append(step())
-        times.append(time.perf_counter() - start)
-    return dict(first_step=first, second_step=second, step_seconds=statistics.median(times),
-                first_split=_compile_split(compiled), losses=losses[:3] + losses[-1:])
+        losses.append(float(step()))
+        synced.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    pending = [step() for _ in range(steps)]
+    losses.extend(float(loss) for loss in pending)
+    pipelined = (time.perf_counter() - start) / steps
+    return dict(first_step=first, second_step=second, step_seconds=pipelined,
+                synced_step_seconds=statistics.median(synced), first_split=_compile_split(compiled),
+                losses=losses[:3] + losses[-1:])
 
 
 def _compile_split(compiled: dict) -> dict:
@@ -286,7 +293,7 @@ def _hf_tpu_row(spec: dict, rows, row: dict, mode: str) -> None:
             with torch.tpu.use_eager_mode(mode):
                 return step(ids)
 
-    figures = _time_steps(lambda: run(ids).item(), spec["train"]["steps"])
+    figures = _time_steps(lambda: run(ids), spec["train"]["steps"])
     device = _device_figures()
     _profile(rows, lambda: run(ids).item(), calls=2, side=f"hf-tpu {mode}", batch=row["batch"], length=row["length"])
     if mode in ("jit", "accelerate launch") and device["peak_bytes"] is None:
@@ -342,7 +349,7 @@ def _torchax_row(spec: dict, rows, row: dict) -> None:
 
     def step():
         state[0], state[1], loss = jitted(state[0], buffers, state[1], ids)
-        return float(loss)
+        return loss
 
     try:
         figures = _time_steps(step, spec["train"]["steps"])
@@ -684,7 +691,9 @@ def describe(row: dict, spec: dict, peak: float | None) -> str:
     mfu = _mfu(row, spec, peak)
     return (f"[{row['group']}] {row['side']} {row['mode']} {row_name(row)} ({parameters(config) / 1e9:.2f}B): "
             f"{row['step_seconds'] * 1e3:.1f} ms/step, {tokens:.0f} tokens/s"
-            f"{f', MFU {mfu}' if mfu != '-' else ''}; first step {row['first_step']:.1f} s ({split or 'no compile'}), "
+            f"{f', MFU {mfu}' if mfu != '-' else ''}"
+            + (f" ({row['synced_step_seconds'] * 1e3:.1f} ms each step waited for)" if "synced_step_seconds" in row
+               else "") + f"; first step {row['first_step']:.1f} s ({split or 'no compile'}), "
             f"second {row['second_step']:.1f} s; {_memory_text(row, spec)}; losses "
             + " ".join(f"{loss:.4f}" for loss in row["losses"]) + _library_text(row))
 
