@@ -155,7 +155,7 @@ def decode_text(name: str, layers: int, batch: int, length: int) -> tuple:
 
     carried = (torch.zeros(batch, dtype=torch.long, device="tpu"), torch.tensor([length // 2], device="tpu"))
     with torch.no_grad(), as_on_a_tpu():
-        lowered = direct.while_loop(going_on, step, carried, going_on(*carried), (model, cache), run=False,
+        lowered = direct.while_loop(going_on, step, carried, (model, cache), run=False,
                                     lower_for=_topology_device("v5e:1x1"))
     head = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
     cache_bytes = 2 * batch * config.num_key_value_heads * length * head_dim * 2

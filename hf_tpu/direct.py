@@ -450,10 +450,10 @@ def _loop_step(cond_fn, body_fn):
     return step
 
 
-def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state, run: bool = True,
-               lower_for=None):
+def while_loop(cond_fn, body_fn, carried: tuple, state, run: bool = True, lower_for=None):
     """`hf_tpu.while_loop` with its step traced straight into a program; raises `loop_chunks.NotLoopable` where it
-    cannot be (before any iteration ran). With `run=False`, the loop's XLA compile starts on a thread of its
+    cannot be (before any iteration ran). The loop's first condition is traced too (`_first_condition`) and
+    computed inside the loop's program. With `run=False`, the loop's XLA compile starts on a thread of its
     own (`compile_log.in_background`) and nothing runs: the first call that runs the program waits for it.
     With `lower_for` (a JAX device, as `lower`'s `device`), nothing runs or compiles either: the loop's first
     chunk, lowered for that device from the inputs' shapes alone, is returned as JAX's `Lowered` (what XLA makes
@@ -477,6 +477,8 @@ def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state
                                   lambda: _arguments_text(carried, {}, inputs.state, "carried"), f"loop_{name}",
                                   disk_digest)
         _check_loopable(program, carried, carried_slots)
+        if program.loop_condition is None:
+            program.loop_condition = _first_condition(name, cond_fn, carried, inputs, arrays)
     except UNTRACEABLE as e:
         compile_log.end(finished=False)
         _programs[key] = _NOT_TRACEABLE
@@ -484,14 +486,19 @@ def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state
     _own_arrays(inputs, program.mutated, arrays)
     mutated, others = donation.split(arrays, program.mutated)
     slots = tuple(slot - sum(m < slot for m in program.mutated) for slot in carried_slots)
-    keep_going = tensor_views.array_of(keep_going)
     # the loop's record of out-of-range indices rides last among the carried values (`loop_chunk`)
     carried_arrays = [*(tensor_views.array_of(t) for t in carried), device_errors.no_errors(inputs.device_index)]
     if buffer.sharded_arrays_exist:  # a sharded model's loop carries single-chip tokens
-        *carried_arrays, keep_going = placement.place_together([*arrays, *carried_arrays, keep_going])[len(arrays):]
+        carried_arrays = placement.place_together([*arrays, *carried_arrays])[len(arrays):]
     compiled_before = program.loop_jitted is not None
     if not compiled_before:
-        chunk = renamed(f"loop_{name}", functools.partial(loop_chunk, lambda *a: (*program.step(*a), program.checks)))
+        condition, overwritten_slots = program.loop_condition, program.mutated
+
+        def first_condition(overwritten, others, rng_base):
+            return condition.step([], donation.join(overwritten_slots, overwritten, others), rng_base)[0][0]
+
+        chunk = renamed(f"loop_{name}", functools.partial(loop_chunk, lambda *a: (*program.step(*a), program.checks),
+                                                          condition=first_condition))
         program.loop_jitted = {True: jax.jit(chunk, donate_argnums=(0,), static_argnums=(3,)),
                                False: jax.jit(chunk, static_argnums=(3,))}
     jitted = program.loop_jitted[donatable(mutated)]
@@ -499,19 +506,20 @@ def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state
 
     disk_digest, program.disk_digest = program.disk_digest, None  # the loop's first compile is the one named
 
-    def launch(loop_state, steps):
+    def launch(loop_state, steps):  # each chunk computes whether to go on from its first state: none is passed
+        overwritten, carried_state, _, count = loop_state
         with disk_cache.compiling(disk_digest):
-            return jitted(loop_state[0], others, key_data, slots, *loop_state[1:], steps)
+            return jitted(overwritten, others, key_data, slots, carried_state, None, count, steps)
 
     if lower_for is not None:
         sharding = jax.sharding.SingleDeviceSharding(lower_for)
         first = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
-                             (loop_chunks.first_chunk(mutated, carried_arrays, keep_going), others, key_data))
+                             (loop_chunks.first_chunk(mutated, carried_arrays, None), others, key_data))
         (overwritten, *rest), others_shapes, key_shape = first
         return jitted.lower(overwritten, others_shapes, key_shape, slots, *rest)
     if not run:
         if not compiled_before:  # lowered as the first chunk's launch will be: the compile serves it
-            first = loop_chunks.first_chunk(mutated, carried_arrays, keep_going)
+            first = loop_chunks.first_chunk(mutated, carried_arrays, None)
 
             def compile_ahead():
                 lowered = jitted.lower(first[0], others, key_data, slots, *first[1:])
@@ -529,7 +537,7 @@ def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state
 
     try:
         with launching(inputs.device_index, description):
-            final = loop_chunks.run_in_chunks(launch, (mutated, carried_arrays, keep_going),
+            final = loop_chunks.run_in_chunks(launch, (mutated, carried_arrays, None),
                                               lambda: rng.advance(inputs.device_index, program.draws), interrupted)
     except (*UNTRACEABLE, ValueError) as e:
         compile_log.end()
@@ -542,6 +550,18 @@ def while_loop(cond_fn, body_fn, carried: tuple, keep_going: torch.Tensor, state
     if sites is not None:
         modes.merge_index_record(record, inputs.device_index, sites)
     return tuple(buffer.new_tensor(a.shape, t.dtype, inputs.device_index, a) for t, a in zip(carried, final_carried))
+
+
+def _first_condition(name: str, cond_fn, carried: tuple, inputs: Inputs, arrays: list) -> Program:
+    """`cond_fn(*carried)` traced alone over the loop's inputs, for its chunks to compute the loop's first condition
+    inside their program (`loop_chunk`'s `condition`): evaluated eagerly, its few ops (a comparison, a reduction)
+    were each an XLA program of its own, compiled at every process's first loop. It may only read."""
+    condition = trace(f"{name}_condition", lambda: cond_fn(*carried), inputs, arrays, counted=False)
+    if condition.mutated or condition.checks or condition.draws or condition.grads or condition.additions:
+        raise Untraceable("a while_loop condition may only read its inputs (no write, check or random draw)")
+    if len(condition.outputs) != 1 or condition.outputs[0][0] != "new":
+        raise Untraceable("a while_loop condition must return a tensor it makes")
+    return condition
 
 
 def _wait_for_compile_ahead(program: Program) -> None:

@@ -107,25 +107,38 @@ def _committed(value):
     return value
 
 
-def loop_chunk(step, overwritten_arrays, other_arrays, rng_base, slots, carried, keep_going, count, steps):
+def loop_chunk(step, overwritten_arrays, other_arrays, rng_base, slots, carried, keep_going, count, steps,
+               condition=None):
     """One chunk of a device loop (`hf_tpu.while_loop`): at most `steps` iterations from iteration `count` on.
 
     `step(overwritten, others, key)` is one traced iteration: it returns ([the overwritten inputs' new
     values, the new carried values, whether to go on], the values it checks, how it checks them: (dtype,
     raise_if_bad) each); `slots` says where each carried value sits among `others` (None: the step does
     not read it). `carried` ends with the loop's record of out-of-range indices, which the step does not
-    read: each iteration folds its own into it (`device_errors.fold_loop_step`)."""
+    read: each iteration folds its own into it (`device_errors.fold_loop_step`).
+
+    With `condition(overwritten, others, key)`, the loop's condition traced alone, the chunk computes whether to go
+    on from its first state itself, and `keep_going` is None: the loop's first condition is then part of its
+    program, not ops the host runs (each a program of its own) before the first chunk. After the first chunk this
+    recomputes the condition the chunk before ended with."""
     limit = count + steps
 
     def go_on(state):
         return jnp.reshape(state[2], ()).astype(bool) & (state[3] < limit)
 
-    def iteration(state):
-        overwritten, (*carried, record), _, count = state
+    def with_carried(carried):
         others = list(other_arrays)
         for slot, array in zip(slots, carried):
             if slot is not None:
                 others[slot] = array
+        return others
+
+    if condition is not None:
+        keep_going = condition(list(overwritten_arrays), with_carried(carried[:-1]), rng_base)
+
+    def iteration(state):
+        overwritten, (*carried, record), _, count = state
+        others = with_carried(carried)
         # each iteration draws its random numbers from its own keys
         results, checked, checks = step(list(overwritten), others, rng_base.at[3].add(count))
         record = device_errors.fold_loop_step(record, checked, checks)

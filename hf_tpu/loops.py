@@ -81,17 +81,16 @@ def while_loop(cond_fn, body_fn, carried_inputs, state=None, *, run: bool = True
 
             try:
                 with torch.no_grad():
-                    direct.while_loop(cond_fn, body_fn, carried, cond_fn(*carried), state, run=False)
+                    direct.while_loop(cond_fn, body_fn, carried, state, run=False)
             except NotLoopable as e:  # the call that runs the loop finds its own way
                 log.info("hf_tpu: while_loop compiles nothing ahead (%s)", e)
         return None
     if _on_device(carried) and state is not None:
         from . import direct
 
-        keep_going = cond_fn(*carried)
         try:
             with torch.no_grad():
-                return direct.while_loop(cond_fn, body_fn, carried, keep_going, state)
+                return direct.while_loop(cond_fn, body_fn, carried, state)
         except NotLoopable as e:
             log.warning("hf_tpu: while_loop compiles its step with torch.compile instead (%s)", e)
     if _on_device(carried):

@@ -129,6 +129,7 @@ class Program:
         call = renamed(f"traced_{name}", self.step)
         self.jitted = {True: jax.jit(call, donate_argnums=(0,)), False: jax.jit(call)}
         self.loop_jitted = None
+        self.loop_condition = None  # a while_loop's first condition, traced alone (`direct._first_condition`)
         self.loop_compiling = None  # the loop's XLA compile started ahead (`while_loop(..., run=False)`)
         # `hf_tpu.jit(..., meanwhile=)`: the device's compile per donation, on a thread of its own
         self.device_compiles = {}
@@ -171,10 +172,11 @@ class PythonStateChanged(Untraceable):
         self.changes = changes
 
 
-def trace(name: str, run, inputs: Inputs, arrays: list, keep_changes: bool = False) -> Program:
+def trace(name: str, run, inputs: Inputs, arrays: list, keep_changes: bool = False, counted: bool = True) -> Program:
     """Run `run()` once with every input buffer holding a tracer; the program it makes. A change to the Python state
     met (`_python_state_changes`) raises `Untraceable`, the change undone, or, with `keep_changes` and values that
-    hold no tensor, `PythonStateChanged` with the change kept."""
+    hold no tensor, `PythonStateChanged` with the change kept. A trace not `counted` is a part of another program
+    (a loop's condition), not one of its own in `hf_tpu.metrics()`."""
     live = buffer.allocator.live
     # the arrays every buffer holds now, to find those the trace writes; not a tracer an earlier trace left in a
     # buffer that something still holds (a frame of its error's traceback)
@@ -189,7 +191,8 @@ def trace(name: str, run, inputs: Inputs, arrays: list, keep_changes: bool = Fal
     found = {}
 
     def traced(input_arrays, rng_base):
-        count_trace()
+        if counted:
+            count_trace()
         mode = Tracing(rng_base)
         saved_mode = modes.replace_current(mode)
         compiling, torch.compiler._is_compiling_flag = torch.compiler._is_compiling_flag, True

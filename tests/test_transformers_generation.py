@@ -1126,6 +1126,36 @@ def test_a_second_process_loads_every_program_of_generate_from_the_disk_cache(ch
     assert first[3] == second[3] == 0  # traced straight from Python: no frame for Dynamo to capture
 
 
+def test_a_first_generate_compiles_its_prefill_and_decode_loop_and_two_small_programs(checkpoint):
+    """A process's first generate() pays XLA for every program it compiles, and each op run eagerly on the device
+    is one (0.1-0.5 s each on a TPU v5e). Compiled are the prefill, the decode loop (whose first condition is
+    computed inside it, `loop_chunks.loop_chunk`), and two small programs that stay: the fresh static cache's
+    zeros, one program for all its layers (an uninitialised buffer would read as zeros through a program of its
+    own too), and the merge of the device's record of index errors, once per process. Nothing else: the loop's
+    first condition evaluated eagerly, a mask entry made before the loop and a part of the tokens read back to
+    the host were five programs more."""
+    code = f"""
+        import json, torch, hf_tpu
+        from jax._src import monitoring
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(checkpoint)!r}, device_map="tpu")
+        compiled = []
+        monitoring.register_event_duration_secs_listener(
+            lambda event, seconds, **kwargs: compiled.append(kwargs.get("fun_name"))
+            if event.endswith("backend_compile_duration") else None)
+        tokens = model.generate(torch.tensor([[3, 14, 15, 92, 65]]).to("tpu"), max_new_tokens=8, do_sample=False)
+        print(json.dumps([tokens.cpu().tolist(), sorted(compiled)]))
+    """
+    tokens, compiled = json.loads(_run(code, HF_TPU_CACHE_DIR="").splitlines()[-1])
+    from transformers import AutoModelForCausalLM
+
+    expected = AutoModelForCausalLM.from_pretrained(checkpoint).generate(PROMPT, max_new_tokens=8, do_sample=False)
+    assert tokens == expected.tolist()
+    prefill = next((name for name in compiled if name.startswith("jit(traced_")), None)
+    assert prefill in ("jit(traced__prefill_forward)", "jit(traced__scanned_forward)"), compiled
+    assert sorted(compiled) == sorted(["jit(<lambda>)", "jit(_merged)", "jit(loop_body)", prefill]), compiled
+
+
 # --- continuous batching (generate_batch): the paged cache is sized from the tpu's memory
 
 

@@ -94,16 +94,16 @@ def _wrap_sample(original):
             return input_ids
         new_tokens = _decode_loop(self, input_ids, finished, max_length - input_ids.shape[1], eos,
                                   logits_processor, generation_config, model_kwargs)
-        return torch.cat([input_ids, new_tokens.to(input_ids.device)], dim=-1)
+        return torch.cat([input_ids, new_tokens], dim=-1)
 
     return _sample
 
 
 def _decode_loop(model, input_ids, finished, steps: int, eos, logits_processor, generation_config, model_kwargs,
                  run: bool = True):
-    """Up to `steps` more tokens, as Transformers' `_sample` would make them after its first: each step
-    feeds the last token at the next position. The 2D attention mask is as long as the static cache and
-    zero past the token fed, which is what Transformers' growing mask is once padded to the cache. With
+    """Up to `steps` more tokens, on the device of `input_ids`, as Transformers' `_sample` would make them after its
+    first: each step feeds the last token at the next position. The 2D attention mask is as long as the static
+    cache and zero past the token fed, which is what Transformers' growing mask is once padded to the cache. With
     `run=False`, the loop's program is only traced and compiled (`hf_tpu.while_loop(run=False)`): what it
     depends on is the shapes of the ids and of `finished`, not their values."""
     device = model.device
@@ -114,7 +114,6 @@ def _decode_loop(model, input_ids, finished, steps: int, eos, logits_processor, 
     if model_kwargs.get("attention_mask") is not None:
         prompt_mask = model_kwargs["attention_mask"]
         mask[:, :prompt_mask.shape[1]] = prompt_mask
-    visible = torch.ones((batch, 1), dtype=torch.long, device=device)  # the mask's entry for each token fed
     do_sample = generation_config.do_sample
     first_position, limit = torch.tensor([length - 1], device=device), torch.tensor([steps], device=device)
     if eos is not None:
@@ -136,7 +135,8 @@ def _decode_loop(model, input_ids, finished, steps: int, eos, logits_processor, 
     has_positions = model_kwargs.get("position_ids") is not None  # models like Bloom take none
 
     def body(tokens, position_ids, mask, unfinished, generated, index):
-        mask = torch.ops.hf_tpu.dynamic_update_slice(mask, 1, first_position + index, visible)
+        # the mask's entry for the token fed, made in the step: made before it, it would be an op run on its own
+        mask = torch.ops.hf_tpu.dynamic_update_slice(mask, 1, first_position + index, mask.new_ones((batch, 1)))
         inputs = model.prepare_inputs_for_generation(tokens[:, None], next_sequence_length=1, attention_mask=mask,
                                                      position_ids=position_ids if has_positions else None, **kwargs)
         logits = model(**inputs, return_dict=True).logits[:, -1].to(torch.float32)
@@ -181,7 +181,8 @@ def _decode_loop(model, input_ids, finished, steps: int, eos, logits_processor, 
     if not run:
         return while_loop(cond, body, carried, state=state, run=False)
     *_, generated, index = while_loop(cond, body, carried, state=state)
-    return generated[:, :int(index)]
+    # moved whole to the ids' device, then cut: a part of it read to the host would be a program of its own
+    return generated.to(input_ids.device)[:, :int(index)]
 
 
 _LOOPS_AHEAD = "_hf_tpu_loops_compiled_ahead"

@@ -78,6 +78,48 @@ def test_a_loop_of_several_chunks_compiles_once(traced):
     assert len(loop_compiles) == 1, loop_compiles
 
 
+def test_a_traced_loops_first_condition_is_computed_in_its_program():
+    """With `state`, the loop's condition on the carried values it starts from is computed inside the loop's program
+    (`loop_chunks.loop_chunk`'s `condition`): evaluated before it, each of its ops (here a sum, a comparison and an
+    `&` for shapes no op met before) was an XLA program of its own, compiled at every process's first loop. A
+    condition false from the start runs no iteration, as the Python loop runs none."""
+    from jax._src import monitoring
+
+    compiled = []
+
+    def on_duration(event, seconds, **kwargs):
+        if event.endswith("backend_compile_duration"):
+            compiled.append(kwargs.get("fun_name"))
+
+    class Step(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.full((5, 7), 0.25, device="tpu"), requires_grad=False)
+
+    step, bound = Step(), torch.tensor([3], device="tpu")
+
+    def cond(x, i):
+        return (i < bound) & (x.sum() < 1e9)
+
+    def body(x, i):
+        return x + step.weight, i + 1
+
+    start = (torch.zeros(5, 7, device="tpu"), torch.tensor([0], device="tpu"))
+    torch.tpu.synchronize()  # the ops deferred so far (defer-and-fuse) run now, as a program of their own
+    monitoring.register_event_duration_secs_listener(on_duration)
+    try:
+        with torch.no_grad():
+            x, i = hf_tpu.while_loop(cond, body, start, state=(step,))
+    finally:
+        monitoring.unregister_event_duration_listener(on_duration)
+    assert len(compiled) == 1 and "loop" in compiled[0], compiled
+    assert i.item() == 3 and torch.equal(x.cpu(), torch.full((5, 7), 0.75))
+    bound.fill_(0)
+    with torch.no_grad():
+        x, i = hf_tpu.while_loop(cond, body, (x, i), state=(step,))
+    assert i.item() == 3 and torch.equal(x.cpu(), torch.full((5, 7), 0.75))
+
+
 def test_a_loop_compiled_ahead_is_run_later_without_another_compile():
     """`while_loop(..., run=False)` traces the step and compiles the loop on a thread of its own while this
     thread goes on (here: compiling an op); the call that runs it, with other values of the same shapes, waits
@@ -141,7 +183,7 @@ def test_a_loop_lowered_for_a_device_is_returned_and_runs_nothing():
     cond = _counting_to(5)
     carried = (torch.ones(4, device="tpu"), torch.tensor([0], device="tpu"))
     with torch.no_grad():
-        lowered = direct.while_loop(cond, project, carried, cond(*carried), (scale,), run=False,
+        lowered = direct.while_loop(cond, project, carried, (scale,), run=False,
                                     lower_for=jax.devices("cpu")[0])
     text = lowered.compile().as_text()
     assert " while(" in text and "f32[4,4]" in text
