@@ -175,6 +175,7 @@ def measure(model: dict, batches, group: int, iters: int, interpret: bool, forms
             x = jax.random.normal(jax.random.key(batch), (batch, model["hidden"]), jnp.bfloat16)
             seconds = _median_seconds(lambda: run(x, layers).block_until_ready(), iters)
             results.append((form, batch, seconds, held))
+            print(f"{form} batch {batch}: {seconds * 1e3:.3f} ms", flush=True)
         del layers
         gc.collect()
     return results
