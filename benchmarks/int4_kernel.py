@@ -4,6 +4,7 @@
     python -m benchmarks.int4_kernel --tiny     # anywhere: tiny shapes, the kernel in Pallas interpret mode off a TPU
     python -m benchmarks.int4_kernel --sweep    # the kernel alone at other tile sizes and stacked-row limits
     python -m benchmarks.int4_kernel --forms "bf16,int8,int8 MXU,int8 transposed" --batches 1   # int8's forms
+    python -m benchmarks.int4_kernel --forms "bf16,int8" --fused   # 4 products a layer (qkv, o, gate-up, down), not 7
 
 Each form computes the same chain of products (attention's four projections and the MLP, no LM head) with its
 weights held as: "bf16" (a product of bfloat16 weights), "int8" (int8 converted inside the product, then scaled
@@ -33,12 +34,14 @@ FORMS = ("bf16", "int8", "int4 XLA", "int4 Pallas")
 INT8_FORMS = ("int8 MXU", "int8 transposed", "int8 split")
 
 
-def _shapes(model: dict) -> list:
-    """(out, in) of one layer's products, as PyTorch's linear layers keep them: q, k, v, o, gate, up, down."""
+def _shapes(model: dict, fused: bool = False) -> list:
+    """(out, in) of one layer's products, as PyTorch's linear layers keep them: q, k, v, o, gate, up, down; `fused`:
+    q, k and v as one weight, gate and up as one (qkv, o, gate-up, down)."""
     h, d = model["hidden"], model["head_dim"]
-    return [(model["heads"] * d, h), (model["kv_heads"] * d, h), (model["kv_heads"] * d, h),
-            (h, model["heads"] * d), (model["intermediate"], h), (model["intermediate"], h),
-            (h, model["intermediate"])]
+    q, kv, intermediate = model["heads"] * d, model["kv_heads"] * d, model["intermediate"]
+    if fused:
+        return [(q + 2 * kv, h), (h, q), (2 * intermediate, h), (h, intermediate)]
+    return [(q, h), (kv, h), (kv, h), (h, q), (intermediate, h), (intermediate, h), (h, intermediate)]
 
 
 def _weights(form: str, shape: tuple, key, group: int):
@@ -107,14 +110,24 @@ def _split_activation_product(x, qdata, scale):
     return (y * step * scale[:, 0].astype(jnp.float32)).astype(x.dtype)
 
 
-def _chain(product):
-    """The layers' products in a decode step's order, each layer's output feeding the next (so none is dropped)."""
+def _chain(product, model: dict, fused: bool = False):
+    """The layers' products in a decode step's order, each layer's output feeding the next (so none is dropped);
+    `fused`: a layer's q, k and v one product and its gate and up one, their outputs sliced apart."""
+    q_out, kv_out = model["heads"] * model["head_dim"], model["kv_heads"] * model["head_dim"]
+
     def run(x, layers):
-        for wq, wk, wv, wo, wg, wu, wd in layers:
-            k, v = product(x, wk), product(x, wv)
+        for layer in layers:
+            if fused:
+                wqkv, wo, wgu, wd = layer
+                qkv, gate_up = product(x, wqkv), product(x, wgu)
+                q, k, v = qkv[:, :q_out], qkv[:, q_out:q_out + kv_out], qkv[:, q_out + kv_out:]
+                up = gate_up[:, :model["intermediate"]] * gate_up[:, model["intermediate"]:]
+            else:
+                wq, wk, wv, wo, wg, wu, wd = layer
+                q, k, v = product(x, wq), product(x, wk), product(x, wv)
+                up = product(x, wg) * product(x, wu)
             used = (k.sum(-1, keepdims=True) + v.sum(-1, keepdims=True)).astype(x.dtype)
-            up = product(x, wg) * product(x, wu)
-            x = x + product(product(x, wq), wo) + product(up, wd) + used
+            x = x + product(q, wo) + product(up, wd) + used
         return x
 
     return run
@@ -159,7 +172,7 @@ def check(model: dict, group: int, interpret: bool) -> None:
             raise AssertionError(f"int8 split differs from int8 by {error:.2e} on {shape}")
 
 
-def measure(model: dict, batches, group: int, iters: int, interpret: bool, forms=FORMS) -> list:
+def measure(model: dict, batches, group: int, iters: int, interpret: bool, forms=FORMS, fused: bool = False) -> list:
     """(form, batch, seconds, bytes held) for each form and batch."""
     import jax
     import jax.numpy as jnp
@@ -167,10 +180,10 @@ def measure(model: dict, batches, group: int, iters: int, interpret: bool, forms
     results = []
     for form in forms:
         keys = iter(jax.random.split(jax.random.key(1), 8 * model["layers"]))
-        layers = [[_weights(form, shape, next(keys), group) for shape in _shapes(model)]
+        layers = [[_weights(form, shape, next(keys), group) for shape in _shapes(model, fused)]
                   for _ in range(model["layers"])]
         held = sum(a.size * a.dtype.itemsize for layer in layers for w in layer for a in w)
-        run = jax.jit(_chain(_product(form, group, interpret)))
+        run = jax.jit(_chain(_product(form, group, interpret), model, fused))
         for batch in batches:
             x = jax.random.normal(jax.random.key(batch), (batch, model["hidden"]), jnp.bfloat16)
             seconds = _median_seconds(lambda: run(x, layers).block_until_ready(), iters)
@@ -222,6 +235,8 @@ def main(argv=None) -> None:
     parser.add_argument("--tiles-kb", default="512,1024,2048,4096", help="--sweep's tile sizes (KB of packed bytes)")
     parser.add_argument("--stacked-rows", default="128,256", help="--sweep's limits on stacked rows (at one to eight "
                         "rows, 8 x the groups of a K block: 32 is 4 groups, 128 is 16)")
+    parser.add_argument("--fused", action="store_true", help="a layer's q, k and v weights stored as one, its gate "
+                        "and up as one: 4 products a layer, not 7 (does a fixed cost per product bound the step?)")
     parser.add_argument("--forms", default=",".join(FORMS), help=f"comma-separated forms of {FORMS + INT8_FORMS} "
                         "(default: the first four); bf16 among them for the speed against it")
     args = parser.parse_args(argv)
@@ -240,7 +255,7 @@ def main(argv=None) -> None:
     unknown = set(forms) - set(FORMS + INT8_FORMS)
     if unknown:
         parser.error(f"unknown forms {sorted(unknown)}: choose among {FORMS + INT8_FORMS}")
-    print("\n".join(report(measure(model, batches, args.group, iters, interpret, forms))))
+    print("\n".join(report(measure(model, batches, args.group, iters, interpret, forms, args.fused))))
 
 
 if __name__ == "__main__":
