@@ -471,11 +471,16 @@ def measure_limits(spec: dict, rows: _Rows):
     a = jax.device_put(jnp.ones((n, n), jnp.bfloat16), device)
     matmul = jax.jit(lambda x, y: x @ y)
     seconds = _median_seconds(lambda: matmul(a, a).block_until_ready(), spec["iters"])
+    # the int8 matrix unit (int8 x int8 -> int32), whose peak on a v5e is twice bfloat16's
+    b = jax.device_put(jnp.ones((n, n), jnp.int8), device)
+    int8_matmul = jax.jit(lambda x, y: jax.lax.dot(x, y, preferred_element_type=jnp.int32))
+    int8_seconds = _median_seconds(lambda: int8_matmul(b, b).block_until_ready(), spec["iters"])
     x = jax.device_put(jnp.ones((spec["hbm_bytes"] // 4,), jnp.float32), device)
     total = jax.jit(jnp.sum)
     read = _median_seconds(lambda: total(x).block_until_ready(), spec["iters"])
     kind = device.device_kind
     rows.emit("limits", device=kind, platform=device.platform, matmul_tflops=2 * n ** 3 / seconds / 1e12,
+              int8_matmul_tops=2 * n ** 3 / int8_seconds / 1e12,
               hbm_gbs=spec["hbm_bytes"] / read / 1e9, peak_tflops=PEAK_BF16.get(kind, 0) / 1e12,
               peak_hbm_gbs=PEAK_HBM.get(kind, 0) / 1e9, memory_gb=platform.memory_info(0)[1] / 1e9)
     return device
@@ -1164,7 +1169,8 @@ def describe(row: dict, spec: dict, limits: dict | None = None) -> str:
                      "first call pays seconds for it that an install of hf-tpu does not (`pip install zstandard`)")
         return line
     if section == "limits":
-        return (f"[limits] {row['device']} ({row['platform']}): bf16 matmul {row['matmul_tflops']:.1f} TFLOP/s, "
+        int8 = f"int8 matmul {row['int8_matmul_tops']:.1f} TOP/s, " if "int8_matmul_tops" in row else ""
+        return (f"[limits] {row['device']} ({row['platform']}): bf16 matmul {row['matmul_tflops']:.1f} TFLOP/s, {int8}"
                 f"HBM read {row['hbm_gbs']:.0f} GB/s, memory {row['memory_gb']:.1f} GB")
     if section == "products":
         return (f"[limits] the model's weight products alone in raw JAX {row['batch']}x{row['length']}: "
