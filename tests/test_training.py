@@ -503,6 +503,53 @@ def test_the_trainer_trains_lora_adapters_in_traced_steps_with_the_cpu_losses(tm
     assert trained and all(torch.equal(loaded.state_dict()[k], v) for k, v in trained.items())
 
 
+def test_a_checkpointed_lora_models_layers_scan_in_the_trainers_micro_step_with_the_unrolled_losses(tmp_path,
+                                                                                                    monkeypatch):
+    """PEFT's LoRA layers keep the keyword arguments they were made with, their own name among them: the decoder's
+    layers differed in that and ran unrolled in the Trainer's checkpointed micro step (the 1.1B's 22 layers: 67.5 s
+    of XLA on the v5e). They scan, with the unrolled step's losses and adapters; not where the adapter layer's code
+    reads that record."""
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import Linear as LoraLinear
+
+    from hf_tpu import direct, layer_scan
+    from hf_tpu.integrations.transformers import configure, scanned_layers
+    from hf_tpu.integrations.transformers.settings import settings
+
+    class ReadsItsRecord(LoraLinear):
+        def forward(self, x, *args, **kwargs):
+            return super().forward(x, *args, **kwargs) * len(self.kwargs["target_name"])
+
+    assert scanned_layers._peft_record_unread(LoraLinear) and not scanned_layers._peft_record_unread(ReadsItsRecord)
+
+    def run(scan_layers):
+        previous = settings.scan_layers
+        configure(scan_layers=scan_layers)
+        try:
+            direct.reset()
+            return _trainer_losses(tmp_path, "tpu", wrap=lora, model_too=True, gradient_checkpointing=True,
+                                   learning_rate=1e-2)
+        finally:
+            configure(scan_layers=previous)
+
+    def lora(model):
+        return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+
+    unrolled, unrolled_model = run("off")
+    scans = []
+    forward = layer_scan._ScannedLayers.forward
+    monkeypatch.setattr(layer_scan._ScannedLayers, "forward",
+                        staticmethod(lambda *args: scans.append(1) or forward(*args)))
+    scanned, scanned_model = run("checkpointed")
+    assert scans == [1]  # the micro step's one trace scans the layers
+    torch.testing.assert_close(scanned, unrolled, rtol=1e-6, atol=1e-6)
+    adapters = {name: p.detach().cpu() for name, p in scanned_model.named_parameters() if p.requires_grad}
+    assert adapters and all("lora_" in name for name in adapters)
+    for name, p in unrolled_model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(adapters[name], p.detach().cpu(), rtol=1e-6, atol=1e-6)
+
+
 def test_the_trainer_compiles_for_tpu_with_the_cpu_losses(tmp_path):
     """`torch_compile=True` left Transformers to pick Inductor, which cannot compile for tpu, and
     Accelerate knew no `tpu` backend to name instead."""

@@ -10,6 +10,11 @@ the checkpoint of each layer did. The first step's compile then covers one layer
 layer's (the 1.1B Llama's 16 layers). Everywhere else (eager execution, `torch.compile`, a layer list met outside
 the loop, a call with a KV cache or with hooks on the layers) the list iterates over its layers as before.
 
+The layers must be alike but for what the scan may take from the first layer for all: their index where it reaches
+only a cache, and the record a PEFT adapter layer keeps of its making (its own name among the keyword arguments it was
+made with), which PEFT never reads: a LoRA model's decoder scans as the plain model's does, its frozen weights stacked
+beside the adapters, which alone take gradients.
+
 `HF_TPU_SCAN_LAYERS` (or `configure(scan_layers=...)`): `checkpointed` (as above; the default off a TPU), `always`
 (also a traced call without gradients or a KV cache, `use_cache=False`: the compile of a model's forward shrinks
 likewise, and each call copies the layers' parameters into the stacked arrays the loop reads, which on the v5e made
@@ -26,6 +31,7 @@ import contextvars
 import functools
 import inspect
 import logging
+import sys
 import textwrap
 import types
 import weakref
@@ -184,12 +190,57 @@ class _LayerStack:
             for layer in self.layers:
                 hidden_states = layer(hidden_states, *args, **kwargs)
             return hidden_states
-        # the layers differ in their index; the scan runs the first layer's code for all, which is right only where
-        # the index reaches nothing but a cache, and no cache is passed
-        differing = ("layer_idx",) if all(map(_index_only_for_caches, {type(m) for m in self.layers[0].modules()})) \
-            else ()
         return hf_tpu.scan_layers(self.layers, hidden_states, args, kwargs, body_forward=_layer_forward,
-                                  differing=differing, hooks_inert=_hooks_inert(self.layers))
+                                  differing=_differing(self.layers[0]), hooks_inert=_hooks_inert(self.layers))
+
+
+def _differing(layer: torch.nn.Module) -> tuple:
+    """The plain attributes the layers may differ in: the scan runs the first layer's code for all, which is right for
+    the index only where it reaches nothing but a cache (and no cache is passed), and for the record of how a PEFT
+    adapter layer was made (`_peft_record_unread`)."""
+    classes = {type(m) for m in layer.modules()}
+    differing = ("layer_idx",) if all(map(_index_only_for_caches, classes)) else ()
+    holders = {type(m) for m in layer.modules() if _PEFT_RECORD in vars(m)}
+    if holders and all(map(_peft_record_unread, holders)):
+        differing += (_PEFT_RECORD,)
+    return differing
+
+
+# PEFT's adapter layers (`BaseTunerLayer`: LoRA's `Linear` wrapping a `q_proj`) keep the keyword arguments they were
+# made with, among them the layer's own name (`target_name`, "model.layers.0.self_attn.q_proj"): the only attribute in
+# which a LoRA model's layers differ
+_PEFT_RECORD = "kwargs"
+
+
+@functools.cache
+def _peft_record_unread(cls: type) -> bool:
+    """Whether `cls` is a PEFT adapter layer and no code of the files that define it and its bases reads the record
+    of its making (`kwargs` of any object, or a string naming it, as `getattr` would) outside an `__init__`: PEFT 0.21
+    only writes it. Code of other files is not read (PEFT 0.21 has none that reads it)."""
+    if not any(klass.__name__ == "BaseTunerLayer" and klass.__module__.startswith("peft.") for klass in cls.__mro__):
+        return False
+    for klass in cls.__mro__:
+        if klass.__module__.startswith(("torch.", "builtins", "abc")):
+            continue
+        tree = _source_tree(klass.__module__)
+        if tree is None:
+            return False
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(tree):
+            read = isinstance(node, ast.Attribute) and node.attr == _PEFT_RECORD and isinstance(node.ctx, ast.Load)
+            named = isinstance(node, ast.Constant) and node.value == _PEFT_RECORD
+            if (read or named) and not _in_init(node, parents):
+                return False
+    return True
+
+
+@functools.cache
+def _source_tree(module_name: str):
+    """The parsed source of a Python module; None where it has none."""
+    try:
+        return ast.parse(inspect.getsource(sys.modules[module_name]))
+    except (KeyError, OSError, TypeError, SyntaxError):
+        return None
 
 
 @functools.cache
