@@ -52,7 +52,8 @@ def as_on_a_tpu():
 
 def measure(config: dict, layers: int, batch: int, length: int, recipe: str, checkpointing: bool, device,
             dump: str | None = None) -> dict:
-    """XLA's memory analysis (bytes) and the compile's seconds of the first traced step of a `layers`-deep model."""
+    """XLA's memory analysis (bytes), its cost analysis's bytes accessed and the compile's seconds of the first
+    traced step of a `layers`-deep model."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -82,6 +83,8 @@ def measure(config: dict, layers: int, batch: int, length: int, recipe: str, che
             f.write(executable.as_text())
     figures = {name: getattr(analysis, f"{name}_size_in_bytes") for name in ("argument", "output", "alias", "temp")}
     figures["total"] = figures["argument"] + figures["output"] - figures["alias"] + figures["temp"]
+    # what XLA's cost model reads and writes in the program (each loop's body counted once per iteration)
+    figures["bytes_accessed"] = executable.cost_analysis()["bytes accessed"]
     return dict(figures, trace_seconds=traced, compile_seconds=compiled)
 
 

@@ -256,12 +256,13 @@ def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, meanwhile=None,
     return program.results(new[len(program.mutated):], inputs)
 
 
-def lower(fn, args: tuple, kwargs: dict, state=(), device=None):
+def lower(fn, args: tuple, kwargs: dict, state=(), device=None, platform: str | None = None):
     """The program `call` would run for these inputs (traced now if it has not been), as JAX's `Lowered`: its
     `.compile().memory_analysis()` gives the device memory it takes, `.as_text()` its StableHLO. Raises what
     makes the call fall back. With `device` (a JAX device, such as one of a TPU topology's that
     `jax.experimental.topologies` describes without the chip), lowered for that device from the inputs' shapes
-    alone: what the program would take there, found without running it."""
+    alone: what the program would take there, found without running it. With `platform` (`"tpu"`), the StableHLO
+    JAX gives that platform's compiler, found without its compiler (not to be compiled here)."""
     name = _name_of(fn)
     inputs, key = prepare(function_parts(fn)[0], (fn,), args, kwargs, state)
     if inputs.device_index is None:
@@ -276,6 +277,8 @@ def lower(fn, args: tuple, kwargs: dict, state=(), device=None):
         sharding = jax.sharding.SingleDeviceSharding(device)
         mutated, others, key_data = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), (mutated, others, key_data))
+    if platform is not None:
+        return program.jitted[donate].trace(mutated, others, key_data).lower(lowering_platforms=(platform,))
     return program.jitted[donate].lower(mutated, others, key_data)
 
 

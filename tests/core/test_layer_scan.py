@@ -93,6 +93,18 @@ def test_the_backward_loop_recomputes_under_the_forwards_autocast():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_the_loops_stacks_are_allocated_for_a_tpu_not_filled_with_zeros():
+    """Each layer writes its own slice of the forward's stack of layer inputs and of the backward's stacked
+    gradients, so the program lowered for a TPU allocates those stacks uninitialized (XLA's `AllocateBuffer`)
+    instead of filling them with zeros first, which the v5e's XLA keeps before the backward's reverse loop."""
+    layers = _blocks()
+    direct.reset()
+    x, scale = torch.randn(4, 8).to("tpu"), torch.tensor(0.5).to("tpu")
+    text = direct.lower(_step(layers, scanned=True), (x, scale), {}, platform="tpu").as_text()
+    # the layer inputs, and the gradients of `a` and `b`'s weights and biases
+    assert text.count("custom_call @AllocateBuffer") == 5
+
+
 def test_frozen_parameters_are_read_and_get_no_gradient():
     layers = _blocks()
     for layer in layers:
