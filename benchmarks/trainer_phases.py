@@ -1,7 +1,7 @@
 """Where a Transformers `Trainer` step's time goes on the chip: the host's time between the Trainer's callbacks
 (each micro step with what follows it, the last one's up to the clipping, the optimizer's step, the schedule and
-`zero_grad`, the logging), with what each part launched per optimizer step: the traced programs (`hf_tpu.jit`'s
-launches) and the bytes of their arguments, the ops dispatched eagerly, the host reads and the XLA compiles; and the
+`zero_grad`, the logging), with what each part launched per optimizer step: the traced programs
+(`hf_tpu.metrics()["programs_launched"]`) and the bytes of their arguments, the ops dispatched eagerly, the host reads and the XLA compiles; and the
 first step's compile by program. The training row of `benchmarks.training._trainer_row` (AdamW, clipping at 1.0, a
 linear schedule, a loss logged every step), as a user runs it: `--mixed` is `bf16=True` (float32 master weights,
 bfloat16 autocast), `--accumulation N` is `gradient_accumulation_steps=N` (micro-batches of `batch / N` rows).
@@ -24,7 +24,6 @@ Run: python -m benchmarks.trainer_phases [--model 1.1b] [--batch 8] [--length 10
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import tempfile
 import time
@@ -37,27 +36,6 @@ _PARTS = {"on_step_begin": "first micro step", "on_substep_end": "next micro ste
           "on_step_end": "logging (loss, norm read)", "on_log": "next batches"}
 _LAST_MICRO = "last micro step, clipping"
 _COUNTS = ("programs_launched", "argument_bytes", "ops_dispatched", "host_syncs", "xla_compiles")
-
-
-@contextlib.contextmanager
-def counting_launches(counts: dict):
-    """`counts["programs_launched"]` and `counts["argument_bytes"]` count `hf_tpu.jit`'s program launches and the
-    bytes of their arguments while the block runs (a call nested in a trace launches nothing)."""
-    from hf_tpu import direct
-
-    arrays = direct._arrays
-
-    def counted(inputs):
-        found = arrays(inputs)
-        counts["programs_launched"] += 1
-        counts["argument_bytes"] += sum(a.nbytes for a in found)
-        return found
-
-    direct._arrays = counted
-    try:
-        yield
-    finally:
-        direct._arrays = arrays
 
 
 def main(argv=None) -> None:
@@ -93,7 +71,6 @@ def main(argv=None) -> None:
     steps = 2 + args.steps
     rows = chip._ids(config["vocab_size"], args.batch * steps, args.length)
     data = [{"input_ids": ids, "labels": ids} for ids in rows]
-    launches = dict(programs_launched=0, argument_bytes=0)
     marks = []  # (callback, time, counts)
 
     class Marks(TrainerCallback):
@@ -102,12 +79,12 @@ def main(argv=None) -> None:
     for name in _MARKS:
         def mark(self, *a, _name=name, logs=None, **kw):
             if _name != "on_log" or (logs and "loss" in logs):
-                marks.append((_name, time.perf_counter(), {**hf_tpu.metrics(), **launches}))
+                marks.append((_name, time.perf_counter(), hf_tpu.metrics()))
         setattr(Marks, name, mark)
 
     phases = jax_compile_phases()
     before = {name: dict(p) for name, p in phases.items()}
-    with tempfile.TemporaryDirectory() as folder, counting_launches(launches):
+    with tempfile.TemporaryDirectory() as folder:
         arguments = TrainingArguments(folder, per_device_train_batch_size=args.batch // args.accumulation,
                                       gradient_accumulation_steps=args.accumulation, max_steps=steps, bf16=args.mixed,
                                       learning_rate=training.LEARNING_RATE, weight_decay=training.WEIGHT_DECAY,
@@ -154,14 +131,12 @@ def _jit_steps(model, config: dict, args, flops: float, peak) -> None:
                             foreach=True)
     step = hf_tpu.jit(training.training_step(model, opt, autocast=args.mixed))
     ids = chip._ids(config["vocab_size"], args.batch, args.length).to("tpu")
-    launches = dict(programs_launched=0, argument_bytes=0)
     times, counts = [], None
-    with counting_launches(launches):
-        for k in range(2 + args.steps):
-            before, started = {**hf_tpu.metrics(), **launches}, time.perf_counter()
-            step(ids).item()
-            times.append(time.perf_counter() - started)
-            counts = {c: {**hf_tpu.metrics(), **launches}[c] - before[c] for c in _COUNTS}
+    for _ in range(2 + args.steps):
+        before, started = hf_tpu.metrics(), time.perf_counter()
+        step(ids).item()
+        times.append(time.perf_counter() - started)
+        counts = {c: hf_tpu.metrics()[c] - before[c] for c in _COUNTS}
     print(f"first step {times[0]:.1f} s")
     _print_step(statistics.median(times[2:]), flops, peak, counts)
 

@@ -6,7 +6,7 @@ import collections
 import copy
 
 _COUNTERS = ("ops_dispatched", "compiles", "compile_cache_hits", "host_syncs", "xla_compiles", "disk_cache_hits",
-             "disk_cache_prefetched")
+             "disk_cache_prefetched", "programs_launched", "argument_bytes")
 
 counters: dict = {}
 
@@ -25,7 +25,9 @@ def metrics() -> dict:
     """A snapshot of the counters: ops_dispatched, compiles (programs traced), compile_cache_hits,
     host_syncs, cpu_fallbacks (per op name), the compile counts per execution mode, xla_compiles
     (XLA backend compilations), disk_cache_hits (executables loaded from HF_TPU_CACHE_DIR), disk_cache_prefetched
-    (those of them loaded while the `hf_tpu.jit` call that needed them traced: `hf_tpu.disk_cache`) and
+    (those of them loaded while the `hf_tpu.jit` call that needed them traced: `hf_tpu.disk_cache`),
+    programs_launched and argument_bytes (traced programs run: `hf_tpu.jit`'s, the direct trace's, each chunk of a
+    device loop; and the bytes of their argument arrays, which a program reads at most) and
     flushes_by_reason (DEFER_AND_FUSE: the fused programs launched, by what made each run: a cut point,
     a host read, ...)."""
     snap = copy.deepcopy(counters)

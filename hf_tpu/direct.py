@@ -91,7 +91,7 @@ from .memory import buffer, donation, placement, tensor_views
 from .modes import device_errors
 from .trace_inputs import Inputs, Unkeyable, function_parts, key_text, prepare
 from .trace_program import Program, PythonStateChanged, renamed, restore, trace
-from .tracing import UNTRACEABLE, Untraceable, donatable, finish_call, launching
+from .tracing import UNTRACEABLE, Untraceable, count_launch, donatable, finish_call, launching
 
 log = logging.getLogger("hf_tpu.compile")
 
@@ -250,6 +250,7 @@ def call(fn, args: tuple, kwargs: dict, state=(), fallback=None, meanwhile=None,
         return fallback(*args, **kwargs)
     program.disk_digest = None  # compiled: another donation's program is not the one named
     program.launched = True
+    count_launch(arrays)
     for slot, array in zip(program.mutated, new):
         inputs.buffers[slot].array = array
     finish_call(inputs.device_index, program.draws, program.checks, checked)
@@ -511,8 +512,11 @@ def while_loop(cond_fn, body_fn, carried: tuple, state, run: bool = True, lower_
 
     def launch(loop_state, steps):  # each chunk computes whether to go on from its first state: none is passed
         overwritten, carried_state, _, count = loop_state
+        arguments = [*overwritten, *others, *carried_state]  # before the launch donates the overwritten ones
         with disk_cache.compiling(disk_digest):
-            return jitted(overwritten, others, key_data, slots, carried_state, None, count, steps)
+            launched = jitted(overwritten, others, key_data, slots, carried_state, None, count, steps)
+        count_launch(arguments)
+        return launched
 
     if lower_for is not None:
         sharding = jax.sharding.SingleDeviceSharding(lower_for)

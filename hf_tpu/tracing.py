@@ -96,6 +96,13 @@ def count_trace() -> None:
     _counters["compiles_by_mode"]["COMPILE"] += 1
 
 
+def count_launch(arguments) -> None:
+    """One more traced program launched (`hf_tpu.jit`, the direct trace, a device loop's chunk) with these argument
+    arrays (`hf_tpu.metrics()["programs_launched"]` and `["argument_bytes"]`)."""
+    _counters["programs_launched"] += 1
+    _counters["argument_bytes"] += sum(a.nbytes for a in arguments)
+
+
 def finish_call(device_index: int, draws: int, checks: list, checked: list) -> None:
     """After a traced program ran: the device's random stream moves past the offsets its random ops took,
     and the values it checks (a linalg `info`, an assert's condition; `checks` holds each one's dtype and

@@ -853,3 +853,25 @@ def test_a_call_key_is_hashed_once():
     assert trace_inputs.key_text(key) == trace_inputs.key_text(tuple(key))
     with pytest.raises(TypeError):
         trace_inputs.Key(("site", ([],)))
+
+
+def test_each_launch_of_a_traced_program_is_counted_with_its_arguments_bytes():
+    """`hf_tpu.metrics()["programs_launched"]` and `["argument_bytes"]`: what a step launches and gives its programs
+    (the parameters, gradients and state they read), counted per call of a traced function and per chunk of a
+    device loop, not per trace."""
+    weight = torch.ones(64, 32, device="tpu")
+    x = torch.ones(8, 64, device="tpu")
+    step = hf_tpu.jit(lambda x: x @ weight)
+    before = hf_tpu.metrics()
+    step(x)
+    step(x)
+    after = hf_tpu.metrics()
+    assert after["programs_launched"] - before["programs_launched"] == 2
+    assert after["argument_bytes"] - before["argument_bytes"] == 2 * (x.nbytes + weight.nbytes)
+
+    total = torch.zeros((), device="tpu")
+    before = hf_tpu.metrics()
+    hf_tpu.while_loop(lambda i: i < 5, lambda i: (i + 1,), (torch.zeros((), dtype=torch.long, device="tpu"),),
+                      state=(total,))
+    launched = hf_tpu.metrics()["programs_launched"] - before["programs_launched"]
+    assert launched == 2, launched  # the next chunk is launched before the first's condition is read
