@@ -15,7 +15,8 @@ a product into an elementwise multiply and a reduce on the vector unit, each int
 "int8 MXU" (the rows padded to 8, so the product stays a dot on the matrix unit, which reads the int8 operand
 itself), "int8 transposed" (the weight stored (in, out): the reduce runs over the sublanes, not across the
 lanes) and "int8 split" (the rows as three int8 pieces of a common scale each, times the int8 weight on the int8
-matrix unit: no conversion of the weight). Printed per form and batch: ms per call,
+matrix unit: no conversion of the weight); "int8 activations" is the prefill's form of int8 activations and weights
+(each row quantized, the product on the int8 matrix unit), to time at a prompt's rows (`--batches 8192`). Printed per form and batch: ms per call,
 GB/s of the bytes the weights hold (what a call must read at least), and the speed against bf16's. Both int4
 forms are checked against the kernel's reference on two of the products first.
 """
@@ -31,7 +32,7 @@ import time
 LLAMA_1B = dict(hidden=2048, intermediate=5632, heads=32, kv_heads=4, head_dim=64, layers=16)
 TINY = dict(hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=64, layers=2)
 FORMS = ("bf16", "int8", "int4 XLA", "int4 Pallas")
-INT8_FORMS = ("int8 MXU", "int8 transposed", "int8 split")
+INT8_FORMS = ("int8 MXU", "int8 transposed", "int8 split", "int8 activations")
 
 
 def _shapes(model: dict, fused: bool = False) -> list:
@@ -51,7 +52,7 @@ def _weights(form: str, shape: tuple, key, group: int):
     out_features, in_features = shape
     if form == "bf16":
         return (jax.random.normal(key, shape, jnp.bfloat16) * 0.02,)
-    if form in ("int8", "int8 MXU", "int8 split"):
+    if form in ("int8", "int8 MXU", "int8 split", "int8 activations"):
         return (jax.random.randint(key, shape, -127, 128, jnp.int8), jnp.full((out_features, 1), 1e-3, jnp.bfloat16))
     if form == "int8 transposed":
         return (jax.random.randint(key, shape[::-1], -127, 128, jnp.int8), jnp.full((1, out_features), 1e-3,
@@ -82,6 +83,8 @@ def _product(form: str, group: int, interpret: bool):
             return (x @ w[0].astype(x.dtype)) * w[1][0]
         if form == "int8 split":
             return _split_activation_product(x, *w)
+        if form == "int8 activations":
+            return _int8_activation_product(x, *w)
         if form == "int4 XLA":
             return two_products(x, *w, group)
         return int4_matmul(x, *w, group, interpret=interpret)
@@ -108,6 +111,18 @@ def _split_activation_product(x, qdata, scale):
                                    preferred_element_type=jnp.int32).astype(jnp.float32)
     y = products[:rows] + products[rows:2 * rows] / 256 + products[2 * rows:] / 65536
     return (y * step * scale[:, 0].astype(jnp.float32)).astype(x.dtype)
+
+
+def _int8_activation_product(x, qdata, scale):
+    """torchao's `Int8DynamicActivationInt8WeightConfig` product: each row quantized to int8 by its largest
+    magnitude, times the int8 weight on the int8 matrix unit in int32, both scales applied to the result."""
+    import jax
+    import jax.numpy as jnp
+
+    row_scale = jnp.maximum(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True), 1e-5) / 127
+    rows = jnp.clip(jnp.round(x.astype(jnp.float32) / row_scale), -128, 127).astype(jnp.int8)
+    products = jax.lax.dot_general(rows, qdata, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+    return (products.astype(jnp.float32) * row_scale * scale[:, 0].astype(jnp.float32)).astype(x.dtype)
 
 
 def _chain(product, model: dict, fused: bool = False):
