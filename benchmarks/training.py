@@ -367,11 +367,11 @@ def _trainer_row(spec: dict, rows, row: dict, compiled: bool = False) -> None:
     """The row trained by Transformers' `Trainer` as a user runs it (`bf16=True` for the mixed recipe,
     `gradient_checkpointing`, `gradient_accumulation_steps` for a row of micro-batches, AdamW, clipping at 1.0, a
     linear schedule, a loss logged every step; PEFT's LoRA adapters for the `lora` recipe): its steps are traced
-    programs on one chip (`integrations/transformers/trainer.py`), or with `compiled` (`torch_compile=True`)
-    Dynamo's graphs. A step's time is from one logged loss to the next (logging reads the loss on the host); the
-    first step's from the start of training. The last step's batch is shorter, inside the same bucket of lengths
-    (`shorter_in_bucket`): its time and the programs it traced and compiled are reported apart, and left out of
-    the median."""
+    programs on one chip (`integrations/transformers/trainer.py`), with `compiled` (`torch_compile=True`) too, the
+    compiled model traced into the micro step. A step's time is from one logged loss to the next (logging reads the
+    loss on the host); the first step's from the start of training. The last step's batch is shorter, inside the
+    same bucket of lengths (`shorter_in_bucket`): its time and the programs it traced and compiled are reported
+    apart, and left out of the median."""
     import tempfile
 
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -648,7 +648,8 @@ def _memory_text(row: dict, spec: dict) -> str:
 
 # how each library row's step runs, said in its line
 _HOW = {"Trainer": "the Trainer's micro step and optimizer step traced (hf_tpu.jit)",
-        "Trainer compile": "torch_compile=True: the model's Dynamo graphs (backend tpu), the optimizer step traced",
+        "Trainer compile": ("torch_compile=True (backend tpu): the compiled model traced into the Trainer's "
+                            "micro step, the optimizer step traced"),
         "accelerate launch": ("started by `accelerate launch --config_file examples/accelerate/one-chip.yaml`; "
                               "Accelerator(), prepare(model, optimizer), the whole step (forward, accelerator.backward, "
                               "optimizer.step, zero_grad) traced by hf_tpu.jit as the user's guide recommends")}

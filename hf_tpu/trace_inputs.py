@@ -285,7 +285,9 @@ class Inputs:
         # tensors held as plain attributes (not registered as buffers): inputs too
         tensors += [(name, self.tensor(v)) for name, v in attributes.items()
                     if type(v) is torch.Tensor and name[0] != "_"]
-        return (type(m), attributes["training"], tuple(tensors))
+        # `training` as an attribute: `torch.compile`'s `OptimizedModule` holds none, its property reads the mode
+        # of the module it wraps (`_orig_mod`, a submodule of it, walked with it)
+        return (type(m), m.training, tuple(tensors))
 
     def snapshot(self) -> list:
         """A copy of the Python state met, to compare with after a trace (`python_state_changes`)."""

@@ -216,6 +216,28 @@ def test_an_object_argument_is_state_and_a_compiled_submodule_is_traced_within_i
     assert _traced() == 1 and _captured() == 0
 
 
+def test_a_compiled_module_given_to_a_traced_function_is_traced_within_its_program():
+    """`hf_tpu.jit` given the module `torch.compile` returns (an `OptimizedModule`, with no `training` of its own: its
+    property reads the wrapped module's) traces the module's forward and backward into the function's program, the
+    CPU's loss and gradients; `train()`/`eval()` of the wrapper is a new key, as of the module."""
+    cpu, module = _pair()
+    compiled = torch.compile(module, backend="tpu")
+
+    def step(model, x):
+        loss = model(x).sum()
+        loss.backward()
+        return loss.detach()
+
+    traced = hf_tpu.jit(step)
+    x = torch.randn(3, 4)
+    for training in (False, True):
+        cpu.train(training), compiled.train(training)
+        cpu.zero_grad(), module.zero_grad()
+        torch.testing.assert_close(traced(compiled, x.to("tpu")).cpu(), step(cpu, x))
+        torch.testing.assert_close(module.linear.weight.grad.cpu(), cpu.linear.weight.grad)
+    assert _traced() == 2 and _captured() == 0
+
+
 def test_turned_off_every_call_is_dynamos(monkeypatch):
     monkeypatch.setenv("HF_TPU_COMPILE_DIRECT", "0")
     cpu, module = _pair()

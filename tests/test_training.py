@@ -550,16 +550,57 @@ def test_a_checkpointed_lora_models_layers_scan_in_the_trainers_micro_step_with_
             torch.testing.assert_close(adapters[name], p.detach().cpu(), rtol=1e-6, atol=1e-6)
 
 
-def test_the_trainer_compiles_for_tpu_with_the_cpu_losses(tmp_path):
-    """`torch_compile=True` left Transformers to pick Inductor, which cannot compile for tpu, and
-    Accelerate knew no `tpu` backend to name instead."""
+def test_the_trainer_compiles_for_tpu_with_the_cpu_losses(tmp_path, monkeypatch, caplog):
+    """`torch_compile=True` left Transformers to pick Inductor, which cannot compile for tpu, and Accelerate knew no
+    `tpu` backend to name instead. With the `tpu` backend the compiled model runs inside the traced micro step, each
+    micro-batch's forward and backward one program, as without `torch_compile`: the micro steps ran eagerly around
+    Dynamo's graphs, 1.8x slower on the chip, and the model's walk for the trace's key failed on the
+    `OptimizedModule` that wraps it (it holds no `training` of its own)."""
+    import logging
+
     from accelerate.utils import TorchDynamoPlugin
+    from torch._dynamo.utils import counters
+
+    from hf_tpu import compiled_modules, direct, modes
 
     assert TorchDynamoPlugin(backend="tpu").to_kwargs()["backend"] == "tpu"
+    caplog.set_level(logging.INFO, logger="hf_tpu.integrations")
     cpu = _trainer_losses(tmp_path, "cpu")
-    graphs = hf_tpu.metrics()["compiles_by_mode"].get("COMPILE", 0)
+    compiled_calls = []
+    call = compiled_modules._CompiledCall.__call__
+
+    def noted(self, args, kwargs):
+        compiled_calls.append(modes.current().kind)
+        return call(self, args, kwargs)
+
+    monkeypatch.setattr(compiled_modules._CompiledCall, "__call__", noted)
+    direct.reset()
+    before, graphs = hf_tpu.metrics(), counters["stats"]["unique_graphs"]
     tpu = _trainer_losses(tmp_path, "tpu", torch_compile=True)
-    assert hf_tpu.metrics()["compiles_by_mode"]["COMPILE"] > graphs  # the model ran compiled
+    after = hf_tpu.metrics()
+    # the compiled model was called, and only inside a trace: the micro step's, traced once for its three steps
+    assert compiled_calls == [modes.ModeKind.TRACE]
+    assert counters["stats"]["unique_graphs"] == graphs  # no graph of Dynamo's
+    # the micro step's, the clipping's and the optimizer's programs, each compiled once and run at every step
+    assert after["compiles_by_mode"]["COMPILE"] - before["compiles_by_mode"].get("COMPILE", 0) == 3
+    assert after["programs_launched"] - before["programs_launched"] == 9
+    assert "runs eagerly" not in caplog.text and "runs without hf_tpu.jit's trace" not in caplog.text
+    assert len(tpu) == 3 and ((tpu - cpu).abs() / cpu.abs()).max().item() < 1e-4, (tpu, cpu)
+
+
+def test_the_trainer_compiled_with_another_backend_runs_dynamos_graphs(tmp_path, caplog):
+    """A backend the user names (`torch_compile_backend`) is theirs: the micro steps run eagerly around Dynamo's
+    graphs compiled by it, saying so, with the CPU's losses."""
+    import logging
+
+    from torch._dynamo.utils import counters
+
+    caplog.set_level(logging.INFO, logger="hf_tpu.integrations")
+    cpu = _trainer_losses(tmp_path, "cpu")
+    graphs = counters["stats"]["unique_graphs"]
+    tpu = _trainer_losses(tmp_path, "tpu", torch_compile=True, torch_compile_backend="eager")
+    assert counters["stats"]["unique_graphs"] > graphs
+    assert caplog.text.count("runs eagerly on tpu, not as one traced program: torch_compile_backend='eager'") == 1
     assert len(tpu) == 3 and ((tpu - cpu).abs() / cpu.abs()).max().item() < 1e-4, (tpu, cpu)
 
 
