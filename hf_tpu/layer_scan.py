@@ -39,7 +39,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import modes, remat
-from .memory import buffer, tensor_views
+from .memory import buffer, placement, tensor_views
 from .tracing import Untraceable
 
 log = logging.getLogger("hf_tpu.layer_scan")
@@ -265,8 +265,7 @@ def _scan_stacking(step, carry, xs, slices: list, reverse: bool = False):
     estimate. Over a mesh of several chips the stacks are zeros as `jax.lax.scan`'s: an uninitialized allocation is a
     custom call whose partitioning across chips is not shown."""
     length = jax.tree.leaves(xs)[0].shape[0]
-    on_one_chip = all(jax.typeof(a).sharding.mesh.size <= 1 for a in jax.tree.leaves((carry, xs)))
-    allocate = jax.lax.empty if on_one_chip else jnp.zeros
+    allocate = jnp.zeros if placement.traced_over_chips(*jax.tree.leaves((carry, xs))) else jax.lax.empty
 
     def write_each_layer(state, inputs):
         carry, stacks = state

@@ -18,6 +18,12 @@ def is_sharded(array) -> bool:
         and type(array.sharding) is not jax.sharding.SingleDeviceSharding and len(array.sharding.device_set) > 1
 
 
+def traced_over_chips(*arrays) -> bool:
+    """Whether a value being traced is laid out over a mesh of several chips (GSPMD carries the input's mesh in its
+    abstract value; a replicated value counts)."""
+    return any(jax.typeof(a).sharding.mesh.size > 1 for a in arrays)
+
+
 @functools.cache
 def chip_index(device) -> int:
     """The index of a jax Device among the chips (`tpu:index`)."""

@@ -24,6 +24,7 @@ from .. import platform
 from ..dispatch import lowering
 from ..kernels import int4_matmul as int4_kernel
 from ..kernels import selection as kernel_selection
+from ..memory import placement
 from .products import dot, matmul_precision
 
 _library = torch.library.Library("hf_tpu", "FRAGMENT")
@@ -85,12 +86,6 @@ def _nibbles(qdata):
     return (qdata << 4) >> 4, qdata >> 4
 
 
-def _split_over_chips(*arrays) -> bool:
-    """Whether a program's operand is laid out over a mesh of several chips (GSPMD carries the input's mesh in its
-    abstract value)."""
-    return any(jax.typeof(a).sharding.mesh.size > 1 for a in arrays)
-
-
 def _takes_kernel(input, qdata, scale, zero_point, group_size) -> bool:
     """Whether this call runs the Pallas kernel (`hf_tpu.kernels.int4_matmul`): where Pallas is enabled
     (`hf_tpu.kernels.selection`), for the shapes it takes (decode's rows and prefill's), in float32 only below the
@@ -100,7 +95,7 @@ def _takes_kernel(input, qdata, scale, zero_point, group_size) -> bool:
         return False
     if input.dtype == jnp.float32 and matmul_precision() == jax.lax.Precision.HIGHEST:
         return False
-    if _split_over_chips(input, qdata, scale, zero_point):
+    if placement.traced_over_chips(input, qdata, scale, zero_point):
         return False
     return int4_kernel.unsupported(input, qdata, scale, zero_point, group_size) is None
 
