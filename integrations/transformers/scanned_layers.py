@@ -219,19 +219,12 @@ def _peft_record_unread(cls: type) -> bool:
     only writes it. Code of other files is not read (PEFT 0.21 has none that reads it)."""
     if not any(klass.__name__ == "BaseTunerLayer" and klass.__module__.startswith("peft.") for klass in cls.__mro__):
         return False
-    for klass in cls.__mro__:
-        if klass.__module__.startswith(("torch.", "builtins", "abc")):
-            continue
-        tree = _source_tree(klass.__module__)
-        if tree is None:
-            return False
-        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
-        for node in ast.walk(tree):
-            read = isinstance(node, ast.Attribute) and node.attr == _PEFT_RECORD and isinstance(node.ctx, ast.Load)
-            named = isinstance(node, ast.Constant) and node.value == _PEFT_RECORD
-            if (read or named) and not _in_init(node, parents):
-                return False
-    return True
+
+    def reads_the_record(node, parents):
+        read = isinstance(node, ast.Attribute) and node.attr == _PEFT_RECORD and isinstance(node.ctx, ast.Load)
+        return read or (isinstance(node, ast.Constant) and node.value == _PEFT_RECORD)
+
+    return _read_only_in_init(cls, reads_the_record, lambda klass: _source_tree(klass.__module__))
 
 
 @functools.cache
@@ -243,6 +236,29 @@ def _source_tree(module_name: str):
         return None
 
 
+def _class_tree(klass: type):
+    """The parsed source of a class; None where it has none."""
+    try:
+        return ast.parse(textwrap.dedent(inspect.getsource(klass)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+
+
+def _read_only_in_init(cls: type, reads, tree_of) -> bool:
+    """Whether no node `reads(node, parents)` finds in the source `tree_of(klass)` of `cls` and its bases (below
+    PyTorch's) lies outside an `__init__`; False where a source is missing."""
+    for klass in cls.__mro__:
+        if klass.__module__.startswith(("torch.", "builtins", "abc")):
+            continue
+        tree = tree_of(klass)
+        if tree is None:
+            return False
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        if any(reads(node, parents) and not _in_init(node, parents) for node in ast.walk(tree)):
+            return False
+    return True
+
+
 @functools.cache
 def _index_only_for_caches(cls: type) -> bool:
     """Whether every method of `cls` (and of its bases below `torch.nn.Module`) other than `__init__` reads
@@ -250,19 +266,8 @@ def _index_only_for_caches(cls: type) -> bool:
     `past_key...`). A method that computes with the index (`x / (self.layer_idx + 1)`) is not the same computation
     for each layer; what `__init__` computes from it (GPT-2's attention scaled by `1 / (layer_idx + 1)`) makes
     attributes that differ, which `scan_layers` compares."""
-    for klass in cls.__mro__:
-        if klass.__module__.startswith("torch.") or klass is object:
-            continue
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        except (OSError, TypeError, SyntaxError):
-            return False
-        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and node.attr == "layer_idx" and not _in_init(node, parents) \
-                    and not _reaches_a_cache(node, parents):
-                return False
-    return True
+    return _read_only_in_init(cls, lambda node, parents: isinstance(node, ast.Attribute) and node.attr == "layer_idx"
+                              and not _reaches_a_cache(node, parents), _class_tree)
 
 
 def _in_init(node, parents: dict) -> bool:
