@@ -204,12 +204,11 @@ class _BodyTrace:
         mode = modes.current()
         draws, checks, record, latest, widened = mode.draws, len(mode.checks), mode.index_record, mode.latest, \
             dict(mode.widened)
-        live = buffer.allocator.live
-        arrays_before = {address: buf._array for address, buf in list(live.items())}
+        arrays_before = {address: buf._array for address, buf in buffer.allocator.live_now().items()}
         try:
             yield
         finally:
-            written = [buf for address, buf in list(live.items())
+            written = [buf for address, buf in buffer.allocator.live_now().items()
                        if address in arrays_before and buf._array is not arrays_before[address]]
             for buf in written:
                 buf.array = arrays_before[buf.address]

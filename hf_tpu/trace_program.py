@@ -177,10 +177,10 @@ def trace(name: str, run, inputs: Inputs, arrays: list, keep_changes: bool = Fal
     met (`_python_state_changes`) raises `Untraceable`, the change undone, or, with `keep_changes` and values that
     hold no tensor, `PythonStateChanged` with the change kept. A trace not `counted` is a part of another program
     (a loop's condition), not one of its own in `hf_tpu.metrics()`."""
-    live = buffer.allocator.live
     # the arrays every buffer holds now, to find those the trace writes; not a tracer an earlier trace left in a
     # buffer that something still holds (a frame of its error's traceback)
-    before = {address: buf._array for address, buf in list(live.items()) if not isinstance(buf._array, jax.core.Tracer)}
+    before = {address: buf._array for address, buf in buffer.allocator.live_now().items()
+              if not isinstance(buf._array, jax.core.Tracer)}
     # each input buffer's own array, which it holds again after the trace (`arrays` may be copies placed
     # on a sharded model's mesh, for the program only)
     own = [buf._array for buf in inputs.buffers]
@@ -213,7 +213,7 @@ def trace(name: str, run, inputs: Inputs, arrays: list, keep_changes: bool = Fal
             additions = _state_additions(python_state, inputs, first_new_address, new_arrays, made)
             finals = [buf._array for buf in inputs.buffers]
             mutated = tuple(i for i, (final, array) in enumerate(zip(finals, input_arrays)) if final is not array)
-            _check_nothing_else_written(live, before, inputs_by_id)
+            _check_nothing_else_written(before, inputs_by_id)
             found.update(mutated=mutated, outputs=outputs, new_outputs=len(new_arrays), treedef=treedef, grads=grads,
                          additions=additions,
                          draws=mode.draws,
@@ -243,7 +243,7 @@ def trace(name: str, run, inputs: Inputs, arrays: list, keep_changes: bool = Fal
 
     traced.__name__ = traced.__qualname__ = f"trace_{name}"
     jaxpr = jax.jit(traced).trace(arrays, rng.example_key()).jaxpr
-    _check_no_tensor_escaped(live, first_new_address)
+    _check_no_tensor_escaped(first_new_address)
     return Program(name, jaxpr, found["mutated"], found["outputs"], found["new_outputs"], found["treedef"],
                     found["checks"], found["draws"], found["grads"], found["additions"])
 
@@ -364,10 +364,10 @@ def _rebuild(spec, new, inputs: Inputs, made: list):
     return obj
 
 
-def _check_nothing_else_written(live: dict, before: dict, inputs_by_id: set) -> None:
+def _check_nothing_else_written(before: dict, inputs_by_id: set) -> None:
     """A tensor that is not an input, written in place in the trace, would keep a tracer: put back, and the
     call falls back."""
-    written = [buf for address, buf in list(live.items())
+    written = [buf for address, buf in buffer.allocator.live_now().items()
                if address in before and isinstance(buf._array, jax.core.Tracer) and id(buf) not in inputs_by_id]
     for buf in written:
         buf.array = before[buf.address]
@@ -376,10 +376,10 @@ def _check_nothing_else_written(live: dict, before: dict, inputs_by_id: set) -> 
                            f"{written[0].dtype}): pass it as an argument or hold it in a state object")
 
 
-def _check_no_tensor_escaped(live: dict, first_new_address: int) -> None:
+def _check_no_tensor_escaped(first_new_address: int) -> None:
     """A tensor made in the trace and still alive after it (kept in an object that is not state) holds a tracer."""
     def escaped():
-        return [buf for address, buf in list(live.items())
+        return [buf for address, buf in buffer.allocator.live_now().items()
                 if address >= first_new_address and isinstance(buf._array, jax.core.Tracer)]
 
     if escaped() and (gc.collect() or True) and escaped():

@@ -237,6 +237,13 @@ class _Allocator:
     def buffer(self, address: int) -> Buffer:
         return self.live[address]
 
+    def live_now(self) -> dict:
+        """A copy of `live` to iterate over. Iterating `live` itself fails when the garbage collector runs in the
+        middle (any allocation can start it) and frees a tpu tensor, whose release removes its buffer; `dict.copy`
+        allocates nothing per entry, so no collection runs inside it, and the lock holds off other threads."""
+        with self.lock:
+            return self.live.copy()
+
     def hold(self, array):
         with self.lock:
             self._change_holders(array, 1)
@@ -272,7 +279,7 @@ def new_tensor(shape, dtype: torch.dtype, device_index: int, array=None) -> torc
 
 def live_buffers(device_index: int) -> list:
     """The live buffers on `tpu:device_index`."""
-    return [buf for buf in list(allocator.live.values()) if buf.device_index == device_index]
+    return [buf for buf in allocator.live_now().values() if buf.device_index == device_index]
 
 
 def device_arrays(device_index: int) -> list:
