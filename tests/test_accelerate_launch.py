@@ -99,6 +99,12 @@ def test_one_process_drives_every_chip(tmp_path):
     check_against_cpu([report], processes=1)
 
 
+def test_parameters_fully_sharded_before_prepare_keep_their_split(tmp_path):
+    (report,) = launch("all-chips.yaml", tmp_path, FULLY_SHARD="1")
+    assert report["weight_split"] == "('dp', None)"
+    check_against_cpu([report], processes=1)
+
+
 @pytest.mark.skipif(not hasattr(_jax, "make_gloo_tcp_collectives"), reason="this jaxlib has no gloo collectives")
 def test_two_processes_on_localhost(tmp_path):
     # with no HF_TPU_EAGER_MODE: several processes on the CPU platform start launch-blocking
@@ -144,6 +150,8 @@ def train(out_dir: Path):
     x, y = data(processes)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=ROWS_PER_PROCESS)
     model = tiny_model()
+    if os.environ.get("FULLY_SHARD") == "1":  # FSDP: the parameters split over the chips before `prepare`
+        dist.fully_shard(model, dist.mesh(dist.device_count(), "dp"))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     hidden_dtypes = []
@@ -168,7 +176,7 @@ def train(out_dir: Path):
         "distributed_type": str(accelerator.distributed_type.value), "device": str(accelerator.device),
         "process_index": accelerator.process_index, "losses": losses, "batch_rows_per_chip": rows_per_chip,
         "eager_mode": __import__("hf_tpu").modes.get_eager_mode().name,
-        "chips_holding_a_weight": layout.mesh.size if layout else 1,
+        "chips_holding_a_weight": layout.mesh.size if layout else 1, "weight_split": str(layout and layout.spec),
         "gathered": accelerator.gather(rank).cpu().tolist(),
         "broadcast": __import__("accelerate").utils.broadcast(rank.clone(), from_process=0).item(),
         "reduced_sum": accelerator.reduce(rank, "sum").item(),
@@ -195,6 +203,7 @@ def train(out_dir: Path):
                                    for name, value in report["weights"].items())
     restored_layout = dist.sharding(accelerator.unwrap_model(model)[0].weight)
     assert (restored_layout.mesh.size if restored_layout else 1) == report["chips_holding_a_weight"]
+    assert str(restored_layout and restored_layout.spec) == report["weight_split"]
     (out_dir / f"process{accelerator.process_index}.json").write_text(json.dumps(report))
     accelerator.end_training()
     accelerator.free_memory()

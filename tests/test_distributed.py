@@ -3,6 +3,7 @@ every execution mode, memory is counted per chip, and `shard_model` with Transfo
 the unsharded model's outputs and training step. The in-process tests use the two chips conftest
 simulates; the 1/2/4/8-chip and 2 x 4 checks run this file as a script with 8 simulated chips."""
 
+import copy
 import gc
 import logging
 import os
@@ -171,6 +172,33 @@ def test_load_state_dict_into_a_sharded_model_keeps_the_shards():
     q_proj = model.model.layers[0].self_attn.q_proj.weight
     assert dist.sharding(q_proj).spec == ("tp", None)
     assert torch.equal(q_proj.cpu(), state["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_fully_shard_splits_each_parameter_along_its_first_even_dim_and_trains_as_the_cpu():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(8, 6), torch.nn.Linear(6, 5), torch.nn.Linear(5, 6),
+                                torch.nn.Linear(6, 8))
+    model[3].weight = model[0].weight  # tied, as an LM's head and embedding
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 8, (4, 3))
+    mesh = dist.mesh(2, "dp")
+    dist.fully_shard(model, mesh)
+    layouts = {name: dist.sharding(p).spec for name, p in model.named_parameters()}
+    # 5 rows do not split over 2 chips: the 5x6 weight splits its 6 columns, the length-5 bias stays whole
+    assert layouts == {"0.weight": ("dp", None), "1.weight": (None, "dp"), "1.bias": (None,),
+                       "2.weight": ("dp", None), "2.bias": ("dp",), "3.bias": ("dp",)}
+    assert model[3].weight is model[0].weight
+    for net, device in ((reference, "cpu"), (model, "tpu")):
+        opt = torch.optim.AdamW(net.parameters(), lr=0.1)
+        for _ in range(2):
+            net(ids.to(device)).logsumexp(-1).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    for (name, p), expected in zip(model.named_parameters(), reference.parameters()):
+        assert dist.sharding(p).spec == layouts[name]
+        torch.testing.assert_close(p.cpu(), expected, rtol=1e-5, atol=1e-5, msg=name)
+    with pytest.raises(ValueError, match="not an axis"):
+        dist.fully_shard(model, mesh, axis="tp")
 
 
 def test_shard_model_bad_plans_raise_before_moving_weights():

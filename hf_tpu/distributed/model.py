@@ -1,4 +1,6 @@
-"""`shard_model`: tensor parallelism for a user's own model from a Transformers-style plan.
+"""`shard_model`: tensor parallelism for a user's own model from a Transformers-style plan; `fully_shard`: the
+parameters split over the data-parallel axis (FSDP, ZeRO-3), so that a model whose training state does not fit
+one chip trains over several.
 
 With GSPMD only the weights need a layout: XLA propagates it through each program and inserts the
 collectives (an all-reduce after a rowwise projection). So each plan style is just where a
@@ -16,7 +18,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .mesh import Mesh, mesh as make_mesh
 from .processes import device_count
-from .tensors import _check_spec, replicate, shard
+from .tensors import _check_spec, replicate, shard, sharding
 
 # style -> which dim of a weight (ndim >= 2) is split, and whether a 1-D bias follows it
 _SPLIT_OUTPUT = ("colwise", "colwise_rep", "colwise_gather_output", "packed_colwise", "local_colwise")
@@ -121,6 +123,18 @@ def _shard_subclass(param: torch.Tensor, mesh: Mesh, layouts: dict) -> torch.Ten
     return type(param).__tensor_unflatten__(inner, context, param.shape, param.stride())
 
 
+def _swap_in(model: torch.nn.Module, moved: dict, mesh: Mesh) -> None:
+    """Put each sharded replacement of a CPU parameter (`moved`, by the id of the one it replaces) where that one
+    was, in every module holding it, and replicate every buffer over `mesh`."""
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None and id(param) in moved:
+                module._parameters[name] = moved[id(param)]
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[name] = replicate(buf, mesh)
+
+
 def _tp_axis(mesh: Mesh, tp_axis: str | None) -> str:
     if tp_axis is None:
         if len(mesh.axis_names) != 1 and "tp" not in mesh.axis_names:
@@ -179,11 +193,57 @@ def shard_model(model: torch.nn.Module, plan: dict, mesh: Mesh | None = None, tp
             param.data = sharded
         else:  # PyTorch cannot swap a CPU parameter's data for a tpu tensor in place
             moved[id(param)] = torch.nn.Parameter(sharded, requires_grad=param.requires_grad)
-    for module in model.modules():
-        for name, param in module._parameters.items():
-            if param is not None and id(param) in moved:
-                module._parameters[name] = moved[id(param)]
-        for name, buf in module._buffers.items():
-            if buf is not None:
-                module._buffers[name] = replicate(buf, mesh)
+    _swap_in(model, moved, mesh)
+    return model
+
+
+def _fully_sharded_spec(param: torch.Tensor, mesh: Mesh, axis: str) -> tuple:
+    """`param`'s layout with its first whole dim that `axis` divides split over `axis` as well, its other dims as
+    they are (a weight split by `shard_model` over another axis keeps that split); unchanged where no dim divides."""
+    layout = sharding(param)
+    spec = (None,) * param.dim() if layout is None else layout.spec
+    if layout is not None and layout.mesh != mesh:
+        raise ValueError(f"a parameter of shape {tuple(param.shape)} is split over {layout.mesh}, not over the "
+                         f"mesh {mesh} given to fully_shard")
+    if any(axis == axes or (isinstance(axes, tuple) and axis in axes) for axes in spec):
+        return spec
+    parts = mesh.shape[axis]
+    for dim, (size, axes) in enumerate(zip(param.shape, spec)):
+        if axes is None and size % parts == 0:
+            return spec[:dim] + (axis,) + spec[dim + 1:]
+    return spec
+
+
+def fully_shard(model: torch.nn.Module, mesh: Mesh | None = None, axis: str | None = None):
+    """Split each of `model`'s parameters over the `axis` of `mesh` (default: a 1-D mesh "dp" over every chip),
+    along its first dim that the axis divides, and replicate its buffers; returns `model`.
+
+    This is fully sharded data parallelism (PyTorch's FSDP, DeepSpeed's ZeRO-3) as XLA's partitioner does it:
+    with the batch split over the same axis (`shard(ids, mesh, ("dp", None))`), each program gathers a weight
+    where it is used and leaves each gradient split as its weight, so the parameters, the gradients and the
+    optimizer's state (made by the optimizer from the parameters, in their layout) take 1/N of their bytes on each
+    of N chips, where data parallelism (`replicate`) holds them whole on every chip. No wrapper module and no hook:
+    the same training step, eager or traced, runs over the mesh. A parameter no dim of which the axis divides
+    stays whole on every chip (a bias of odd length); one split by `shard_model` over another axis of a 2-D mesh
+    keeps that split and is split over `axis` along another dim. Quantized weights (tensor subclasses) are left
+    as they are. Parameters on `tpu` keep their identity; CPU ones are replaced by `tpu` ones, each chip receiving
+    only its part."""
+    if mesh is None:
+        mesh = make_mesh(device_count(), "dp")
+    if axis is None:
+        if len(mesh.axis_names) != 1 and "dp" not in mesh.axis_names:
+            raise ValueError(f"the mesh {mesh} has several axes and none named 'dp': pass axis=")
+        axis = "dp" if "dp" in mesh.axis_names else mesh.axis_names[0]
+    if axis not in mesh.axis_names:
+        raise ValueError(f"axis={axis!r} is not an axis of the mesh {mesh}")
+    moved = {}  # id of a CPU parameter -> its sharded replacement (tied parameters share one)
+    for param in model.parameters():
+        if is_traceable_wrapper_subclass(param):
+            continue
+        sharded = shard(param.data, mesh, _fully_sharded_spec(param, mesh, axis))
+        if param.device.type == "tpu":
+            param.data = sharded
+        else:  # PyTorch cannot swap a CPU parameter's data for a tpu tensor in place
+            moved[id(param)] = torch.nn.Parameter(sharded, requires_grad=param.requires_grad)
+    _swap_in(model, moved, mesh)
     return model

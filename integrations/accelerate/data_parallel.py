@@ -175,15 +175,29 @@ def _same_on_every_chip(t: torch.Tensor) -> torch.Tensor:
     return dist.replicate(value, mesh)
 
 
-def replicate_model(model: torch.nn.Module) -> None:
-    """Every `tpu` parameter and buffer of `model` on every chip of the data-parallel mesh; parameters
-    keep their identity (an optimizer made before stays valid)."""
+def _split_over_the_mesh(t: torch.Tensor) -> tuple | None:
+    """The layout of a tensor split over the data-parallel mesh (parameters `hf_tpu.distributed.fully_shard` laid
+    out before `prepare`: FSDP), or None."""
+    layout = dist.sharding(t)
+    if layout is not None and layout.mesh == data_parallel_mesh() and any(axes is not None for axes in layout.spec):
+        return layout.spec
+    return None
+
+
+def replicate_model(model: torch.nn.Module, layouts: dict | None = None) -> None:
+    """Every `tpu` parameter and buffer of `model` on every chip of the data-parallel mesh, except parameters split
+    over it, which keep their split: `layouts` (a parameter's id -> its split, `_split_over_the_mesh`) or, by
+    default, the split each has now. Parameters keep their identity (an optimizer made before stays valid)."""
+    if layouts is None:
+        layouts = {id(p): _split_over_the_mesh(p) for p in model.parameters()}
     done = set()
     for module in model.modules():
         for name, param in module._parameters.items():
             if param is not None and param.device.type == "tpu" and id(param) not in done:
                 done.add(id(param))
-                param.data = _same_on_every_chip(param.data)
+                spec = layouts.get(id(param))
+                param.data = _same_on_every_chip(param.data) if spec is None else \
+                    dist.shard(param.data, data_parallel_mesh(), spec)
         for name, buf in module._buffers.items():
             if buf is not None and buf.device.type == "tpu":
                 module._buffers[name] = _same_on_every_chip(buf)
@@ -203,10 +217,12 @@ def _replicate_prepared_model(original):
 def _replicate_loaded_models(original):
     @functools.wraps(original)
     def load_state(self, *args, **kwargs):
+        layouts = [{id(p): _split_over_the_mesh(p) for p in model.parameters()} for model in self._models] \
+            if _data_parallel() else None
         result = original(self, *args, **kwargs)
-        if _data_parallel():  # load_state_dict copies into the parameters, which leaves them on one chip
-            for model in self._models:
-                replicate_model(model)
+        if layouts is not None:  # load_state_dict copies into the parameters, which leaves them on one chip
+            for model, model_layouts in zip(self._models, layouts):
+                replicate_model(model, model_layouts)
         return result
 
     return load_state
