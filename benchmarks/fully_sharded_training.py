@@ -7,8 +7,8 @@ The tpu side is the user's step as written (forward, backward, AdamW; every laye
 `hf_tpu.jit`, its batch split over the chips (`shard(ids, mesh, ("dp", None))`); the model is built on the CPU and
 each chip receives only its part, so the whole model is never on one chip. Without a TPU the chips are the CPU's
 simulated ones, which share the host's memory and cores: the times show that it runs, not how fast a pod does.
-The CPU's run goes first and is freed before the tpu's, so the host holds one copy of the training state at a time
-(the 1.1B in bfloat16: 8.8 GB each).
+The CPU's run goes first, in a process of its own, so the host holds one copy of the training state at a time (the
+1.1B in bfloat16: 8.8 GB).
 
 Run: HF_TPU_PLATFORM=cpu HF_TPU_NUM_DEVICES=8 python -m benchmarks.fully_sharded_training --model 1.1b
      [--batch 8] [--length 128] [--steps 3] [--recipe bf16|mixed]
@@ -18,9 +18,12 @@ Run: HF_TPU_PLATFORM=cpu HF_TPU_NUM_DEVICES=8 python -m benchmarks.fully_sharded
 from __future__ import annotations
 
 import argparse
-import gc
 import json
+import os
 import resource
+import subprocess
+import sys
+import tempfile
 import time
 
 MODELS = {"tiny": "TINY", "0.44b": "LLAMA_044B", "1.1b": None}
@@ -68,6 +71,25 @@ def _train(model, batches: list, recipe: str, jit: bool) -> dict:
     return {"losses": losses, "seconds": seconds, "optimizer": opt}
 
 
+def _batches(config: dict, batch: int, length: int, steps: int) -> list:
+    import torch
+
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, config["vocab_size"], (batch, length), generator=generator) for _ in range(steps)]
+
+
+def _cpu_side(model_name: str, batch: int, length: int, steps: int, recipe: str) -> dict:
+    """The CPU's losses and step times, from a process of its own (`--cpu-side`), whose memory the host has back
+    before the tpu's run starts."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "cpu.json")
+        subprocess.run([sys.executable, "-m", "benchmarks.fully_sharded_training", "--model", model_name, "--batch",
+                        str(batch), "--length", str(length), "--steps", str(steps), "--recipe", recipe,
+                        "--cpu-side", path], check=True)
+        with open(path) as f:
+            return json.load(f)
+
+
 def run(model_name: str, batch: int, length: int, steps: int, recipe: str) -> dict:
     import torch
 
@@ -79,12 +101,9 @@ def run(model_name: str, batch: int, length: int, steps: int, recipe: str) -> di
     chips = torch.tpu.device_count()
     if batch % chips:
         raise SystemExit(f"--batch {batch} does not split over {chips} chips")
-    generator = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, config["vocab_size"], (batch, length), generator=generator) for _ in range(steps)]
+    batches = _batches(config, batch, length, steps)
 
-    cpu = _train(_model(config, recipe), batches, recipe, jit=False)
-    del cpu["optimizer"]
-    gc.collect()
+    cpu = _cpu_side(model_name, batch, length, steps, recipe)
 
     mesh = dist.mesh(chips, "dp")
     model = dist.fully_shard(_model(config, recipe), mesh)
@@ -138,7 +157,15 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--recipe", choices=("bf16", "mixed"), default="bf16")
     parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--cpu-side", help=argparse.SUPPRESS)  # the CPU's steps alone, their figures to this file
     args = parser.parse_args()
+    if args.cpu_side:
+        config = _config(args.model)
+        cpu = _train(_model(config, args.recipe), _batches(config, args.batch, args.length, args.steps), args.recipe,
+                     jit=False)
+        with open(args.cpu_side, "w") as f:
+            json.dump({"losses": cpu["losses"], "seconds": cpu["seconds"]}, f)
+        return
     result = run(args.model, args.batch, args.length, args.steps, args.recipe)
     print(report(result))
     if args.json:

@@ -196,9 +196,36 @@ def test_fully_shard_splits_each_parameter_along_its_first_even_dim_and_trains_a
             opt.zero_grad()
     for (name, p), expected in zip(model.named_parameters(), reference.parameters()):
         assert dist.sharding(p).spec == layouts[name]
+        # AdamW's moments are `zeros_like(p)`, split as the weight they follow
+        assert [dist.sharding(t).spec for t in opt.state[p].values() if t.dim()] == [layouts[name]] * 2, name
         torch.testing.assert_close(p.cpu(), expected, rtol=1e-5, atol=1e-5, msg=name)
     with pytest.raises(ValueError, match="not an axis"):
         dist.fully_shard(model, mesh, axis="tp")
+
+
+@pytest.mark.parametrize("mode", MODES[:2])
+def test_like_factories_of_a_split_tensor_are_split_the_same_way(mode):
+    mesh = dist.mesh(2, "dp")
+    host = torch.randn(4, 6)
+    split = dist.shard(host, mesh, ("dp", None))
+    gc.collect()
+    before = chip_memory()
+    with torch.tpu.use_eager_mode(mode):
+        made = {"zeros_like": torch.zeros_like(split), "ones_like": torch.ones_like(split),
+                "full_like": torch.full_like(split, 2.5), "zeros_like float64": torch.zeros_like(split, dtype=torch.float64),
+                "empty_like": torch.empty_like(split)}
+        for name, t in made.items():
+            assert dist.sharding(t) == dist.Sharding(mesh, ("dp", None)), name
+        assert [now - then for now, then in zip(chip_memory(), before)] == [12 * 4 * 4 + 12 * 8] * 2
+        for name, expected in (("zeros_like", torch.zeros_like(host)), ("ones_like", torch.ones_like(host)),
+                               ("full_like", torch.full_like(host, 2.5)),
+                               ("zeros_like float64", torch.zeros_like(host, dtype=torch.float64))):
+            assert torch.equal(made[name].cpu(), expected), name
+        # a view that reads part of the storage, or in another order, gets PyTorch's single-chip result
+        for view_of in (lambda t: t[1:], torch.t):
+            like = torch.zeros_like(view_of(split))
+            assert dist.sharding(like) is None and like.stride() == torch.zeros_like(view_of(host)).stride()
+        assert dist.sharding(torch.zeros_like(torch.ones(3, device="tpu"))) is None
 
 
 def test_shard_model_bad_plans_raise_before_moving_weights():

@@ -54,6 +54,8 @@ def _check_eight_chips(cpu_losses, cpu_params, data, fully_sharded: bool):
         for p in model.parameters():
             p.data = dist.replicate(p.data, mesh)
     hf_tpu.reset_metrics()
+    for chip in range(8):
+        torch.tpu.reset_peak_memory_stats(chip)
     losses, params, opt = _train(model, [dist.shard(ids, mesh, ("dp", None)) for ids in data], jit=True)
     metrics = hf_tpu.metrics()
     # one program traced, by the first layout: the second's reuses its trace (XLA compiles it for the new layout)
@@ -74,6 +76,10 @@ def _check_eight_chips(cpu_losses, cpu_params, data, fully_sharded: bool):
     chip_bytes = [torch.tpu.memory_allocated(i) for i in range(8)]
     state_bytes = sum(t.nbytes for p in model.parameters() for t in (p, *opt.state[p].values()))
     assert max(chip_bytes) < state_bytes / (8 if fully_sharded else 1) * 1.1, (chip_bytes, state_bytes)
+    # at its peak too (the first step makes AdamW's moments, as the parameters are split): parameters, moments and
+    # the batches, each chip's share
+    peaks = [torch.tpu.max_memory_allocated(i) for i in range(8)]
+    assert max(peaks) < state_bytes / (8 if fully_sharded else 1) * 1.25, (peaks, state_bytes)
     print(f"a traced step over 8 chips, {'fully sharded' if fully_sharded else 'replicated'}, matches the CPU")
 
 

@@ -127,6 +127,12 @@ class Buffer:
         if value is None:
             return
         allocator.hold(value)
+        if isinstance(value, jax.core.Tracer):
+            # standing in for an array while a program is traced, in no device memory: the bytes of an input's
+            # array stay counted where it put them, and a tensor the trace makes counts nothing (counted, every
+            # traced call's first run peaked at its intermediates' bytes, and an input split over chips counted
+            # whole on the first)
+            return
         if sharded_arrays_exist and (self.chip_bytes is not None or is_sharded(value)):
             allocator.count(self, value)  # where the bytes sit may have changed with the new array
         elif not self.counted:
@@ -177,7 +183,7 @@ class _Allocator:
             buf = Buffer(shape, dtype, device_index, nbytes, address)
             self.live[address] = buf
             self.num_allocs[device_index] = self.num_allocs.get(device_index, 0) + 1
-            if array is None or type(array) is Lazy or sharded_arrays_exist:
+            if type(array) is not ArrayImpl or sharded_arrays_exist:  # none, deferred, traced, or maybe split
                 plain = False
             else:
                 plain = True

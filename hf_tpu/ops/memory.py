@@ -14,6 +14,7 @@ import torch
 
 from .. import dispatch, modes, platform
 from ..device_state import current
+from ..dtypes import to_jax
 from ..dispatch import handler, lowering, reuse_cpu_kernel
 from ..memory import buffer, host_transfers, placement, tensor_views
 from ..memory.out_of_memory import check_allocation
@@ -47,6 +48,36 @@ def empty(sig, values):
     index = current.current_index_for(torch.device(device) if device is not None else torch.device("tpu"))
     check_allocation(math.prod(size) * dtype.itemsize, index, lambda: f"torch.empty({tuple(size)}, dtype={dtype})")
     return buffer.new_tensor(size, dtype, index)
+
+
+_COMPOSITE = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
+
+
+# what each `_like` factory fills its result with (`full_like`: its argument; `empty_like`: zeros, as a sharded
+# array must hold something)
+_FILLS = {aten.empty_like.default: 0, aten.zeros_like.default: 0, aten.ones_like.default: 1}
+
+
+@handler(aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default)
+def filled_like(sig, values):
+    """PyTorch's `empty_like`, `zeros_like`, `ones_like` and `full_like` (their composite kernels: `empty_strided`
+    with the strides the memory format asks for, then a fill), and for a tensor split over chips a result split
+    the same way. An optimizer's state is made with them (AdamW's moments are `zeros_like(param)`): a fill's
+    result is made on one chip, so the moments of parameters split over N chips (`fully_shard`) would sit whole
+    on the first chip, N times its share. The split is kept where `self` reads its storage's sharded array whole
+    and the result is contiguous (the layout is the array's); `empty_like`'s result then holds zeros."""
+    self, fill = values[0], _FILLS.get(sig.op, values[1] if sig.op is aten.full_like.default else None)
+    dtype, layout, device, pin_memory, memory_format = values[-5:]
+    array = buffer.buffer_of(self)._array if self.device.type == "tpu" and buffer.sharded_arrays_exist else None
+    dtype = dtype or self.dtype
+    if (placement.is_sharded(array) and tuple(self.shape) == tuple(array.shape) and self.storage_offset() == 0
+            and self.is_contiguous() and memory_format in (None, torch.preserve_format, torch.contiguous_format)
+            and (device is None or torch.device(device) == self.device) and layout in (None, torch.strided)
+            and (dtype.is_floating_point or sig.op is not aten.full_like.default)):  # PyTorch's range checks
+        return buffer.new_tensor(tuple(self.shape), dtype, self.device.index,
+                                 jax.numpy.full(array.shape, fill, to_jax(dtype), device=array.sharding))
+    return sig.op.redispatch(_COMPOSITE, *values[:len(values) - 5], dtype=dtype, layout=layout, device=device,
+                         pin_memory=pin_memory, memory_format=memory_format)
 
 
 @handler(aten.empty_strided.default)

@@ -875,3 +875,16 @@ def test_each_launch_of_a_traced_program_is_counted_with_its_arguments_bytes():
                       state=(total,))
     launched = hf_tpu.metrics()["programs_launched"] - before["programs_launched"]
     assert launched == 2, launched  # the next chunk is launched before the first's condition is read
+
+
+def test_a_traced_calls_first_run_counts_no_memory_for_what_its_trace_makes():
+    """The tensors a trace makes hold tracers, in no device memory: counted, the first call of every traced
+    function peaked at its intermediates' bytes."""
+    x = torch.randn(64, 64, device="tpu")
+    traced = hf_tpu.jit(lambda x: x.repeat(16, 16).sum(0)[:64])  # a 4 MiB intermediate, 256 bytes out
+    torch.tpu.synchronize()
+    before = torch.tpu.memory_allocated()
+    torch.tpu.reset_peak_memory_stats()
+    out = traced(x)
+    assert torch.tpu.max_memory_allocated() - before <= 4 * 64 * 4, torch.tpu.max_memory_allocated() - before
+    torch.testing.assert_close(out.cpu(), x.cpu().repeat(16, 16).sum(0)[:64], rtol=1e-4, atol=1e-4)  # 16 terms
