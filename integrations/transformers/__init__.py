@@ -3,7 +3,8 @@ one module a job: `from_pretrained` (the wrapper), `loading` (checks, placement,
 `tensor_parallel`, `cache` (the static cache), `generation` (the host's bookkeeping and
 prompt padding), `prefill` (compiled once per prompt bucket, launched ahead), `decode_loop` (the tokens after
 the first in one device loop), `compiled_buckets` (a compiled causal LM's calls padded to buckets),
-`continuous_batching` (the paged cache's size), `trainer`, and `settings` (`configure`).
+`continuous_batching` (the paged cache's size), `trainer`, `quantized_cache` (`Int8StaticCache`, an int8 KV
+cache), and `settings` (`configure`).
 
 Installed by `hf_tpu.integrations.activate()` when `transformers.modeling_utils` or
 `transformers.generation.utils` is first imported. What it changes, only for models on `tpu`:
@@ -51,8 +52,18 @@ from .prefill import bucketed_length
 from .loading import check_before_loading, prepare_model
 from .settings import DEFAULT_PROMPT_BUCKETS, Settings, configure, settings
 
-__all__ = ["DEFAULT_PROMPT_BUCKETS", "Settings", "bucketed_length", "check_before_loading", "configure",
-           "install", "install_output_capturing_hooks", "prepare_model", "settings"]
+__all__ = ["DEFAULT_PROMPT_BUCKETS", "Int8StaticCache", "Settings", "bucketed_length", "check_before_loading",
+           "configure", "install", "install_output_capturing_hooks", "prepare_model", "settings"]
+
+
+def __getattr__(name: str):
+    """`Int8StaticCache` (`quantized_cache`), imported when first asked for: its module subclasses Transformers'
+    cache classes, and this package is imported while Transformers itself is (`install`)."""
+    if name == "Int8StaticCache":
+        from .quantized_cache import Int8StaticCache
+
+        return Int8StaticCache
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def install(module) -> None:

@@ -44,10 +44,13 @@ def _decodes_on_device(model, logits_processor, stopping_criteria, generation_co
     """Greedy search or sampling of a decoder-only model with Transformers' own input preparation, a static
     cache that Transformers would decode with a compiled forward, and nothing that needs the host per token
     (a streamer, returned scores, a processor or stopping criterion that reads the growing ids). Not where
-    the caller gave a `compile_config`: that asks for Transformers' compiled decode steps (`traces_directly`)."""
+    the caller gave a `compile_config`: that asks for Transformers' compiled decode steps (`traces_directly`).
+    The static layers may be int8 ones (`Int8StaticCache`)."""
     from transformers.cache_utils import StaticLayer
     from transformers.generation import GenerationMixin
     from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+    from .quantized_cache import Int8StaticLayer
 
     cache = model_kwargs.get("cache")
     return (
@@ -61,7 +64,8 @@ def _decodes_on_device(model, logits_processor, stopping_criteria, generation_co
                  or generation_config.is_assistant)
         and set(model_kwargs) <= _LOOP_MODEL_KWARGS
         and model_kwargs.get("use_cache", True)
-        and cache is not None and all(type(layer) is StaticLayer for layer in getattr(cache, "layers", [None]))
+        and cache is not None
+        and all(type(layer) in (StaticLayer, Int8StaticLayer) for layer in getattr(cache, "layers", [None]))
         and model._valid_auto_compile_criteria(model_kwargs, generation_config)
         and all(type(p).__name__ in _SCORE_ONLY_PROCESSORS or _length_gate(p) is not None for p in logits_processor)
         and all(type(c) in (MaxLengthCriteria, EosTokenCriteria) for c in stopping_criteria)
@@ -171,7 +175,10 @@ def _decode_loop(model, input_ids, finished, steps: int, eos, logits_processor, 
     position_ids = (model_kwargs["position_ids"][:, -1:] + 1 if has_positions
                     else torch.zeros(batch, 1, dtype=torch.long))
     generated = torch.zeros_like(mask)  # as long as the cache, so that any number of new tokens fits one program
-    carried = (input_ids[:, -1], position_ids, mask, unfinished, generated, torch.zeros(1, dtype=torch.long))
+    # the last tokens in a storage of their own: a carried tensor is the loop's to overwrite, and ids left on tpu (a
+    # cache the caller made is prefilled eagerly) would make them a view of the ids
+    carried = (input_ids[:, -1].contiguous(), position_ids, mask, unfinished, generated,
+               torch.zeros(1, dtype=torch.long))
     from hf_tpu import while_loop
 
     # traced straight from Python with the model, the cache and the warpers as the loop's state, unless the
