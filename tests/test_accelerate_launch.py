@@ -99,9 +99,14 @@ def test_one_process_drives_every_chip(tmp_path):
     check_against_cpu([report], processes=1)
 
 
-def test_parameters_fully_sharded_before_prepare_keep_their_split(tmp_path):
-    (report,) = launch("all-chips.yaml", tmp_path, FULLY_SHARD="1")
-    assert report["weight_split"] == "('dp', None)"
+@pytest.mark.parametrize("how", ["fully_shard before prepare", "fsdp.yaml"])
+def test_fully_sharded_data_parallel_splits_the_parameters_and_trains_as_the_cpu(tmp_path, how):
+    if how == "fsdp.yaml":
+        (report,) = launch("fsdp.yaml", tmp_path)
+    else:
+        (report,) = launch("all-chips.yaml", tmp_path, FULLY_SHARD="1")
+    assert report["distributed_type"] == "MULTI_TPU"
+    assert report["weight_split"] == "('dp', None)" and report["batch_rows_per_chip"] == ROWS_PER_PROCESS // 2
     check_against_cpu([report], processes=1)
 
 

@@ -10,7 +10,9 @@ accelerator it now picks `MULTI_TPU` (docs/design/accelerate-launch.md):
   on MASTER_ADDR and tells the others through that group, and every process calls
   `hf_tpu.distributed.initialize` (one process: nothing to join).
 - **The model**: `prepare` puts every parameter and buffer on every chip of a one-axis mesh "dp" over all
-  processes' chips (process 0's values, as DDP broadcasts rank 0's).
+  processes' chips (process 0's values, as DDP broadcasts rank 0's). With FSDP asked for (an FSDP launch config,
+  ACCELERATE_USE_FSDP) or parameters split by `hf_tpu.distributed.fully_shard` before `prepare`, each parameter is
+  split over "dp" instead, and stays split through `load_state`.
 - **The batches**: each process's data loader gives its own rows (Accelerate's sharding by process); they
   become one tensor split over "dp" (`hf_tpu.distributed.from_process_parts`), each chip holding its rows.
   The forward and backward are then one program over the mesh: XLA combines the gradients, so no
@@ -203,12 +205,22 @@ def replicate_model(model: torch.nn.Module, layouts: dict | None = None) -> None
                 module._buffers[name] = _same_on_every_chip(buf)
 
 
+def _fully_sharded() -> bool:
+    """Whether the run asks for FSDP: `distributed_type: FSDP` in the launch config, `--use_fsdp`, or the Trainer's
+    `fsdp` argument, each of which Accelerate passes on as ACCELERATE_USE_FSDP. On tpu that is
+    `hf_tpu.distributed.fully_shard` over the data-parallel mesh; FSDP's wrapping, prefetch and offload settings
+    have nothing to set (one XLA program over the mesh places the gathers)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
 def _replicate_prepared_model(original):
     @functools.wraps(original)
     def prepare_model(self, model, *args, **kwargs):
         model = original(self, model, *args, **kwargs)
         if _data_parallel():
-            replicate_model(model)
+            replicate_model(model)  # every process's values made process 0's, as DDP and FSDP start
+            if _fully_sharded():
+                dist.fully_shard(model, data_parallel_mesh())
         return model
 
     return prepare_model
