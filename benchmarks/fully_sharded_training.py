@@ -138,8 +138,9 @@ def report(result: dict) -> str:
     share = result["state_bytes_arithmetic"] / chips
     peak = max(result["chip_peak_bytes"])
     lines += [f"training state: {result['state_bytes_arithmetic'] / gib:.2f} GiB by the arithmetic, "
-              f"{share / gib:.2f} GiB a chip split {chips} ways (replicated: {result['state_bytes_arithmetic'] / gib:.2f} "
-              f"GiB on every chip); held: {result['state_bytes_held'] / gib:.2f} GiB in all",
+              f"{share / gib:.2f} GiB a chip split {chips} ways (replicated: "
+              f"{result['state_bytes_arithmetic'] / gib:.2f} GiB on every chip); held: "
+              f"{result['state_bytes_held'] / gib:.2f} GiB in all",
               f"each chip's peak of tensors: {peak / gib:.2f} GiB at most ({peak / share:.2f}x its share), the "
               f"host's peak {result['host_peak_bytes'] / gib:.1f} GiB",
               f"programs traced: {result['programs_traced']}, CPU fallbacks: {result['cpu_fallbacks'] or 'none'}"]

@@ -6,8 +6,8 @@ bytes, and `generate()`'s decode tokens/s with each.
 The error is measured against the logits' own spread (their standard deviation over the vocabulary), since a
 model of random weights has logits far flatter than a trained one: read it as the size of the perturbation, not as
 a quality figure. Beside it, the error bfloat16 itself makes: the same steps with the model and cache in float32,
-against the bfloat16 cache's logits. On the CPU the times are the CPU's; on a TPU they show what the halved cache costs or saves in
-decode at long context.
+against the bfloat16 cache's logits. On the CPU the times are the CPU's; on a TPU they show what the halved cache
+costs or saves in decode at long context.
 
 Run: python -m benchmarks.int8_kv_cache [--model 1.1b] [--layers 4] [--prompt 2048] [--new 32] [--batch 1]
 """

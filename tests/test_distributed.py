@@ -212,7 +212,8 @@ def test_like_factories_of_a_split_tensor_are_split_the_same_way(mode):
     before = chip_memory()
     with torch.tpu.use_eager_mode(mode):
         made = {"zeros_like": torch.zeros_like(split), "ones_like": torch.ones_like(split),
-                "full_like": torch.full_like(split, 2.5), "zeros_like float64": torch.zeros_like(split, dtype=torch.float64),
+                "full_like": torch.full_like(split, 2.5),
+                "zeros_like float64": torch.zeros_like(split, dtype=torch.float64),
                 "empty_like": torch.empty_like(split)}
         for name, t in made.items():
             assert dist.sharding(t) == dist.Sharding(mesh, ("dp", None)), name

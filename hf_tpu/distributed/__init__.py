@@ -21,4 +21,5 @@ from .processes import all_gather, all_reduce, broadcast, device_count, initiali
 from .tensors import Sharding, from_process_parts, replicate, shard, sharding
 
 __all__ = ["Mesh", "STYLES", "Sharding", "all_gather", "all_reduce", "broadcast", "device_count", "from_process_parts",
-           "fully_shard", "initialize", "mesh", "process_count", "process_index", "replicate", "shard", "shard_model", "sharding"]
+           "fully_shard", "initialize", "mesh", "process_count", "process_index", "replicate", "shard", "shard_model",
+           "sharding"]

@@ -14,8 +14,8 @@ import torch
 
 from .. import dispatch, modes, platform
 from ..device_state import current
-from ..dtypes import to_jax
 from ..dispatch import handler, lowering, reuse_cpu_kernel
+from ..dtypes import to_jax
 from ..memory import buffer, host_transfers, placement, tensor_views
 from ..memory.out_of_memory import check_allocation
 
@@ -77,7 +77,7 @@ def filled_like(sig, values):
         return buffer.new_tensor(tuple(self.shape), dtype, self.device.index,
                                  jax.numpy.full(array.shape, fill, to_jax(dtype), device=array.sharding))
     return sig.op.redispatch(_COMPOSITE, *values[:len(values) - 5], dtype=dtype, layout=layout, device=device,
-                         pin_memory=pin_memory, memory_format=memory_format)
+                             pin_memory=pin_memory, memory_format=memory_format)
 
 
 @handler(aten.empty_strided.default)

@@ -218,8 +218,9 @@ def _replicate_prepared_model(original):
     def prepare_model(self, model, *args, **kwargs):
         model = original(self, model, *args, **kwargs)
         if _data_parallel():
-            replicate_model(model)  # every process's values made process 0's, as DDP and FSDP start
-            if _fully_sharded():
+            if not _fully_sharded() or dist.process_count() > 1:
+                replicate_model(model)  # every process's values made process 0's, as DDP and FSDP start
+            if _fully_sharded():  # split from where the parameters are, not from a replica on every chip
                 dist.fully_shard(model, data_parallel_mesh())
         return model
 

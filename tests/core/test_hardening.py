@@ -367,7 +367,8 @@ def test_a_collection_that_frees_tpu_tensors_while_a_trace_walks_the_live_buffer
 
         threshold = gc.get_threshold()
         gc.callbacks.append(free_one)
-        gc.set_threshold(1, 10)  # a young collection every other allocation, the middle one's every 22: in the walks too
+        # a young collection every other allocation, the middle one's every 22: in the walks too
+        gc.set_threshold(1, 10)
         try:
             actual = hf_tpu.jit(lambda x: torch.tanh(x @ weight))(x)
         finally:
