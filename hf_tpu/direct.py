@@ -300,6 +300,12 @@ def _own_arrays(inputs: Inputs, slots: tuple, arrays: list) -> None:
     copied, committed = [], []
     for slot in slots:
         array = arrays[slot]
+        if inputs.buffers[slot]._array is not array and buffer.allocator.holders(array) == 0:
+            # a single-chip array placed on the mesh of a sharded call (`_arrays`) for the program: the buffer
+            # takes that copy, as it takes the program's result on the mesh after it. Kept apart, the first call
+            # donated nothing, held its state twice, and the next one compiled the program again, donating
+            inputs.buffers[slot].array = array
+            continue
         if buffer.allocator.holders(array) > 1:
             copied.append(slot)
         elif not array.committed:

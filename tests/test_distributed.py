@@ -229,6 +229,30 @@ def test_like_factories_of_a_split_tensor_are_split_the_same_way(mode):
         assert dist.sharding(torch.zeros_like(torch.ones(3, device="tpu"))) is None
 
 
+def test_a_traced_step_over_split_weights_and_a_single_chip_counter_compiles_once():
+    """A single-chip tensor the program overwrites (an optimizer's step count beside split weights) is placed on the
+    mesh for the call and keeps that copy: apart from it, the first call donated nothing and the second compiled
+    the program again to donate."""
+    mesh = dist.mesh(2, "dp")
+    weight = dist.shard(torch.randn(4, 6), mesh, ("dp", None))
+    count = torch.zeros((), device="tpu")
+
+    def step(x):
+        weight.add_(x.sum() * 0.01)
+        count.add_(1)
+        return weight.sum()
+
+    traced = hf_tpu.jit(step, state=(weight, count))
+    x = dist.shard(torch.ones(4, 6), mesh, ("dp", None))
+    compiled = []
+    for _ in range(3):
+        traced(x)
+        metrics = hf_tpu.metrics()
+        compiled.append(metrics["xla_compiles"] + metrics["disk_cache_hits"])
+    assert compiled[0] >= 1 and compiled[1:] == [compiled[0]] * 2, compiled
+    assert count.item() == 3 and dist.sharding(count) == dist.Sharding(mesh, ())
+
+
 def test_shard_model_bad_plans_raise_before_moving_weights():
     mesh = dist.mesh(2, "tp")
     model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 4))
