@@ -35,7 +35,8 @@ _environment.register(
 def _untraced_because(trainer) -> str | None:
     """Why the Trainer's micro-steps on tpu run eagerly (None: they run traced): the model is compiled with a
     backend other than `tpu` (`torch_compile_backend`, the user's choice of Dynamo's graphs), `HF_TPU_TRAINER_TRACE`
-    is off, or Accelerate's `MULTI_TPU` data parallelism over processes, whose traced step is not tested yet.
+    is off, or Accelerate's `MULTI_TPU` data parallelism over several processes, whose traced step is not tested yet
+    (one process driving every chip of its host, replicated or fully sharded, traces its steps as one chip does).
 
     `torch_compile=True` (the `tpu` backend) runs the traced micro step too: the model, wrapped by
     `torch.compile(backend="tpu")`, is traced as part of the micro step's program (a module compiled with the `tpu`
@@ -48,8 +49,9 @@ def _untraced_because(trainer) -> str | None:
         return f"torch_compile_backend={backend!r} compiles the model with Dynamo instead"
     if not _environment.get("HF_TPU_TRAINER_TRACE"):
         return "HF_TPU_TRAINER_TRACE is off"
-    if trainer.accelerator.distributed_type != "NO":
-        return f"Accelerate's {trainer.accelerator.distributed_type} runs each process's steps eagerly"
+    if trainer.accelerator.distributed_type != "NO" and not (
+            trainer.accelerator.distributed_type == "MULTI_TPU" and hf_tpu.distributed.process_count() == 1):
+        return f"Accelerate's {trainer.accelerator.distributed_type} over processes runs each one's steps eagerly"
     return None
 
 
@@ -100,7 +102,10 @@ def _wrap_training_step(original):
         if self.args.gradient_accumulation_steps > 1:
             missing = [p for p in model.parameters() if p.requires_grad and p.grad is None]
             if missing:
-                _traced_gradients_made(missing)
+                # made eagerly beside parameters split over chips, split as they are (`zeros_like`): a program that
+                # reads nothing makes its results on one chip, and the micro step would add to them there
+                made = _gradients_made if hf_tpu.distributed.sharding(missing[0]) else _traced_gradients_made
+                made(missing)
         step = functools.partial(original, self)
         if not self.__dict__.get("_hf_tpu_filters_losses"):
             return _traced_micro_step(step, model, inputs, num_items_in_batch)
