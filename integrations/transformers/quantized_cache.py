@@ -12,8 +12,9 @@ A head's key (or value) at one position, `x` of `head_dim` numbers, is stored as
 the vector's largest magnitude. Per-vector scales need no calibration and stay exact as positions are appended, so
 the cache is written in place, like Transformers' `StaticLayer`, with no residual window of unquantized positions
 (which Transformers' `QuantizedCache` keeps, growing, and which would change the shapes a compiled decode
-step sees). Attention reads the cache dequantized to the model's dtype: the saving is the cache's memory, not
-its reading time (XLA's attention fuses the conversion into its products; a kernel reads the converted copy).
+step sees). Attention reads the cache dequantized to the model's dtype: the saving is the cache's memory; what the
+conversion costs or saves in decode time on a TPU is not measured (XLA may fuse it into attention's products, a
+Pallas kernel would read a converted copy).
 
 Works on every device (differential tests run it on the CPU and on tpu), with `generate()`'s device loop on tpu.
 Layers with a sliding window keep Transformers' own static layer.
