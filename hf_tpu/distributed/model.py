@@ -135,14 +135,16 @@ def _swap_in(model: torch.nn.Module, moved: dict, mesh: Mesh) -> None:
                 module._buffers[name] = replicate(buf, mesh)
 
 
-def _tp_axis(mesh: Mesh, tp_axis: str | None) -> str:
-    if tp_axis is None:
-        if len(mesh.axis_names) != 1 and "tp" not in mesh.axis_names:
-            raise ValueError(f"the mesh {mesh} has several axes and none named 'tp': pass tp_axis=")
-        tp_axis = "tp" if "tp" in mesh.axis_names else mesh.axis_names[0]
-    if tp_axis not in mesh.axis_names:
-        raise ValueError(f"tp_axis={tp_axis!r} is not an axis of the mesh {mesh}")
-    return tp_axis
+def _chosen_axis(mesh: Mesh, axis: str | None, default: str, argument: str) -> str:
+    """The mesh axis a call splits over: `axis`, or the one named `default`, or a 1-D mesh's only axis; a
+    ValueError naming the call's `argument` where none fits."""
+    if axis is None:
+        if len(mesh.axis_names) != 1 and default not in mesh.axis_names:
+            raise ValueError(f"the mesh {mesh} has several axes and none named {default!r}: pass {argument}=")
+        axis = default if default in mesh.axis_names else mesh.axis_names[0]
+    if axis not in mesh.axis_names:
+        raise ValueError(f"{argument}={axis!r} is not an axis of the mesh {mesh}")
+    return axis
 
 
 def shard_model(model: torch.nn.Module, plan: dict, mesh: Mesh | None = None, tp_axis: str | None = None):
@@ -161,7 +163,7 @@ def shard_model(model: torch.nn.Module, plan: dict, mesh: Mesh | None = None, tp
     them (`_inner_layouts`)."""
     if mesh is None:
         mesh = make_mesh(device_count(), "tp")
-    tp_axis = _tp_axis(mesh, tp_axis)
+    tp_axis = _chosen_axis(mesh, tp_axis, "tp", "tp_axis")
     plan = _generic_plan(plan)
     _check_plan(model, plan)
     layouts = {}
@@ -230,12 +232,7 @@ def fully_shard(model: torch.nn.Module, mesh: Mesh | None = None, axis: str | No
     only its part."""
     if mesh is None:
         mesh = make_mesh(device_count(), "dp")
-    if axis is None:
-        if len(mesh.axis_names) != 1 and "dp" not in mesh.axis_names:
-            raise ValueError(f"the mesh {mesh} has several axes and none named 'dp': pass axis=")
-        axis = "dp" if "dp" in mesh.axis_names else mesh.axis_names[0]
-    if axis not in mesh.axis_names:
-        raise ValueError(f"axis={axis!r} is not an axis of the mesh {mesh}")
+    axis = _chosen_axis(mesh, axis, "dp", "axis")
     moved = {}  # id of a CPU parameter -> its sharded replacement (tied parameters share one)
     for param in model.parameters():
         if is_traceable_wrapper_subclass(param):
